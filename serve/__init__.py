@@ -1,0 +1,26 @@
+"""serve: an OpenAI-compatible LLM serving engine.
+
+`from serve import LLM, SamplingParams` — imported lazily, so `import serve` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "serve.engine.llm",
+    "SamplingParams": "serve.sampling_params",
+    "RequestOutput": "serve.outputs",
+    "CompletionOutput": "serve.outputs",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'serve' has no attribute {name!r}")

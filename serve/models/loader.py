@@ -1,0 +1,138 @@
+"""Find a model's files and load its weights into one of our model classes."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from serve.config import ModelConfig
+from serve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(model: str | None, load_format: str = "auto") -> Path:
+    """A local directory with `config.json`: the default model, a converted GGUF, a local
+    directory, or a repo id already in the HF cache. Never downloads."""
+    from serve.models import default_model
+
+    if model is None:
+        return default_model.resolve_default_model()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return default_model.resolve_gguf(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if ggufs and (load_format == "gguf" or not (path / "config.json").exists()):
+            return default_model.resolve_gguf(ggufs[0])
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"Model directory {path} has no config.json.")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(
+            f"Model {model!r} not found: it is not a local directory, a .gguf file, "
+            "or an HF repo id of the form 'org/name'."
+        )
+    return _from_hf_cache(model)
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as e:  # the hub raises several types for "not cached"
+        raise FileNotFoundError(
+            f"Model {repo_id!r} is not in the local HF cache, and serve does not download "
+            f"weights. Download it first (`huggingface-cli download {repo_id}`) or pass a "
+            f"local directory. ({type(e).__name__})"
+        ) from None
+
+
+def load_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    # trust_remote_code stays False: a checkpoint's `auto_map` never runs code here.
+    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+
+
+def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    return config_dtype if config_dtype in _DTYPES.values() else torch.float32
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The longest context the weights support. Sliding-window attention is not implemented,
+    so such models are capped at their window, where full attention is exact."""
+    max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        max_len = min(max_len, int(window))
+    return max_len
+
+
+def _weight_files(path: Path, load_format: str) -> tuple[list[Path], bool]:
+    """The checkpoint's weight files, and whether they are safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards], True
+    safetensors = sorted(Path(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
+    if safetensors:
+        return safetensors, True
+    bins = sorted(Path(p) for p in glob.glob(os.path.join(path, "*.bin")))
+    if bins and load_format == "pt":
+        return bins, False
+    if bins:
+        raise ValueError(
+            f"{path} holds only pickled .bin weights, which can run arbitrary code when "
+            "loaded. Convert them to safetensors, or pass --load-format pt if you trust them."
+        )
+    raise FileNotFoundError(f"No weights (*.safetensors) found in {path}.")
+
+
+def iterate_weights(path: Path, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    files, is_safetensors = _weight_files(path, load_format)
+    for file in files:
+        if is_safetensors:
+            from safetensors import safe_open
+
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.device) -> nn.Module:
+    dtype = resolve_dtype(config.dtype, hf_config)
+    model_class = get_model_class(getattr(hf_config, "architectures", None))
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(hf_config)
+    model.load_weights(iterate_weights(path, config.load_format))
+    return model.eval()
