@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny offline models (see tiny_models.py). Nothing here touches the network."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """`(arch, **overrides) -> Path`: a saved tiny model, built once per distinct arguments."""
+    # Imported here so test runs that need no model (scheduler, allocator) never load torch.
+    from tiny_models import make_tiny_model
+
+    built = {}
+
+    def factory(arch: str, **overrides):
+        key = json.dumps([arch, overrides], sort_keys=True, default=repr)
+        if key not in built:
+            out_dir = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = make_tiny_model(arch, out_dir, **overrides)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tiny_model_factory):
+    return tiny_model_factory("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model_factory):
+    return tiny_model_factory("qwen2")

@@ -1,0 +1,69 @@
+"""The offline API's shapes, as vLLM users write them."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import hf_greedy
+
+from serve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), kv_cache_memory="8MiB")
+
+
+def test_prompt_forms(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("The sea is wide").input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    by_text, by_ids, by_dict = llm.generate(
+        ["The sea is wide", ids, {"prompt_token_ids": ids}], params, use_tqdm=False
+    )
+    assert by_text.prompt == "The sea is wide" and by_text.prompt_token_ids == ids
+    assert (
+        by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == by_dict.outputs[0].token_ids
+    )
+    single = llm.generate(ids, params, use_tqdm=False)
+    assert len(single) == 1 and single[0].outputs[0].token_ids == by_ids.outputs[0].token_ids
+    text = by_text.outputs[0].text
+    assert text == tokenizer.decode(by_text.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_stop_strings_and_stop_token_ids(llm):
+    prompt = "Hello, world! How are"
+    base = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False
+    )
+    full = base[0].outputs[0]
+    stop = full.text[4:7]
+    assert stop.strip(), "the tiny model should produce some text"
+    cut = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=[stop]), use_tqdm=False
+    )
+    out = cut[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    third = full.token_ids[2]
+    by_id = llm.generate(
+        prompt,
+        SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[third]),
+        use_tqdm=False,
+    )
+    assert by_id[0].outputs[0].token_ids == full.token_ids[: full.token_ids.index(third) + 1]
+    assert by_id[0].outputs[0].stop_reason == third
+
+
+def test_chat_uses_the_template(llm, tiny_llama):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\n")
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama, out.prompt_token_ids, 8)
+    two = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(two) == 2
+
+
+def test_length_finish_reason_and_counts(llm):
+    out = llm.generate("abc", SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finished and out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 7

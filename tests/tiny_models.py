@@ -1,0 +1,202 @@
+"""Tiny random-weight models and an offline tokenizer for tests, plus an HF greedy oracle.
+
+Everything is built locally: a byte-level BPE trained on the corpus below, and 2-layer
+models (hidden 64, GQA 4:2, head_dim 16) from transformers configs, saved as safetensors.
+The weights are re-initialised wider than HF's default (std 0.2) so that greedy decoding
+wanders over the vocabulary instead of repeating one token, and so argmax gaps are far
+larger than float32 round-off between our kernels and HF's.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)  # trained first: ids 0, 1, 2
+VOCAB_SIZE = 512
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A serving engine turns requests into tokens,
+and tokens into text, one step at a time. Each step the scheduler decides which sequences
+run and how many tokens each of them computes, within the budget of the batch.
+
+Once upon a time there was a small model with two layers and a tiny vocabulary. It lived
+in a temporary directory and answered every question with confident nonsense. The tests
+loved it anyway, because it was fast, deterministic, and never needed the network.
+
+Hello, world! How are you today? I am fine, thank you. What is the capital of France?
+The capital of France is Paris. Please write a short poem about the sea and the sky.
+The sea is wide and blue; the sky is high and bright. Birds fly over the water at night.
+
+Paged attention stores keys and values in fixed-size blocks. A block table maps the
+logical blocks of a sequence to physical blocks in memory, so sequences can grow without
+copying, share a common prefix, and give their memory back the moment they finish.
+
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100 256 1024 2048 3.14159 2.71828 -7 +8 1e-5.
+Punctuation: . , ; : ! ? ' " ( ) [ ] { } < > / \\ | - _ = + * & ^ % $ # @ ~ `
+def main(): return {"id": 1, "object": "chat.completion", "choices": [], "usage": None}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE (vocab 512) with ChatML specials; eos = bos = pad = <|endoftext|>."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token=EOS_TOKEN,
+        bos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHATML_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+
+
+_CONFIG_CLASSES = {
+    "llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
+    "mistral": (transformers.MistralConfig, "MistralForCausalLM"),
+    "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
+}
+
+# Per-architecture departures from the shared shape, as the real families ship them.
+_ARCH_DEFAULTS = {
+    "llama": {"rope_theta": 10000.0, "tie_word_embeddings": True},
+    "mistral": {"rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": None},
+    "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": False},  # q/k/v bias built in
+}
+
+
+def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
+    if arch not in _CONFIG_CLASSES:
+        raise ValueError(f"arch must be one of {sorted(_CONFIG_CLASSES)}, got {arch!r}.")
+    config_cls, architecture = _CONFIG_CLASSES[arch]
+    tokenizer = build_tokenizer()
+    kwargs = dict(
+        architectures=[architecture],
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # documents _perturb_'s std; from_config's init is replaced
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        **_ARCH_DEFAULTS[arch],
+    )
+    kwargs.update(overrides)
+    return config_cls(**kwargs)
+
+
+def _perturb_(model: torch.nn.Module, std: float) -> None:
+    """Re-initialise every parameter: norms 1 ± 0.1, everything else (biases too) N(0, std)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, std)
+
+
+def _greedy_generation_config(model, max_new_tokens: int, ignore_eos: bool):
+    """The model's generation config, greedy. `ignore_eos` drops EOS so generation runs to
+    `max_new_tokens` with no logits processor added (`min_new_tokens` would mask EOS)."""
+    config = model.generation_config.to_dict()
+    config.update(do_sample=False, max_new_tokens=max_new_tokens)
+    config.update(pad_token_id=model.config.pad_token_id)
+    if ignore_eos:
+        config["eos_token_id"] = []  # None would be refilled from the model's config
+    return transformers.GenerationConfig(**config)
+
+
+def _generate(model, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool):
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
+    config = _greedy_generation_config(model, max_new_tokens, ignore_eos)
+    with torch.no_grad():
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+        )
+    return output[0, len(prompt_token_ids) :].tolist()
+
+
+def make_tiny_model(arch: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
+    """Build, perturb and save a tiny `arch` model ("llama", "mistral", "qwen2") with the
+    tiny tokenizer into `out_dir`; `overrides` update the transformers config."""
+    config = make_tiny_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_(model, std=config.initializer_range)
+    model.eval()
+    probe = random_prompts(len(build_tokenizer()), 1, 8, 8, seed=seed)[0]
+    new_token_ids = _generate(model, probe, 20, ignore_eos=True)
+    if len(set(new_token_ids)) <= 3:
+        raise RuntimeError(f"tiny {arch} model is degenerate: greedy gave {new_token_ids}")
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+_hf_models: dict[str, torch.nn.Module] = {}
+
+
+def hf_greedy(
+    model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool = False
+) -> list[int]:
+    """HF transformers' greedy continuation in float32: the new token ids only.
+
+    Stops after EOS (included in the result) as HF does by default; with `ignore_eos`,
+    runs to `max_new_tokens` without changing any logits.
+    """
+    key = str(Path(model_dir).resolve())
+    if key not in _hf_models:
+        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        _hf_models[key] = model.eval()
+    return _generate(_hf_models[key], list(prompt_token_ids), max_new_tokens, ignore_eos)
+
+
+def random_prompts(
+    tokenizer_or_vocab_size, n: int, min_len: int, max_len: int, seed: int
+) -> list[list[int]]:
+    """`n` prompts of random token ids, lengths in [min_len, max_len], no special tokens.
+
+    An int vocab size assumes the tiny tokenizer's layout (special tokens first).
+    """
+    if isinstance(tokenizer_or_vocab_size, int):
+        vocab_size, special_ids = tokenizer_or_vocab_size, set(range(len(SPECIAL_TOKENS)))
+    else:
+        vocab_size = len(tokenizer_or_vocab_size)
+        special_ids = set(tokenizer_or_vocab_size.all_special_ids)
+    allowed = [i for i in range(vocab_size) if i not in special_ids]
+    rng = random.Random(seed)
+    return [rng.choices(allowed, k=rng.randint(min_len, max_len)) for _ in range(n)]
