@@ -15,6 +15,8 @@ from serve.sequence import Sequence
 
 # Prompt tokens kept as left context for the first output token's decoding.
 _INITIAL_CONTEXT_TOKENS = 5
+# A UTF-8 character spans at most 4 byte tokens.
+_MAX_CHAR_TOKENS = 4
 
 
 class Detokenizer:
@@ -23,7 +25,23 @@ class Detokenizer:
 
     def start(self, seq: Sequence) -> None:
         seq.read_offset = seq.num_prompt_tokens
-        seq.prefix_offset = max(seq.read_offset - _INITIAL_CONTEXT_TOKENS, 0)
+        seq.prefix_offset = self._initial_prefix_offset(seq)
+
+    def _initial_prefix_offset(self, seq: Sequence) -> int:
+        """`_INITIAL_CONTEXT_TOKENS` before the output, moved left onto a character boundary.
+
+        A window that opens inside a character decodes its tail as U+FFFD, and byte-fallback
+        decoders (sentencepiece `<0xNN>` tokens) replace the whole run of byte tokens then,
+        so the output's first characters would come out as U+FFFD too.
+        """
+        prompt = seq.prompt_token_ids
+        skip = seq.sampling_params.skip_special_tokens
+        offset = max(len(prompt) - _INITIAL_CONTEXT_TOKENS, 0)
+        for start in range(offset, max(offset - _MAX_CHAR_TOKENS, -1), -1):
+            window_text = self.tokenizer.decode(prompt[start:], skip_special_tokens=skip)
+            if not window_text.startswith("\ufffd"):
+                return start
+        return offset
 
     def update(self, seq: Sequence) -> str:
         """Decode the newest output token(s) into `seq.output_text`; returns the new text."""

@@ -1,0 +1,274 @@
+"""Incremental detokenization and stop strings, with real (offline-built) tokenizers.
+
+Two decoders: the tiny byte-level BPE (GPT-2 / SmolLM2 style, where a token may carry half
+a UTF-8 character) and a sentencepiece-style BPE with `<0xNN>` byte-fallback tokens (Llama
+2 / Mistral style, where the decoder strips the text's leading space and decodes each run
+of byte tokens as a whole).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import transformers
+from tiny_models import build_tokenizer
+from tokenizers import Tokenizer, models, normalizers, trainers
+
+from serve.engine.detokenizer import Detokenizer, find_stop_string
+from serve.sampling_params import SamplingParams
+from serve.sequence import Sequence
+
+MULTIBYTE_TEXT = "héllo wörld — 你好 🙂"
+TEXTS = [
+    "Hello, world! How are you today?",
+    MULTIBYTE_TEXT,
+    "你好🙂🙂你好 the end",  # runs of multi-byte characters with no space between
+    "The capital of France is Paris. ✓ naïve café — ½ ∞ 🙂🙃",
+]
+
+_SP_CORPUS = """The quick brown fox jumps over the lazy dog. Hello world, how are you today?
+Paged attention stores keys and values in blocks. The sea is wide and blue."""
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def byte_fallback():
+    """A sentencepiece-style BPE: `▁` for spaces, `<0xNN>` for anything not in its ASCII
+    vocab, and the Llama 2 decoder chain (Replace, ByteFallback, Fuse, Strip)."""
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
+    bpe.train_from_iterator([_SP_CORPUS] * 4, trainer=trainer)
+    spec = json.loads(bpe.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+        ],
+    }
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def make_seq(prompt_ids: list[int], **params) -> Sequence:
+    return Sequence(0, "r0", prompt_ids, SamplingParams(max_tokens=None, **params))
+
+
+def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], **params):
+    """Feed `output_ids` one at a time, as the engine does; returns (seq, deltas)."""
+    detokenizer = Detokenizer(tokenizer)
+    seq = make_seq(prompt_ids, **params)
+    detokenizer.start(seq)
+    deltas = []
+    for token_id in output_ids:
+        seq.append_token(token_id, 0.0, None)
+        deltas.append(detokenizer.update(seq))
+    assert "".join(deltas) == seq.output_text
+    return seq, deltas
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- byte-level BPE -------------------------------------------------------------------------------
+
+
+def test_multibyte_characters_are_split_across_tokens(byte_level):
+    ids = encode(byte_level, MULTIBYTE_TEXT)
+    alone = [byte_level.decode([i]) for i in ids]
+    assert any("\ufffd" in text for text in alone)  # the test below needs partial characters
+    assert byte_level.decode(ids) == MULTIBYTE_TEXT
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_text_equals_decode_byte_level(byte_level, text):
+    prompt = encode(
+        byte_level, "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
+    )
+    output = encode(byte_level, text)
+    seq, deltas = detokenize(byte_level, prompt, output)
+    assert seq.output_text == byte_level.decode(output, skip_special_tokens=True) == text
+    assert not any("\ufffd" in delta for delta in deltas)  # partial characters are held back
+    assert seq.prefix_offset > len(prompt)  # the window follows the output
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_every_prompt_output_split_byte_level(byte_level, text):
+    ids = encode(byte_level, "Answer: " + text)
+    for split in range(1, len(ids)):
+        prompt_text = byte_level.decode(ids[:split])
+        if prompt_text.endswith("\ufffd"):
+            continue  # a prompt cut inside a character has no well-defined continuation
+        seq, _ = detokenize(byte_level, ids[:split], ids[split:])
+        assert prompt_text + seq.output_text == "Answer: " + text, split
+
+
+def test_random_token_sequences_byte_level(byte_level):
+    """Random ids (special tokens and stray UTF-8 bytes included): the text equals HF's
+    decode, except that a trailing incomplete character is still held back."""
+    rng = random.Random(0)
+    vocab_size = len(byte_level)
+    num_held = 0
+    for _ in range(300):
+        prompt = encode(byte_level, rng.choice(TEXTS))
+        output = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 16))]
+        seq, _ = detokenize(byte_level, prompt, output)
+        expected = byte_level.decode(output, skip_special_tokens=True)
+        if seq.output_text != expected:
+            assert expected.startswith(seq.output_text) and expected.endswith("\ufffd")
+            num_held += 1
+    assert num_held < 150
+
+
+def test_special_tokens_skipped_or_kept(byte_level):
+    prompt = encode(byte_level, "Hi")
+    output = encode(byte_level, "Hello") + byte_level.convert_tokens_to_ids(["<|im_end|>"])
+    output += encode(byte_level, " world") + [byte_level.eos_token_id]
+    seq, deltas = detokenize(byte_level, prompt, output)
+    assert seq.output_text == "Hello world"
+    assert deltas[-1] == ""
+    seq, _ = detokenize(byte_level, prompt, output, skip_special_tokens=False)
+    assert seq.output_text == byte_level.decode(output) == "Hello<|im_end|> world<|endoftext|>"
+
+
+def test_output_of_only_special_tokens_is_empty(byte_level):
+    seq, deltas = detokenize(byte_level, encode(byte_level, "Hi"), [byte_level.eos_token_id] * 3)
+    assert seq.output_text == "" and deltas == ["", "", ""]
+
+
+# -- byte-fallback (sentencepiece-style) BPE ------------------------------------------------------
+
+
+def test_byte_fallback_tokenizer_splits_characters_into_byte_tokens(byte_fallback):
+    ids = encode(byte_fallback, MULTIBYTE_TEXT)
+    tokens = byte_fallback.convert_ids_to_tokens(ids)
+    assert "<0xF0>" in tokens and "<0xE4>" in tokens  # 🙂 and 你 as bytes
+    assert byte_fallback.decode(ids) == MULTIBYTE_TEXT
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_every_prompt_output_split_byte_fallback(byte_fallback, text):
+    """The output is the prompt's continuation: its leading space is kept (where decoding
+    the output alone would strip it), and characters whose byte tokens straddle the split
+    come out whole."""
+    ids = encode(byte_fallback, text)
+    full_text = byte_fallback.decode(ids)
+    assert full_text == text
+    for split in range(1, len(ids)):
+        prompt_text = byte_fallback.decode(ids[:split])
+        if prompt_text.endswith("\ufffd"):
+            continue
+        seq, _ = detokenize(byte_fallback, ids[:split], ids[split:])
+        assert prompt_text + seq.output_text == full_text, split
+
+
+def test_byte_fallback_output_after_a_run_of_byte_tokens(byte_fallback):
+    """Regression: the prompt ends in a run of byte tokens longer than the initial context
+    window, so the window used to open inside 你 and ByteFallback replaced the whole run,
+    the output's 🙂 included, with U+FFFD."""
+    prompt = encode(byte_fallback, "Hello 你好")
+    output = encode(byte_fallback, "Hello 你好🙂 world")[len(prompt) :]
+    assert byte_fallback.convert_ids_to_tokens(output)[0] == "<0xF0>"
+    seq, _ = detokenize(byte_fallback, prompt, output)
+    assert seq.output_text == "🙂 world"
+
+
+# -- stop strings ----------------------------------------------------------------------------
+
+
+def push_text(seq: Sequence, text: str) -> bool:
+    """Append detokenized text as `Detokenizer.update` would, then check the stop strings."""
+    seq.output_text += text
+    return find_stop_string(seq, len(text))
+
+
+def test_stop_string_truncates_at_the_earliest_match():
+    seq = make_seq([1], stop=["world", "lo", "xyz"])
+    assert push_text(seq, "hello world")
+    assert seq.output_text == "hel"
+    assert seq.stop_reason == "lo"
+
+
+def test_stop_string_split_across_two_updates():
+    seq = make_seq([1], stop="STOP")
+    assert not push_text(seq, "foo ST")
+    assert seq.output_text == "foo ST" and seq.stop_reason is None
+    assert push_text(seq, "OP bar")
+    assert seq.output_text == "foo "
+    assert seq.stop_reason == "STOP"
+
+
+def test_stop_string_split_across_many_one_char_updates():
+    seq = make_seq([1], stop=["abcd"])
+    for i, char in enumerate("xxabcdyy"):
+        found = push_text(seq, char)
+        assert found == (i == 5)
+        if found:
+            break
+    assert seq.output_text == "xx" and seq.stop_reason == "abcd"
+
+
+def test_include_stop_str_in_output_keeps_it():
+    seq = make_seq([1], stop=["STOP"], include_stop_str_in_output=True)
+    assert not push_text(seq, "foo ST")
+    assert push_text(seq, "OP bar")
+    assert seq.output_text == "foo STOP"
+    assert seq.stop_reason == "STOP"
+
+
+def test_no_stop_strings_or_no_new_text():
+    seq = make_seq([1])
+    assert not push_text(seq, "anything STOP")
+    assert seq.stop_reason is None
+    seq = make_seq([1], stop="STOP")
+    seq.output_text = "STOP already here"
+    assert not find_stop_string(seq, 0)  # only text from this step can complete a stop
+    assert seq.output_text == "STOP already here"
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("tokenizer_name", ["byte_level", "byte_fallback"])
+def test_stop_string_through_the_detokenizer(request, tokenizer_name, include):
+    """Token by token, as the engine runs it; the stop strings span several tokens, and the
+    multi-byte one is split inside its characters."""
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    prompt = encode(tokenizer, "Hi")
+    output = encode(tokenizer, "The sea is wide — 你好🙂 and blue, the sky is high.")
+    # The output as the prompt's continuation (the byte-fallback one opens with a space).
+    continuation = tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)) :]
+    for stop in [" wide", "你好🙂"]:
+        detokenizer = Detokenizer(tokenizer)
+        seq = make_seq(prompt, stop=[stop], include_stop_str_in_output=include)
+        detokenizer.start(seq)
+        found = False
+        for token_id in output:
+            seq.append_token(token_id, 0.0, None)
+            delta = detokenizer.update(seq)
+            if find_stop_string(seq, len(delta)):
+                found = True
+                break
+        assert found
+        end = continuation.index(stop) + (len(stop) if include else 0)
+        assert seq.output_text == continuation[:end]
+        assert seq.stop_reason == stop
