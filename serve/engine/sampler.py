@@ -1,8 +1,9 @@
 """Turn a batch of logits into one token per sequence, each with its own controls.
 
-Every control is a batched tensor op over the rows that use it. Randomness comes from the
-exponential-race trick (argmax of p / q with q ~ Exp(1) samples from p), so a seeded
-request draws its q from its own generator and its tokens never depend on its batch.
+Every control is a batched tensor op over the rows that use it. A token is drawn by
+inverse-CDF sampling, one uniform number per row: a seeded request draws its number from
+its own generator, so its tokens never depend on its batch. (One number per row, not one
+per vocabulary entry as the exponential-race trick needs, keeps the draw cheap on CPU.)
 """
 
 from __future__ import annotations
@@ -87,16 +88,22 @@ class Sampler:
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
 
-        q = torch.empty_like(probs)
+        uniform = torch.empty(len(seqs), device=device)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            q[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=device).exponential_(
-                generator=self._unseeded_generator(device)
+            uniform[unseeded] = torch.rand(
+                len(unseeded), device=device, generator=self._unseeded_generator(device)
             )
         for i, seq in enumerate(seqs):
             if seq.sampling_params.seed is not None:
-                q[i].exponential_(generator=self._seq_generator(seq, device))
-        return (probs / q).argmax(dim=-1)
+                uniform[i] = torch.rand(
+                    1, device=device, generator=self._seq_generator(seq, device)
+                )
+        cdf = probs.cumsum(dim=-1)  # [num_seqs, vocab]
+        # The first token whose cumulative probability exceeds u; zero-probability tokens
+        # never qualify, since the CDF does not rise at them.
+        target = uniform[:, None] * cdf[:, -1:]
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

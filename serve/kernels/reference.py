@@ -29,16 +29,42 @@ def reshape_and_cache(
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
+# Queries per tile in prefill, bounding the [heads, tile, context] score matrix.
+_QUERY_TILE = 1024
+
+
 def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    max_len: int,
-) -> torch.Tensor:  # [num_seqs, num_kv_heads, max_len, head_dim]
-    block_size = cache.shape[1]
-    num_blocks = -(-max_len // block_size)
-    blocks = cache[block_tables[:, :num_blocks]]  # [num_seqs, num_blocks, block_size, H, D]
-    ctx = blocks.flatten(1, 2)[:, :max_len]  # [num_seqs, max_len, H, D]
-    return ctx.transpose(1, 2)
+    block_table: torch.Tensor,  # [max_blocks] for one sequence
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    table = block_table[: -(-seq_len // block_size)]
+    # index_select over whole-block rows is a plain row copy, the cheapest gather on CPU.
+    rows = cache.view(num_blocks, -1).index_select(0, table)
+    return rows.view(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def _attend(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim], at positions [seq_len - q_len, seq_len)
+    k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    q_len, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads = k.shape[0], k.shape[1]
+    group = num_heads // num_kv_heads  # query head h * group + g reads kv head h
+    # Grouping the query heads that share a KV head turns GQA into one matmul per KV head.
+    qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(num_kv_heads, group * q_len, head_dim)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [kv_heads, group * q_len, seq_len]
+    if q_len > 1:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        future = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+        scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(future, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v.transpose(0, 1))  # [kv_heads, group * q_len, head_dim]
+    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
 
 
 def paged_attention(
@@ -51,49 +77,22 @@ def paged_attention(
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     Precondition: this step's K/V are already in the cache (`reshape_and_cache`).
-    Handles prefill, chunked prefill over a cached prefix, and decode in one call.
+    Handles prefill, chunked prefill over a cached prefix, and decode in one call. On CPU a
+    loop over sequences with an exact-length gather beats one padded batched gather: it
+    copies only real context, and the copy, not the arithmetic, is the cost.
     """
     out = torch.empty_like(query)
-    nd = meta.num_decode_seqs
-    if nd:
-        max_len = max(meta.seq_lens_cpu[:nd])
-        k = _gather_context(key_cache, meta.block_tables[:nd], max_len)
-        v = _gather_context(value_cache, meta.block_tables[:nd], max_len)
-        positions = torch.arange(max_len, device=query.device)
-        mask = positions[None, :] < meta.seq_lens[:nd, None]  # [nd, max_len]
-        q = query[:nd].unsqueeze(2)  # [nd, num_heads, 1, head_dim]
-        attn = F.scaled_dot_product_attention(
-            q,
-            k.to(q.dtype),
-            v.to(q.dtype),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[:nd] = attn.squeeze(2)
-
-    start = nd
-    for b in range(nd, meta.num_seqs):
-        seq_len, q_len = meta.seq_lens_cpu[b], meta.query_lens_cpu[b]
-        q = query[start : start + q_len].transpose(0, 1)  # [num_heads, q_len, head_dim]
-        k = _gather_context(key_cache, meta.block_tables[b : b + 1], seq_len)[0]
-        v = _gather_context(value_cache, meta.block_tables[b : b + 1], seq_len)[0]
-        if q_len == seq_len:
-            mask = None
-        else:
-            # Query i sits at absolute position seq_len - q_len + i and sees keys <= it.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        attn = F.scaled_dot_product_attention(
-            q,
-            k.to(q.dtype),
-            v.to(q.dtype),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start : start + q_len] = attn.transpose(0, 1)
+    start = 0
+    for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
+        k = _gather_context(key_cache, meta.block_tables[b], seq_len).to(query.dtype)
+        v = _gather_context(value_cache, meta.block_tables[b], seq_len).to(query.dtype)
+        for tile in range(0, q_len, _QUERY_TILE):
+            tile_len = min(_QUERY_TILE, q_len - tile)
+            context = seq_len - q_len + tile + tile_len  # keys visible to the tile's last query
+            q = query[start + tile : start + tile + tile_len]
+            out[start + tile : start + tile + tile_len] = _attend(
+                q, k[:context], v[:context], scale
+            )
         start += q_len
     return out
 
