@@ -1,6 +1,9 @@
 """Pure-torch kernels: what runs on CPU, and the oracle the Triton kernels are tested against.
 
-KV cache layout, one pair per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+KV cache, one pair per layer, indexed `[num_blocks, block_size, num_kv_heads, head_dim]`.
+These functions accept any strides. The CPU cache engine allocates the memory head-major
+(`[num_kv_heads, num_blocks, block_size, head_dim]` underneath), so that a gather of a
+sequence's blocks is already each head's `[context, head_dim]` matrix, ready for a matmul.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = skip this token
 ) -> None:
     """Store each new token's K/V at its flat slot (`block_id * block_size + offset`)."""
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    flat_k = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+    flat_k = key_cache.flatten(0, 1)  # [num_slots, num_kv_heads, head_dim], a view
+    flat_v = value_cache.flatten(0, 1)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
@@ -31,40 +33,19 @@ def reshape_and_cache(
 
 # Queries per tile in prefill, bounding the [heads, tile, context] score matrix.
 _QUERY_TILE = 1024
+# Decodes run in groups of this many, sorted by length, so padding to the group's longest
+# context wastes little while the whole group is one batched matmul.
+_DECODE_GROUP = 16
 
 
-def _gather_context(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [max_blocks] for one sequence
-    seq_len: int,
-) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
-    num_blocks, block_size = cache.shape[0], cache.shape[1]
-    table = block_table[: -(-seq_len // block_size)]
-    # index_select over whole-block rows is a plain row copy, the cheapest gather on CPU.
-    rows = cache.view(num_blocks, -1).index_select(0, table)
-    return rows.view(-1, cache.shape[2], cache.shape[3])[:seq_len]
+def _heads_first(cache: torch.Tensor) -> torch.Tensor:
+    return cache.permute(2, 0, 1, 3)  # [num_kv_heads, num_blocks, block_size, head_dim]
 
 
-def _attend(
-    q: torch.Tensor,  # [q_len, num_heads, head_dim], at positions [seq_len - q_len, seq_len)
-    k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    q_len, num_heads, head_dim = q.shape
-    seq_len, num_kv_heads = k.shape[0], k.shape[1]
-    group = num_heads // num_kv_heads  # query head h * group + g reads kv head h
-    # Grouping the query heads that share a KV head turns GQA into one matmul per KV head.
-    qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-    qg = qg.reshape(num_kv_heads, group * q_len, head_dim)
-    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [kv_heads, group * q_len, seq_len]
-    if q_len > 1:
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        future = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
-        scores.view(num_kv_heads, group, q_len, seq_len).masked_fill_(future, float("-inf"))
-    probs = scores.softmax(dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(0, 1))  # [kv_heads, group * q_len, head_dim]
-    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
+def _gather(cache_h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The blocks `table` of a heads-first cache: [num_kv_heads, len(table) * block_size, D]."""
+    blocks = cache_h.index_select(1, table)  # [num_kv_heads, len(table), block_size, D]
+    return blocks.view(blocks.shape[0], -1, blocks.shape[3])
 
 
 def paged_attention(
@@ -77,24 +58,84 @@ def paged_attention(
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     Precondition: this step's K/V are already in the cache (`reshape_and_cache`).
-    Handles prefill, chunked prefill over a cached prefix, and decode in one call. On CPU a
-    loop over sequences with an exact-length gather beats one padded batched gather: it
-    copies only real context, and the copy, not the arithmetic, is the cost.
+    Handles decode, prefill and chunked prefill over a cached prefix in one call.
     """
     out = torch.empty_like(query)
-    start = 0
-    for b, (seq_len, q_len) in enumerate(zip(meta.seq_lens_cpu, meta.query_lens_cpu)):
-        k = _gather_context(key_cache, meta.block_tables[b], seq_len).to(query.dtype)
-        v = _gather_context(value_cache, meta.block_tables[b], seq_len).to(query.dtype)
+    k_cache, v_cache = _heads_first(key_cache), _heads_first(value_cache)
+    num_decodes = meta.num_decode_seqs
+    lens = meta.seq_lens_cpu
+    order = sorted(range(num_decodes), key=lens.__getitem__)
+    for i in range(0, num_decodes, _DECODE_GROUP):
+        group = order[i : i + _DECODE_GROUP]
+        rows = torch.tensor(group, device=query.device)
+        out[rows] = _decode_group(query[rows], k_cache, v_cache, meta, group, scale)
+
+    block_size = key_cache.shape[1]
+    start = num_decodes
+    for b in range(num_decodes, meta.num_seqs):
+        seq_len, q_len = lens[b], meta.query_lens_cpu[b]
+        table = meta.block_tables[b, : -(-seq_len // block_size)]
+        k = _gather(k_cache, table)[:, :seq_len].to(query.dtype)  # [kv_heads, seq_len, D]
+        v = _gather(v_cache, table)[:, :seq_len].to(query.dtype)
         for tile in range(0, q_len, _QUERY_TILE):
             tile_len = min(_QUERY_TILE, q_len - tile)
             context = seq_len - q_len + tile + tile_len  # keys visible to the tile's last query
-            q = query[start + tile : start + tile + tile_len]
-            out[start + tile : start + tile + tile_len] = _attend(
-                q, k[:context], v[:context], scale
-            )
+            rows = slice(start + tile, start + tile + tile_len)
+            out[rows] = _attend_causal(query[rows], k[:, :context], v[:, :context], scale)
         start += q_len
     return out
+
+
+def _decode_group(
+    q: torch.Tensor,  # [g, num_heads, head_dim]: one query per sequence
+    k_cache: torch.Tensor,  # [num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    group: list[int],  # the sequences' indices in the batch
+    scale: float,
+) -> torch.Tensor:  # [g, num_heads, head_dim]
+    g, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
+    heads_per_kv = num_heads // num_kv_heads  # query head h * heads_per_kv + j reads kv head h
+    max_len = max(meta.seq_lens_cpu[b] for b in group)
+    num_blocks = -(-max_len // block_size)
+    rows = torch.tensor(group, device=q.device)
+    table = meta.block_tables[rows, :num_blocks].flatten()  # padding entries read block 0
+    k = _gather(k_cache, table).to(q.dtype).view(num_kv_heads * g, -1, head_dim)  # [H*g, L, D]
+    v = _gather(v_cache, table).to(q.dtype).view(num_kv_heads * g, -1, head_dim)
+    qg = q.view(g, num_kv_heads, heads_per_kv, head_dim).transpose(0, 1)
+    qg = qg.reshape(num_kv_heads * g, heads_per_kv, head_dim)
+    scores = torch.bmm(qg, k.transpose(1, 2)) * scale  # [H*g, heads_per_kv, L]
+    lens = meta.seq_lens[rows]
+    past_end = torch.arange(scores.shape[-1], device=q.device)[None, :] >= lens[:, None]
+    scores.view(num_kv_heads, g, heads_per_kv, -1).masked_fill_(past_end[None, :, None], -torch.inf)
+    out = torch.bmm(scores.softmax(dim=-1), v)  # [H*g, heads_per_kv, D]
+    return (
+        out.view(num_kv_heads, g, num_heads // num_kv_heads, head_dim)
+        .transpose(0, 1)
+        .reshape(g, num_heads, head_dim)
+    )
+
+
+def _attend_causal(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the context
+    k: torch.Tensor,  # [num_kv_heads, context, head_dim]
+    v: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    q_len, num_heads, head_dim = q.shape
+    num_kv_heads, context = k.shape[0], k.shape[1]
+    heads_per_kv = num_heads // num_kv_heads
+    # Query heads that share a KV head are stacked, so GQA is one matmul per KV head.
+    qg = q.view(q_len, num_kv_heads, heads_per_kv, head_dim).permute(1, 2, 0, 3)
+    qg = qg.reshape(num_kv_heads, heads_per_kv * q_len, head_dim)
+    scores = torch.matmul(qg, k.transpose(1, 2)) * scale  # [kv_heads, heads_per_kv * q_len, ctx]
+    if q_len > 1:
+        q_pos = torch.arange(context - q_len, context, device=q.device)
+        future = torch.arange(context, device=q.device)[None, :] > q_pos[:, None]
+        scores.view(num_kv_heads, heads_per_kv, q_len, context).masked_fill_(future, -torch.inf)
+    out = torch.matmul(scores.softmax(dim=-1), v)  # [kv_heads, heads_per_kv * q_len, head_dim]
+    return out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
 
 
 def rms_norm(

@@ -25,12 +25,31 @@ class CacheEngine:
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # Zeroed, not empty: attention reads whole blocks and masks the unwritten tail,
-        # and masking cannot cancel a NaN that uninitialised memory may hold.
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (self._allocate(*shape, dtype, device), self._allocate(*shape, dtype, device))
             for _ in range(num_layers)
         ]
+
+    @staticmethod
+    def _allocate(
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_dim]
+        """Indexed [block, offset, head, dim] everywhere; stored heads-first on CPU, where
+        gathering a sequence's blocks then yields each head's context matrix contiguously.
+
+        Zeroed, not empty: batched decode reads whole blocks and masks the unused tail, and
+        masking cannot cancel a NaN that uninitialised memory may hold.
+        """
+        if device.type == "cpu":
+            heads_first = torch.zeros(
+                (num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device
+            )
+            return heads_first.permute(1, 2, 0, 3)
+        return torch.zeros(
+            (num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )

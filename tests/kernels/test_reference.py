@@ -123,14 +123,27 @@ ATTENTION_CASES = {
     "prefill": (lambda bs: [(1, 1), (5, 5), (2 * bs, 2 * bs), (17, 17)], 0),
     "extend": (lambda bs: [(9, 3), (2 * bs + 3, 2 * bs), (33, 1), (3 * bs, bs), (20, 19)], 0),
     "mixed": (lambda bs: [(7, 1), (2 * bs, 1), (1, 1), (10, 10), (25, 6), (bs + 2, 2)], 3),
+    # More decodes than one batched group holds, in no particular length order.
+    "many-decodes": (lambda bs: [(1 + (i * 7) % 50, 1) for i in range(37)] + [(12, 4)], 37),
 }
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa3": (9, 3), "mqa": (8, 1)}
 
 
+def random_cache(shape: tuple[int, ...], layout: str, gen: torch.Generator) -> torch.Tensor:
+    """Random stale data, indexed [block, offset, head, dim]; "heads_first" stores it the way
+    the CPU cache engine does (heads outermost), "contiguous" as the shape reads."""
+    if layout == "contiguous":
+        return torch.randn(shape, generator=gen)
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    stored = torch.randn((num_kv_heads, num_blocks, block_size, head_dim), generator=gen)
+    return stored.permute(1, 2, 0, 3)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads_first"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", HEAD_LAYOUTS.values(), ids=HEAD_LAYOUTS.keys())
 @pytest.mark.parametrize("case", ATTENTION_CASES.keys())
-def test_paged_attention_matches_dense_causal_attention(case, heads, block_size):
+def test_paged_attention_matches_dense_causal_attention(case, heads, block_size, layout):
     num_heads, num_kv_heads = heads
     head_dim = 32
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{heads}-{block_size}".encode()))
@@ -138,8 +151,8 @@ def test_paged_attention_matches_dense_causal_attention(case, heads, block_size)
     seq_lens, query_lens = map(list, zip(*make_lens(block_size)))
     batch = make_paged_batch(seq_lens, query_lens, num_decode_seqs, block_size, gen)
     cache_shape = (batch.num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(cache_shape, generator=gen)  # stale data wherever unwritten
-    value_cache = torch.randn(cache_shape, generator=gen)
+    key_cache = random_cache(cache_shape, layout, gen)  # stale data wherever unwritten
+    value_cache = random_cache(cache_shape, layout, gen)
 
     # Each sequence's whole context, dense; the earlier part is already in the cache.
     keys = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
