@@ -91,6 +91,35 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
 
+    @classmethod
+    def create(
+        cls,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        load_format: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: int | str | None = None,
+        gpu_memory_utilization: float = 0.9,
+        num_gpu_blocks_override: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        device: str = "auto",
+    ) -> EngineConfig:
+        """The flat keyword form that `LLM(...)` and the CLI share."""
+        kv_bytes = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None
+        return cls(
+            model=ModelConfig(model, tokenizer, dtype, max_model_len, seed, load_format),
+            cache=CacheConfig(
+                block_size, kv_bytes, gpu_memory_utilization, num_gpu_blocks_override
+            ),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            device=device,
+        )
+
 
 _UNITS = {
     "": 1,

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from serve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_memory_size
+from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
@@ -25,35 +25,10 @@ class LLM:
     `kv_cache_memory` sizes the KV cache on CPU (bytes or a string like "4GiB").
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        device: str = "auto",
-        load_format: str = "auto",
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model, tokenizer, dtype, max_model_len, seed, load_format),
-            cache=CacheConfig(
-                block_size,
-                parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None,
-                gpu_memory_utilization,
-                num_gpu_blocks_override,
-            ),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            device=device,
-        )
-        self.engine = EngineCore(config)
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are `EngineConfig.create`'s: dtype, max_model_len, block_size,
+        kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed, device, ..."""
+        self.engine = EngineCore(EngineConfig.create(model, **kwargs))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

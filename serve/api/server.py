@@ -1,0 +1,215 @@
+"""The FastAPI app: routes, authentication, OpenAI-shaped errors, access log."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import serve
+from serve.api.errors import APIError, error_body, error_response
+from serve.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIModel,
+    TokenizeRequest,
+    now,
+)
+from serve.api.serving_base import ServerSettings, check_model
+from serve.api.serving_chat import ChatHandler, render_chat
+from serve.api.serving_completion import CompletionHandler
+from serve.engine.async_engine import AsyncEngine, EngineDeadError
+
+logger = logging.getLogger("serve.api")
+access_logger = logging.getLogger("serve.access")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "The request body is not valid JSON.", None
+    return (f"{param}: {message}" if param else message), param
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="serve", version=serve.__version__, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.settings = engine, settings
+    chat = ChatHandler(engine, settings)
+    completions = CompletionHandler(engine, settings)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(400, message, param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        if exc.status_code == 404:
+            message = f"No route {request.method} {request.url.path}."
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(503, str(exc)), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        request_id = getattr(request.state, "request_id", "?")
+        logger.exception("Internal error in request %s", request_id)
+        message = f"Internal server error (request {request_id}); the server log has details."
+        return JSONResponse(error_body(500, message), status_code=500)
+
+    @app.middleware("http")
+    async def _auth_and_access_log(request: Request, call_next: Any) -> Response:
+        request.state.request_id = uuid.uuid4().hex[:12]
+        start = time.perf_counter()
+        if settings.api_key and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {settings.api_key}"
+            if not secrets.compare_digest(given.encode(), expected.encode()):
+                response: Response = JSONResponse(
+                    error_body(
+                        401, "Invalid or missing API key. Send 'Authorization: Bearer KEY'."
+                    ),
+                    status_code=401,
+                )
+                _log_access(request, response.status_code, start)
+                return response
+        response = await call_next(request)
+        if request.url.path.endswith("completions") and response.media_type == "text/event-stream":
+            response.body_iterator = _log_when_done(response.body_iterator, request, start)
+        else:
+            _log_access(request, response.status_code, start)
+        return response
+
+    def _log_unknown(body: OpenAIModel) -> None:
+        if body.unknown_fields:
+            logger.debug("Ignoring unknown request fields: %s", ", ".join(body.unknown_fields))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive:
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "The engine is not running."), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": serve.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "serve",
+            "root": settings.model_path,
+            "max_model_len": engine.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        _log_unknown(body)
+        if body.stream:
+            return StreamingResponse(
+                chat.stream(body, _usage_recorder(request)),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        result = await chat.create(body)
+        request.state.usage = result["usage"]
+        return result
+
+    @app.post("/v1/completions")
+    async def create_completions(body: CompletionRequest, request: Request) -> Any:
+        _log_unknown(body)
+        if body.stream:
+            return StreamingResponse(
+                completions.stream(body, _usage_recorder(request)),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        result = await completions.create(body)
+        request.state.usage = result["usage"]
+        return result
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            check_model(body.model, settings)
+        tokenizer = engine.tokenizer
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            _, ids = render_chat(
+                tokenizer, messages, body.add_generation_prompt, settings.chat_template
+            )
+        else:
+            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        if body.model is not None:
+            check_model(body.model, settings)
+        vocab_size = engine.core.vocab_size
+        if any(not 0 <= t < vocab_size for t in body.tokens):
+            raise APIError(400, f"Token ids must be in [0, {vocab_size}).", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+def _usage_recorder(request: Request):
+    def record(counts: dict[str, int]) -> None:
+        request.state.usage = counts
+
+    return record
+
+
+async def _log_when_done(body: AsyncIterator, request: Request, start: float) -> AsyncIterator:
+    """A streamed response's access line is written when its last byte is, or when the
+    client goes away (status 499, as nginx logs it)."""
+    status = 499
+    try:
+        async for chunk in body:
+            yield chunk
+        status = 200
+    finally:
+        _log_access(request, status, start)
+
+
+def _log_access(request: Request, status: int, start: float) -> None:
+    usage = getattr(request.state, "usage", None) or {}
+    access_logger.info(
+        '%s "%s %s" %d prompt_tokens=%s completion_tokens=%s %.0fms',
+        request.state.request_id,
+        request.method,
+        request.url.path,
+        status,
+        usage.get("prompt_tokens", "-"),
+        usage.get("completion_tokens", "-"),
+        1000 * (time.perf_counter() - start),
+    )

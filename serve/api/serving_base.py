@@ -1,0 +1,218 @@
+"""What chat and completions share: the context-window check, fanning out `n` samples,
+holding back text that may yet turn out to be a stop string, and usage counts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.api.errors import APIError, error_body
+from serve.api.protocol import SamplingRequest, now
+from serve.engine.async_engine import AsyncEngine, EngineDeadError
+from serve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    api_key: str | None = None
+    chat_template: str | None = None
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
+    """The completion budget; a 400 in OpenAI's words when prompt + output cannot fit."""
+    if prompt_len >= max_model_len or (
+        requested is not None and prompt_len + requested > max_model_len
+    ):
+        asked = prompt_len + (requested or 0)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {asked} tokens ({prompt_len} in the prompt, {requested or 0} for the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            param="messages" if requested is None else "max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested if requested is not None else max_model_len - prompt_len
+
+
+def check_model(model: str | None, settings: ServerSettings) -> None:
+    if model not in (None, settings.served_model_name, settings.model_path):
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This server serves "
+            f"`{settings.served_model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def merge_streams(
+    streams: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with their index.
+    Closing the merged iterator closes (and so aborts) every request still running."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChoiceProgress:
+    """What one streamed choice has sent so far."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamState:
+    num_choices: int
+    holdback: int  # chars that could still be the start of a stop string
+    choices: list[ChoiceProgress] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
+
+    def delta(self, index: int, completion: CompletionOutput) -> tuple[str, int, int]:
+        """New text, and the range of new tokens, for choice `index`."""
+        progress = self.choices[index]
+        end = len(completion.text)
+        if not completion.finished:
+            end = max(progress.num_chars, end - self.holdback)
+        text = completion.text[progress.num_chars : end]
+        first_token = progress.num_tokens
+        progress.num_chars = end
+        progress.num_tokens = len(completion.token_ids)
+        progress.finish_reason = completion.finish_reason
+        return text, first_token, progress.num_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+
+def stop_holdback(stop: str | list[str] | None) -> int:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    return max((len(s) for s in stops), default=1) - 1
+
+
+UsageCallback = Callable[[dict[str, int]], None]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ChunkWriter:
+    """Frames one streamed response's chunks: the same id, created time and model on each."""
+
+    id: str
+    object: str
+    model: str
+    include_usage: bool
+    created: int = field(default_factory=now)
+
+    def chunk(self, index: int, **choice: Any) -> str:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": index, **choice}],
+        }
+        if self.include_usage:
+            body["usage"] = None  # OpenAI sends the key on every chunk, null until the last
+        return sse(body)
+
+    def usage_chunk(self, counts: dict[str, int]) -> str:
+        body = {"id": self.id, "object": self.object, "created": self.created}
+        return sse({**body, "model": self.model, "choices": [], "usage": counts})
+
+
+@dataclass
+class StreamFailure:
+    error: dict[str, Any] | None = None
+
+
+@asynccontextmanager
+async def guard_stream() -> AsyncIterator[StreamFailure]:
+    """Turn a failure mid-stream (the response has started: its status is sent) into an
+    error event for the client, instead of a connection cut without a word."""
+    failure = StreamFailure()
+    try:
+        yield failure
+    except EngineDeadError as e:
+        failure.error = error_body(503, str(e))
+    except ValueError as e:
+        failure.error = error_body(400, str(e))
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id])
+
+
+def open_streams(
+    engine: AsyncEngine,
+    request: SamplingRequest,
+    request_id: str,
+    prompt_token_ids: list[int],
+    prompt: str | None,
+    max_tokens: int,
+    num_logprobs: int | None,
+) -> list[AsyncIterator[RequestOutput]]:
+    """`n` independent samples (KV sharing between them comes with fork / copy-on-write)."""
+    try:
+        params = [request.sampling_params(max_tokens, num_logprobs, i) for i in range(request.n)]
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return [
+        engine.generate(f"{request_id}-{i}", prompt_token_ids, p, prompt)
+        for i, p in enumerate(params)
+    ]

@@ -1,0 +1,198 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from serve.api.errors import APIError
+from serve.api.protocol import CompletionRequest, now, random_id
+from serve.api.serving_base import (
+    SSE_DONE,
+    ChunkWriter,
+    ServerSettings,
+    StreamState,
+    UsageCallback,
+    check_model,
+    guard_stream,
+    merge_streams,
+    open_streams,
+    resolve_max_tokens,
+    sse,
+    stop_holdback,
+    token_text,
+    usage,
+)
+from serve.engine.async_engine import AsyncEngine
+from serve.outputs import CompletionOutput, RequestOutput
+
+
+class CompletionHandler:
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine, self.settings = engine, settings
+        self.tokenizer = engine.tokenizer
+
+    def _prompts(self, request: CompletionRequest) -> list[tuple[str, list[int]]]:
+        """(text, token ids) per prompt: a string, strings, token ids, or lists of ids."""
+        raw = request.prompt
+        if isinstance(raw, str):
+            raw = [raw]
+        elif raw and isinstance(raw[0], int):
+            raw = [raw]
+        vocab_size = self.engine.core.vocab_size
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                ids = self.tokenizer(item).input_ids
+                prompts.append((item, ids))
+                continue
+            if not item:
+                raise APIError(400, "A prompt of token ids must not be empty.", param="prompt")
+            if any(not 0 <= t < vocab_size for t in item):
+                raise APIError(
+                    400, f"Prompt token ids must be in [0, {vocab_size}).", param="prompt"
+                )
+            prompts.append((self.tokenizer.decode(item), list(item)))
+        if any(not ids for _, ids in prompts):
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        return prompts
+
+    def prepare(self, request: CompletionRequest) -> list[tuple[str, list[int], int]]:
+        check_model(request.model, self.settings)
+        if request.suffix:
+            raise APIError(400, "suffix is not supported by this model.", param="suffix")
+        if request.echo and request.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs (prompt logprobs) is not supported yet.", param="echo"
+            )
+        return [
+            (
+                text,
+                ids,
+                resolve_max_tokens(
+                    len(ids), request.requested_max_tokens, self.engine.max_model_len
+                ),
+            )
+            for text, ids in self._prompts(request)
+        ]
+
+    def _open(self, request: CompletionRequest, request_id: str, prompts):
+        """Choice i*n + j is sample j of prompt i, as OpenAI numbers them."""
+        streams = []
+        for i, (text, ids, max_tokens) in enumerate(prompts):
+            streams += open_streams(
+                self.engine,
+                request,
+                f"{request_id}-{i}",
+                ids,
+                text,
+                max_tokens,
+                request.num_logprobs,
+            )
+        return streams
+
+    def _logprobs(
+        self, completion: CompletionOutput, start: int, end: int, text_offset: int, num_top: int
+    ) -> dict[str, Any] | None:
+        if completion.logprobs is None:
+            return None
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token_id, top in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+            token = token_text(self.tokenizer, token_id)
+            ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+            tokens.append(token)
+            token_logprobs.append(top[token_id])
+            top_logprobs.append({token_text(self.tokenizer, t): lp for t, lp in ranked})
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": offsets,
+        }
+
+    async def create(self, request: CompletionRequest) -> dict[str, Any]:
+        prompts = self.prepare(request)
+        request_id = random_id("cmpl")
+        finals: dict[int, CompletionOutput] = {}
+        async for index, out in merge_streams(self._open(request, request_id, prompts)):
+            finals[index] = out.outputs[0]
+        choices = []
+        for index in range(len(finals)):
+            completion = finals[index]
+            prompt_text = prompts[index // request.n][0]
+            prefix = prompt_text if request.echo else ""
+            choices.append(
+                {
+                    "index": index,
+                    "text": prefix + completion.text,
+                    "logprobs": self._logprobs(
+                        completion, 0, len(completion.token_ids), len(prefix), request.logprobs or 0
+                    ),
+                    "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason,
+                }
+            )
+        num_prompt = sum(len(ids) for _, ids, _ in prompts)
+        num_completion = sum(len(c.token_ids) for c in finals.values())
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": now(),
+            "model": self.settings.served_model_name,
+            "choices": choices,
+            "usage": usage(num_prompt, num_completion),
+        }
+
+    def stream(
+        self, request: CompletionRequest, on_usage: UsageCallback | None = None
+    ) -> AsyncIterator[str]:
+        prompts = self.prepare(request)
+        writer = ChunkWriter(
+            random_id("cmpl"),
+            "text_completion",
+            self.settings.served_model_name,
+            bool(request.stream_options and request.stream_options.include_usage),
+        )
+        streams = self._open(request, writer.id, prompts)
+        return self._events(request, prompts, streams, writer, on_usage)
+
+    async def _events(
+        self,
+        request: CompletionRequest,
+        prompts: list[tuple[str, list[int], int]],
+        streams: list[AsyncIterator[RequestOutput]],
+        writer: ChunkWriter,
+        on_usage: UsageCallback | None,
+    ) -> AsyncIterator[str]:
+        state = StreamState(len(streams), stop_holdback(request.stop))
+        num_top = request.logprobs or 0
+        if request.echo:
+            for index in range(len(streams)):
+                echo = prompts[index // request.n][0]
+                yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
+        async with guard_stream() as failed:
+            async for index, out in merge_streams(streams):
+                completion = out.outputs[0]
+                offset = state.choices[index].num_chars
+                delta, start, end = state.delta(index, completion)
+                if delta or (completion.logprobs is not None and end > start):
+                    logprobs = self._logprobs(completion, start, end, offset, num_top)
+                    yield writer.chunk(index, text=delta, logprobs=logprobs, finish_reason=None)
+                if completion.finished:
+                    yield writer.chunk(
+                        index,
+                        text="",
+                        logprobs=None,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+        counts = usage(sum(len(ids) for _, ids, _ in prompts), state.completion_tokens)
+        if on_usage is not None:
+            on_usage(counts)
+        if failed.error is not None:
+            yield sse(failed.error)
+        elif writer.include_usage:
+            yield writer.usage_chunk(counts)
+        yield SSE_DONE

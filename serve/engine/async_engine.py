@@ -1,0 +1,203 @@
+"""AsyncEngine: the EngineCore loop on a background thread, one output stream per request.
+
+The boundary is two queues of plain messages — commands in (add / abort), RequestOutputs
+out — so the loop can later move to its own process without changing the asyncio side.
+The loop blocks on the command queue when idle and wakes the moment a request arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from serve.config import EngineConfig
+from serve.engine.core import EngineCore
+from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 5.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served until a restart."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class _Stream:
+    """One request's outputs, filled from the engine thread, drained on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams between the loop and the thread
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        return cls(EngineCore(config))
+
+    # -- asyncio side --------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None and self._thread.is_alive()
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. Closing or cancelling the
+        iterator early aborts the request in the engine and frees its blocks."""
+        if not self.is_alive:
+            raise EngineDeadError(f"The engine is not running: {self.dead_error!r}")
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"A request with id {request_id!r} is already running.")
+            self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, prompt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout=10)
+
+    # -- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.core
+        stats = _Stats()
+        try:
+            while True:
+                # Idle: block until a command arrives. Busy: take whatever is queued.
+                block = not core.has_unfinished_requests()
+                while True:
+                    try:
+                        command = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    if block:
+                        stats.start_window()  # idle time is not throughput
+                    if command is _STOP:
+                        return
+                    self._apply(command)
+                    block = False
+                if not core.has_unfinished_requests():
+                    continue
+                outputs = core.step()
+                stats.record(core, outputs)
+                for out in outputs:
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # a fault here ends the engine: fail everyone, loudly
+            logger.exception("Engine loop died")
+            self.dead_error = e
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.put(EngineDeadError(f"The engine failed: {e!r}"))
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            self.core.abort_request(command.request_id)
+            return
+        try:
+            self.core.add_request(
+                command.request_id, command.prompt_token_ids, command.params, command.prompt
+            )
+        except ValueError as e:
+            self._deliver(command.request_id, e)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
+
+
+class _Stats:
+    """The periodic stats line while the engine is busy."""
+
+    def __init__(self) -> None:
+        self.start_window()
+
+    def start_window(self) -> None:
+        self.last_log = time.monotonic()
+        self.num_tokens = 0
+
+    def record(self, core: EngineCore, outputs: list[RequestOutput]) -> None:
+        self.num_tokens += len(outputs)
+        now = time.monotonic()
+        if now - self.last_log < STATS_INTERVAL_S:
+            return
+        scheduler = core.scheduler
+        logger.info(
+            "running %d, waiting %d, KV cache %.1f%% used, generation %.1f tokens/s",
+            len(scheduler.running),
+            len(scheduler.waiting),
+            100 * core.block_manager.usage,
+            self.num_tokens / (now - self.last_log),
+        )
+        self.last_log, self.num_tokens = now, 0
