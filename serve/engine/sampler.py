@@ -45,7 +45,6 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         # logits: [num_seqs, vocab] float32
-        logprobs = torch.log_softmax(logits, dim=-1)
         params = [s.sampling_params for s in seqs]
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -53,25 +52,29 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             token_ids[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
 
-        sampled_logprobs = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        num_top = max((p.logprobs or 0 for p in params), default=0)
-        top = logprobs.topk(num_top, dim=-1) if num_top else None
+        # Log-probabilities under the model's own distribution (before temperature and
+        # filters), as vLLM reports them; logit - logsumexp avoids a full log_softmax.
+        log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # [num_seqs, 1]
+        sampled_logprobs = (logits.gather(1, token_ids[:, None]) - log_normalizer).squeeze(1)
         token_list = token_ids.tolist()
+        sampled_list = sampled_logprobs.tolist()
+        num_top = max((p.logprobs or 0 for p in params), default=0)
+        if num_top:
+            top = logits.topk(num_top, dim=-1)
+            top_ids, top_values = top.indices.tolist(), (top.values - log_normalizer).tolist()
         top_logprobs: list[dict[int, float] | None] = []
         for i, p in enumerate(params):
             if p.logprobs is None:
                 top_logprobs.append(None)
                 continue
-            entry = {token_list[i]: 0.0}
-            if top is not None and p.logprobs:
-                ids, vals = (
-                    top.indices[i, : p.logprobs].tolist(),
-                    top.values[i, : p.logprobs].tolist(),
-                )
-                entry = dict(zip(ids, vals))
-            entry[token_list[i]] = float(logprobs[i, token_list[i]])
+            entry = (
+                dict(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs]))
+                if p.logprobs
+                else {}
+            )
+            entry[token_list[i]] = sampled_list[i]
             top_logprobs.append(entry)
-        return SamplerOutput(token_list, sampled_logprobs.tolist(), top_logprobs)
+        return SamplerOutput(token_list, sampled_list, top_logprobs)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.sampling_params for s in seqs]
