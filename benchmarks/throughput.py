@@ -15,18 +15,13 @@ import argparse
 import json
 import os
 import platform
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt_token_ids: list[int]
-    num_output_tokens: int
+import workload
+from workload import Request, WorkloadSpec
 
 
 @dataclass(frozen=True)
@@ -62,12 +57,7 @@ class Result:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model dir or .gguf; default: serve's default")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    workload.add_workload_args(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="comma-separated sweep")
     p.add_argument("--skip-hf", action="store_true")
@@ -86,18 +76,9 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def make_requests(args: argparse.Namespace, tokenizer) -> list[Request]:
-    rng = random.Random(args.seed)
     special_ids = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     vocab = [i for i in range(len(tokenizer)) if i not in special_ids]
-    return [
-        Request(
-            prompt_token_ids=[
-                rng.choice(vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))
-            ],
-            num_output_tokens=rng.randint(args.min_output, args.max_output),
-        )
-        for _ in range(args.num_requests)
-    ]
+    return workload.make_requests(WorkloadSpec.from_args(args), vocab)
 
 
 def run_serve(model: str | None, dtype: str, requests: list[Request]) -> Result:

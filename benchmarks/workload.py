@@ -1,0 +1,57 @@
+"""The seeded synthetic workload shared by the offline and the serving benchmarks.
+
+Each request is a prompt of random token ids and a fixed output length (the engine is told
+to ignore EOS), so every engine does the same useful work. The same seed, ranges and token
+ids give the same requests in `throughput.py` and `serving.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_token_ids: list[int]
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_requests: int
+    min_prompt: int  # prompt and output lengths are drawn uniformly from [min, max]
+    max_prompt: int
+    min_output: int
+    max_output: int
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkloadSpec:
+        names = ("num_requests", "min_prompt", "max_prompt", "min_output", "max_output", "seed")
+        return cls(**{name: getattr(args, name) for name in names})
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def make_requests(spec: WorkloadSpec, token_ids: Sequence[int]) -> list[Request]:
+    """`token_ids`: the ids prompts draw from, in ascending order (no special tokens)."""
+    rng = random.Random(spec.seed)
+    return [
+        Request(
+            prompt_token_ids=[
+                rng.choice(token_ids) for _ in range(rng.randint(spec.min_prompt, spec.max_prompt))
+            ],
+            num_output_tokens=rng.randint(spec.min_output, spec.max_output),
+        )
+        for _ in range(spec.num_requests)
+    ]
