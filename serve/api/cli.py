@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name clients use (default: the model's directory name)",
+        help="the model name clients send (default: --model as given; SmolLM2-135M-Instruct for the default model)",
     )
     model.add_argument(
         "--dtype",

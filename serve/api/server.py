@@ -42,7 +42,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(location) or None
-    message = first.get("msg", "invalid value")
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return "The request body is not valid JSON.", None
     return (f"{param}: {message}" if param else message), param
@@ -98,7 +98,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                 _log_access(request, response.status_code, start)
                 return response
         response = await call_next(request)
-        if request.url.path.endswith("completions") and response.media_type == "text/event-stream":
+        # call_next's response has no media_type (BaseHTTPMiddleware): read the header.
+        content_type = response.headers.get("content-type", "")
+        if content_type.startswith("text/event-stream"):
             response.body_iterator = _log_when_done(response.body_iterator, request, start)
         else:
             _log_access(request, response.status_code, start)
@@ -191,12 +193,15 @@ def _usage_recorder(request: Request):
 
 async def _log_when_done(body: AsyncIterator, request: Request, start: float) -> AsyncIterator:
     """A streamed response's access line is written when its last byte is, or when the
-    client goes away (status 499, as nginx logs it)."""
+    client goes away (status 499, as nginx logs it). Behind BaseHTTPMiddleware a hang-up
+    cancels the endpoint's stream and `body` just ends early, so a stream counts as whole
+    only if it got as far as recording its usage."""
     status = 499
     try:
         async for chunk in body:
             yield chunk
-        status = 200
+        if getattr(request.state, "usage", None) is not None:
+            status = 200
     finally:
         _log_access(request, status, start)
 

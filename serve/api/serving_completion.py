@@ -102,7 +102,12 @@ class CompletionHandler:
             ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
             tokens.append(token)
             token_logprobs.append(top[token_id])
-            top_logprobs.append({token_text(self.tokenizer, t): lp for t, lp in ranked})
+            # Keyed by text: ids that decode alike (e.g. partial UTF-8, "\ufffd") share a
+            # key, which keeps its best logprob, as `ranked` is sorted best first.
+            by_text: dict[str, float] = {}
+            for t, lp in ranked:
+                by_text.setdefault(token_text(self.tokenizer, t), lp)
+            top_logprobs.append(by_text)
             offsets.append(text_offset)
             text_offset += len(token)
         return {

@@ -184,4 +184,5 @@ def rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2d] -> [T, d]
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    out = F.silu(gate)
+    return out.mul_(up)  # in place on the fresh tensor: one pass fewer than `silu(gate) * up`

@@ -1,0 +1,174 @@
+"""Real `serve` server processes for the API tests, and clients pointed at them.
+
+Each distinct command line starts one process per test session (`server_factory`
+memoizes them), so the suite pays a handful of start-ups, not one per test. Servers bind
+127.0.0.1 on a free port and log to a file whose text failing tests can show.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+STARTUP_TIMEOUT_S = 60.0
+DEFAULT_MODEL_STARTUP_TIMEOUT_S = 180.0  # the default model's first start converts a GGUF
+REQUEST_TIMEOUT_S = 60.0
+KV_CACHE_MEMORY = "64MiB"
+
+
+@dataclass
+class Server:
+    url: str  # http://127.0.0.1:PORT
+    model: str  # the name clients send (the served model name)
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=self.v1, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
+
+    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=self.v1, api_key=api_key, max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"serve exited with status {process.returncode} before it was healthy:\n"
+                + log_path.read_text(errors="replace")
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(
+        f"serve was not healthy after {timeout_s:.0f}s:\n" + log_path.read_text(errors="replace")
+    )
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5)
+
+
+def start_server(
+    model: Path | None,
+    extra_args: tuple[str, ...],
+    env_overrides: dict[str, str],
+    log_dir: Path,
+) -> Server:
+    """Start `python -m serve.api.cli` and wait for /health. `model=None` serves the default
+    model. The environment is the test's, minus SERVE_API_KEY, plus `env_overrides`."""
+    env = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env_overrides)
+    last_error: Exception | None = None
+    for _attempt in range(3):  # a free port can be taken between probing and binding
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "serve.api.cli", "--host", "127.0.0.1", "--port", str(port)]
+        if model is not None:
+            cmd += ["--model", str(model)]
+        cmd += ["--kv-cache-memory", KV_CACHE_MEMORY, *extra_args]
+        log_path = log_dir / f"serve-{port}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        timeout_s = STARTUP_TIMEOUT_S if model is not None else DEFAULT_MODEL_STARTUP_TIMEOUT_S
+        try:
+            _wait_healthy(process, url, log_path, timeout_s)
+        except RuntimeError as e:
+            stop_process(process)
+            last_error = e
+            if "address already in use" in str(e).lower():
+                continue
+            break
+        headers = {}
+        api_key = _flag(extra_args, "--api-key") or env_overrides.get("SERVE_API_KEY")
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()
+        return Server(url, models["data"][0]["id"], process, log_path)
+    pytest.fail(str(last_error), pytrace=False)
+
+
+def _flag(args: tuple[str, ...], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+@pytest.fixture(scope="session")
+def server_factory(tiny_llama, tmp_path_factory):
+    """`(*extra_args, model=tiny_llama, env=None) -> Server`, one process per distinct call,
+    all stopped at the end of the session. Pass `model=None` for the default model."""
+    servers: dict[tuple, Server] = {}
+    log_dir = tmp_path_factory.mktemp("serve-logs")
+
+    def factory(*extra_args: str, model: Path | None = tiny_llama, env: dict | None = None):
+        key = (str(model), extra_args, tuple(sorted((env or {}).items())))
+        if key not in servers:
+            servers[key] = start_server(model, extra_args, env or {}, log_dir)
+        server = servers[key]
+        assert server.process.poll() is None, f"serve died:\n{server.log()}"
+        return server
+
+    yield factory
+    for server in servers.values():
+        stop_process(server.process)
+
+
+@pytest.fixture(scope="session")
+def server(server_factory) -> Server:
+    """The tiny llama with default flags: most tests talk to this one."""
+    return server_factory()
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_llama):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama)

@@ -1,0 +1,154 @@
+"""POST /v1/completions through the official openai client, sync and async."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from tiny_models import hf_greedy
+
+PROMPT = "The quick brown fox"
+OTHER_PROMPT = "Once upon a time"
+IGNORE_EOS = {"ignore_eos": True}
+
+
+def greedy(client, server, prompt, max_tokens=8, **kwargs):
+    return client.completions.create(
+        model=server.model, prompt=prompt, temperature=0, max_tokens=max_tokens, **kwargs
+    )
+
+
+def test_greedy_completion_and_usage(client, server, tokenizer, tiny_llama):
+    resp = greedy(client, server, PROMPT, max_tokens=10, extra_body=IGNORE_EOS)
+    assert resp.object == "text_completion" and resp.model == server.model
+    (choice,) = resp.choices
+    prompt_ids = tokenizer(PROMPT).input_ids
+    assert resp.usage.prompt_tokens == len(prompt_ids)
+    assert resp.usage.completion_tokens == 10
+    assert resp.usage.total_tokens == len(prompt_ids) + 10
+    assert choice.finish_reason == "length"
+    expected = hf_greedy(tiny_llama, prompt_ids, 10, ignore_eos=True)
+    assert choice.text == tokenizer.decode(expected)
+
+
+def test_streaming_completion_matches_non_streaming(client, server):
+    full = greedy(client, server, PROMPT, max_tokens=10)
+    chunks = list(
+        client.completions.create(
+            model=server.model,
+            prompt=PROMPT,
+            temperature=0,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [f for f in finishes if f] == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_default_max_tokens_is_16(client, server):
+    resp = client.completions.create(model=server.model, prompt=PROMPT, extra_body=IGNORE_EOS)
+    assert resp.usage.completion_tokens == 16 and resp.choices[0].finish_reason == "length"
+
+
+def test_n_choices(client, server):
+    resp = client.completions.create(
+        model=server.model, prompt=PROMPT, n=3, max_tokens=6, seed=3, extra_body=IGNORE_EOS
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert resp.usage.completion_tokens == 18
+    assert len({c.text for c in resp.choices}) > 1
+
+
+def test_stop_string_and_token_ids(client, server, tokenizer, tiny_llama):
+    full = greedy(client, server, PROMPT, max_tokens=16, extra_body=IGNORE_EOS).choices[0].text
+    match = re.search(r"[A-Za-z0-9]{2}", full[2:])
+    assert match, f"no plain two-character run to stop on in {full!r}"
+    stop = match.group()
+    cut = greedy(client, server, PROMPT, max_tokens=16, stop=stop, extra_body=IGNORE_EOS)
+    assert cut.choices[0].text == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+    expected = hf_greedy(tiny_llama, tokenizer(PROMPT).input_ids, 12, ignore_eos=True)
+    stop_id = expected[4]
+    by_id = greedy(
+        client,
+        server,
+        PROMPT,
+        max_tokens=12,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True},
+    )
+    assert by_id.choices[0].finish_reason == "stop"
+    assert by_id.usage.completion_tokens == expected.index(stop_id) + 1
+
+
+def test_seed_reproducibility(client, server):
+    def sample(seed: int) -> str:
+        resp = client.completions.create(
+            model=server.model, prompt=PROMPT, max_tokens=16, seed=seed, extra_body=IGNORE_EOS
+        )
+        return resp.choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+def test_logprobs(client, server):
+    resp = greedy(client, server, PROMPT, max_tokens=6, logprobs=3, extra_body=IGNORE_EOS)
+    logprobs = resp.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+    assert len(logprobs.top_logprobs) == len(logprobs.text_offset) == 6
+    assert logprobs.text_offset[0] == 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    for token_logprob, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert token_logprob <= 0
+        # keyed by token text: two ids that decode alike share a key
+        assert 1 <= len(top) <= 3 and all(lp <= 0 for lp in top.values())
+        assert token_logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy: top-1
+
+
+def test_echo(client, server):
+    plain = greedy(client, server, PROMPT, max_tokens=4).choices[0].text
+    echoed = greedy(client, server, PROMPT, max_tokens=4, echo=True).choices[0].text
+    assert echoed == PROMPT + plain
+    stream = client.completions.create(
+        model=server.model, prompt=PROMPT, temperature=0, max_tokens=4, echo=True, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == PROMPT + plain
+
+
+def test_prompt_forms(client, server, tokenizer):
+    by_text = greedy(client, server, PROMPT).choices[0].text
+    other = greedy(client, server, OTHER_PROMPT).choices[0].text
+    ids, other_ids = tokenizer(PROMPT).input_ids, tokenizer(OTHER_PROMPT).input_ids
+
+    assert greedy(client, server, ids).choices[0].text == by_text
+
+    two = greedy(client, server, [PROMPT, OTHER_PROMPT])
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [by_text, other]
+    assert two.usage.prompt_tokens == len(ids) + len(other_ids)
+
+    # choice i*n + j is sample j of prompt i
+    four = greedy(client, server, [ids, other_ids], n=2)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert [c.text for c in four.choices] == [by_text, by_text, other, other]
+    assert four.usage.prompt_tokens == len(ids) + len(other_ids)
+
+
+def test_async_client(server):
+    async def run() -> tuple[str, str]:
+        async with server.async_client() as aclient:
+            kwargs = dict(model=server.model, prompt=PROMPT, temperature=0, max_tokens=8)
+            resp = await aclient.completions.create(**kwargs)
+            stream = await aclient.completions.create(**kwargs, stream=True)
+            text = "".join([c.choices[0].text async for c in stream])
+            return resp.choices[0].text, text
+
+    full, streamed = asyncio.run(run())
+    assert full == streamed

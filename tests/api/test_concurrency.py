@@ -1,0 +1,127 @@
+"""Many clients at once, and clients that go away mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+NUM_CLIENTS = 64
+MAX_TOKENS = 8
+
+
+def request_for(i: int) -> tuple[str, dict]:
+    """Half chat, half completions, all different prompts, all greedy."""
+    common = {"temperature": 0, "max_tokens": MAX_TOKENS}
+    if i % 2:
+        return "completions", {"prompt": f"Numbers: {i} {i + 1} {2 * i}", **common}
+    messages = [{"role": "user", "content": f"What is {i} + {i}? Be brief, number {i}."}]
+    return "chat", {"messages": messages, **common}
+
+
+def test_concurrent_streaming_clients_match_solo_answers(server, client):
+    solo = []
+    for i in range(NUM_CLIENTS):
+        kind, kwargs = request_for(i)
+        if kind == "chat":
+            choice = client.chat.completions.create(model=server.model, **kwargs).choices[0]
+            solo.append((choice.message.content, choice.finish_reason))
+        else:
+            choice = client.completions.create(model=server.model, **kwargs).choices[0]
+            solo.append((choice.text, choice.finish_reason))
+
+    async def one(aclient, i: int) -> tuple[str, str | None]:
+        kind, kwargs = request_for(i)
+        if kind == "chat":
+            stream = await aclient.chat.completions.create(
+                model=server.model, stream=True, **kwargs
+            )
+            chunks = [c.choices[0] async for c in stream]
+            return "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason
+        stream = await aclient.completions.create(model=server.model, stream=True, **kwargs)
+        chunks = [c.choices[0] async for c in stream]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    async def all_at_once() -> list[tuple[str, str | None]]:
+        async with server.async_client() as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(NUM_CLIENTS)))
+
+    together = asyncio.run(all_at_once())
+    mismatches = [i for i in range(NUM_CLIENTS) if together[i] != solo[i]]
+    assert not mismatches, [(i, solo[i], together[i]) for i in mismatches[:5]]
+
+
+NUM_BLOCKS = 24  # block size 16: a 384-token KV cache, so max_model_len is 384 too
+LEAK_TIMEOUT_S = 30  # the requests below take a second or two; a leak makes them hang
+
+
+def count_disconnects(server) -> int:
+    return len(re.findall(r'"POST /v1/\S*completions" 499 ', server.log()))
+
+
+def test_disconnected_streams_release_their_blocks(server_factory):
+    """Clients hang up mid-stream; then requests that need the whole KV cache still run.
+    A block leaked by an aborted request would leave a full-cache request unschedulable
+    (the client would time out)."""
+    server = server_factory("--num-gpu-blocks-override", str(NUM_BLOCKS))
+    max_model_len = httpx.get(f"{server.v1}/models").json()["data"][0]["max_model_len"]
+    assert max_model_len == NUM_BLOCKS * 16
+
+    long = {"temperature": 1.0, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    hang_ups = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2}),
+        ("/v1/completions", {"prompt": "The sea is wide"}),
+        ("/v1/completions", {"prompt": ["Once upon a time", "Hello"]}),
+    ]
+    before = count_disconnects(server)
+    for path, body in hang_ups:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            with http.stream("POST", path, json={**body, **long}) as resp:
+                assert resp.status_code == 200
+                events = 0
+                for line in resp.iter_lines():
+                    events += line.startswith("data: ")
+                    if events == 3:
+                        break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 15
+    while count_disconnects(server) < before + len(hang_ups) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert count_disconnects(server) == before + len(hang_ups), server.log()[-3000:]
+
+    client = server.client().with_options(timeout=LEAK_TIMEOUT_S)
+    prompt_ids = list(range(10, 20))
+
+    async def burst() -> list[int]:
+        """Four requests of 6 blocks each: the whole cache between them."""
+        async with server.async_client().with_options(timeout=LEAK_TIMEOUT_S) as aclient:
+            outs = await asyncio.gather(
+                *(
+                    aclient.completions.create(
+                        model=server.model,
+                        prompt=[t + i for t in prompt_ids],
+                        max_tokens=6 * 16 - len(prompt_ids),
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(4)
+                )
+            )
+            return [o.usage.completion_tokens for o in outs]
+
+    try:
+        assert asyncio.run(burst()) == [6 * 16 - len(prompt_ids)] * 4
+        # One request as long as the context window needs every block in the cache.
+        full = client.completions.create(
+            model=server.model,
+            prompt=prompt_ids,
+            max_tokens=max_model_len - len(prompt_ids),
+            extra_body={"ignore_eos": True},
+        )
+    except openai.APITimeoutError:
+        pytest.fail("requests needing the whole KV cache never finished: blocks leaked?")
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.total_tokens == max_model_len
+    assert server.process.poll() is None

@@ -1,0 +1,49 @@
+"""/health, /version, /v1/models, /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import serve
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+
+
+def test_health_and_version(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/version").json() == {"version": serve.__version__}
+
+
+def test_models_list(client, server, http, tiny_llama):
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model]
+    # without --served-model-name: the --model argument (--help says its directory name)
+    assert server.model in (str(tiny_llama), tiny_llama.name)
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["object"] == "model" and card["max_model_len"] > 0
+
+
+def test_tokenize_prompt_and_detokenize(http, tokenizer):
+    text = "Hello, world! How are you today?"
+    resp = http.post("/tokenize", json={"prompt": text}).json()
+    assert resp["tokens"] == tokenizer(text).input_ids
+    assert resp["count"] == len(resp["tokens"]) and resp["max_model_len"] > 0
+    assert http.post("/detokenize", json={"tokens": resp["tokens"]}).json() == {"prompt": text}
+
+
+def test_tokenize_messages(http, tokenizer):
+    resp = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert resp["tokens"] == tokenizer(text, add_special_tokens=False).input_ids
+    decoded = http.post("/detokenize", json={"tokens": resp["tokens"]}).json()["prompt"]
+    assert decoded == text and decoded.endswith("<|im_start|>assistant\n")
+
+    no_prompt = http.post(
+        "/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}
+    ).json()
+    assert no_prompt["count"] < resp["count"]
+
+
+def test_tokenize_needs_exactly_one_input(http):
+    assert http.post("/tokenize", json={}).status_code == 400
+    both = {"prompt": "Hi", "messages": MESSAGES}
+    assert http.post("/tokenize", json=both).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
