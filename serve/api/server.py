@@ -132,31 +132,22 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    async def respond(handler: ChatHandler | CompletionHandler, body: Any, request: Request):
         _log_unknown(body)
         if body.stream:
-            return StreamingResponse(
-                chat.stream(body, _usage_recorder(request)),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-        result = await chat.create(body)
+            events = handler.stream(body, _usage_recorder(request))
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await handler.create(body)
         request.state.usage = result["usage"]
         return result
 
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await respond(chat, body, request)
+
     @app.post("/v1/completions")
     async def create_completions(body: CompletionRequest, request: Request) -> Any:
-        _log_unknown(body)
-        if body.stream:
-            return StreamingResponse(
-                completions.stream(body, _usage_recorder(request)),
-                media_type="text/event-stream",
-                headers=SSE_HEADERS,
-            )
-        result = await completions.create(body)
-        request.state.usage = result["usage"]
-        return result
+        return await respond(completions, body, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -194,6 +194,49 @@ async def guard_stream() -> AsyncIterator[StreamFailure]:
         failure.error = error_body(400, str(e))
 
 
+# (index, completion, new text, first new token, end of new tokens, chars sent before)
+# -> the choice's fields in a content chunk.
+ContentFields = Callable[[int, CompletionOutput, str, int, int, int], dict[str, Any]]
+
+
+async def stream_choices(
+    streams: list[AsyncIterator[RequestOutput]],
+    writer: ChunkWriter,
+    stop: str | list[str] | None,
+    num_prompt_tokens: int,
+    content_fields: ContentFields,
+    finish_fields: dict[str, Any],
+    on_usage: UsageCallback | None,
+) -> AsyncIterator[str]:
+    """The content, finish and usage chunks of a streamed response, then [DONE]. Chat and
+    completions differ only in the fields of a choice, which the callers supply."""
+    state = StreamState(len(streams), stop_holdback(stop))
+    async with guard_stream() as failed:
+        async for index, out in merge_streams(streams):
+            completion = out.outputs[0]
+            sent_chars = state.choices[index].num_chars
+            text, start, end = state.delta(index, completion)
+            if text or (completion.logprobs is not None and end > start):
+                fields = content_fields(index, completion, text, start, end, sent_chars)
+                yield writer.chunk(index, **fields, finish_reason=None)
+            if completion.finished:
+                yield writer.chunk(
+                    index,
+                    **finish_fields,
+                    logprobs=None,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+    counts = usage(num_prompt_tokens, state.completion_tokens)
+    if on_usage is not None:
+        on_usage(counts)
+    if failed.error is not None:
+        yield sse(failed.error)
+    elif writer.include_usage:
+        yield writer.usage_chunk(counts)
+    yield SSE_DONE
+
+
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 

@@ -8,18 +8,14 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest, now, random_id
 from serve.api.serving_base import (
-    SSE_DONE,
     ChunkWriter,
     ServerSettings,
-    StreamState,
     UsageCallback,
     check_model,
-    guard_stream,
     merge_streams,
     open_streams,
     resolve_max_tokens,
-    sse,
-    stop_holdback,
+    stream_choices,
     token_text,
     usage,
 )
@@ -152,32 +148,16 @@ class ChatHandler:
         num_prompt_tokens: int,
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[str]:
-        state = StreamState(request.n, stop_holdback(request.stop))
-        num_top = request.top_logprobs or 0
         for index in range(request.n):
             role = {"role": "assistant", "content": ""}
             yield writer.chunk(index, delta=role, logprobs=None, finish_reason=None)
-        async with guard_stream() as failed:
-            async for index, out in merge_streams(streams):
-                completion = out.outputs[0]
-                delta, start, end = state.delta(index, completion)
-                if delta or (completion.logprobs is not None and end > start):
-                    logprobs = self._logprobs(completion, start, end, num_top)
-                    content = {"content": delta}
-                    yield writer.chunk(index, delta=content, logprobs=logprobs, finish_reason=None)
-                if completion.finished:
-                    yield writer.chunk(
-                        index,
-                        delta={},
-                        logprobs=None,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
-        counts = usage(num_prompt_tokens, state.completion_tokens)
-        if on_usage is not None:
-            on_usage(counts)
-        if failed.error is not None:
-            yield sse(failed.error)
-        elif writer.include_usage:
-            yield writer.usage_chunk(counts)
-        yield SSE_DONE
+        num_top = request.top_logprobs or 0
+
+        def content(index, completion, text, start, end, sent_chars):
+            logprobs = self._logprobs(completion, start, end, num_top)
+            return {"delta": {"content": text}, "logprobs": logprobs}
+
+        async for event in stream_choices(
+            streams, writer, request.stop, num_prompt_tokens, content, {"delta": {}}, on_usage
+        ):
+            yield event

@@ -8,18 +8,14 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import CompletionRequest, now, random_id
 from serve.api.serving_base import (
-    SSE_DONE,
     ChunkWriter,
     ServerSettings,
-    StreamState,
     UsageCallback,
     check_model,
-    guard_stream,
     merge_streams,
     open_streams,
     resolve_max_tokens,
-    sse,
-    stop_holdback,
+    stream_choices,
     token_text,
     usage,
 )
@@ -171,33 +167,18 @@ class CompletionHandler:
         writer: ChunkWriter,
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[str]:
-        state = StreamState(len(streams), stop_holdback(request.stop))
-        num_top = request.logprobs or 0
         if request.echo:
             for index in range(len(streams)):
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
-        async with guard_stream() as failed:
-            async for index, out in merge_streams(streams):
-                completion = out.outputs[0]
-                offset = state.choices[index].num_chars
-                delta, start, end = state.delta(index, completion)
-                if delta or (completion.logprobs is not None and end > start):
-                    logprobs = self._logprobs(completion, start, end, offset, num_top)
-                    yield writer.chunk(index, text=delta, logprobs=logprobs, finish_reason=None)
-                if completion.finished:
-                    yield writer.chunk(
-                        index,
-                        text="",
-                        logprobs=None,
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
-        counts = usage(sum(len(ids) for _, ids, _ in prompts), state.completion_tokens)
-        if on_usage is not None:
-            on_usage(counts)
-        if failed.error is not None:
-            yield sse(failed.error)
-        elif writer.include_usage:
-            yield writer.usage_chunk(counts)
-        yield SSE_DONE
+        num_top = request.logprobs or 0
+
+        def content(index, completion, text, start, end, sent_chars):
+            logprobs = self._logprobs(completion, start, end, sent_chars, num_top)
+            return {"text": text, "logprobs": logprobs}
+
+        num_prompt = sum(len(ids) for _, ids, _ in prompts)
+        async for event in stream_choices(
+            streams, writer, request.stop, num_prompt, content, {"text": ""}, on_usage
+        ):
+            yield event

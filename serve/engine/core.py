@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.detokenizer import Detokenizer, find_stop_string
 from serve.engine.model_runner import ModelRunner
-from serve.engine.sampler import Sampler
+from serve.engine.sampler import Sampler, SamplerOutput
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
@@ -147,7 +146,7 @@ class EngineCore:
         self.scheduler.update(sched)
         return self._update(model_out.sampled_seqs, sampled)
 
-    def _update(self, seqs: list[Sequence], sampled: Any) -> list[RequestOutput]:
+    def _update(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
         outputs = []
         for i, seq in enumerate(seqs):
             token = sampled.token_ids[i]

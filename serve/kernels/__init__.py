@@ -6,6 +6,7 @@ kernels for CUDA plug in behind these same names.
 
 from serve.kernels.metadata import AttentionMetadata
 from serve.kernels.reference import (
+    linear,
     paged_attention,
     reshape_and_cache,
     rms_norm,
@@ -15,6 +16,7 @@ from serve.kernels.reference import (
 
 __all__ = [
     "AttentionMetadata",
+    "linear",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

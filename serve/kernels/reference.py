@@ -138,6 +138,22 @@ def _attend_causal(
     return out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
 
 
+# Below this many rows, MKL's sgemm on CPU runs the product faster as W @ x^T than as
+# x @ W^T (measured ~1.4x on the decode-size projections of SmolLM2, AVX2, 2 cores).
+_SMALL_BATCH_ROWS = 128
+
+
+def linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _SMALL_BATCH_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]

@@ -26,18 +26,13 @@ class CacheEngine:
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self._allocate(*shape, dtype, device), self._allocate(*shape, dtype, device))
+            (self._allocate(shape, dtype, device), self._allocate(shape, dtype, device))
             for _ in range(num_layers)
         ]
 
     @staticmethod
     def _allocate(
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
+        shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_dim]
         """Indexed [block, offset, head, dim] everywhere; stored heads-first on CPU, where
         gathering a sequence's blocks then yields each head's context matrix contiguously.
@@ -45,11 +40,9 @@ class CacheEngine:
         Zeroed, not empty: batched decode reads whole blocks and masks the unused tail, and
         masking cannot cancel a NaN that uninitialised memory may hold.
         """
-        if device.type == "cpu":
-            heads_first = torch.zeros(
-                (num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device
-            )
-            return heads_first.permute(1, 2, 0, 3)
-        return torch.zeros(
-            (num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        # storage dim i holds logical dim order[i]; `permute(inverse)` restores the indexing.
+        order, inverse = (
+            ((2, 0, 1, 3), (1, 2, 0, 3)) if device.type == "cpu" else ((0, 1, 2, 3),) * 2
         )
+        stored = torch.zeros([shape[i] for i in order], dtype=dtype, device=device)
+        return stored.permute(inverse)
