@@ -149,8 +149,7 @@ class AsyncEngine:
                     continue
                 outputs = core.step()
                 stats.record(core, outputs)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
+                self._deliver_step(outputs)
         except BaseException as e:  # a fault here ends the engine: fail everyone, loudly
             logger.exception("Engine loop died")
             self.dead_error = e
@@ -170,11 +169,27 @@ class AsyncEngine:
         except ValueError as e:
             self._deliver(command.request_id, e)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over in one wake-up per event loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
             stream.put(item)
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
 
 
 class _Stats:
