@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import secrets
-import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serve
 from serve.api.errors import APIError, error_body, error_response
+from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog
 from serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,7 +29,6 @@ from serve.api.serving_completion import CompletionHandler
 from serve.engine.async_engine import AsyncEngine, EngineDeadError
 
 logger = logging.getLogger("serve.api")
-access_logger = logging.getLogger("serve.access")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -81,30 +79,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         message = f"Internal server error (request {request_id}); the server log has details."
         return JSONResponse(error_body(500, message), status_code=500)
 
-    @app.middleware("http")
-    async def _auth_and_access_log(request: Request, call_next: Any) -> Response:
-        request.state.request_id = uuid.uuid4().hex[:12]
-        start = time.perf_counter()
-        if settings.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {settings.api_key}"
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                response: Response = JSONResponse(
-                    error_body(
-                        401, "Invalid or missing API key. Send 'Authorization: Bearer KEY'."
-                    ),
-                    status_code=401,
-                )
-                _log_access(request, response.status_code, start)
-                return response
-        response = await call_next(request)
-        # call_next's response has no media_type (BaseHTTPMiddleware): read the header.
-        content_type = response.headers.get("content-type", "")
-        if content_type.startswith("text/event-stream"):
-            response.body_iterator = _log_when_done(response.body_iterator, request, start)
-        else:
-            _log_access(request, response.status_code, start)
-        return response
+    app.add_middleware(AuthAndAccessLog, api_key=settings.api_key)
 
     def _log_unknown(body: OpenAIModel) -> None:
         if body.unknown_fields:
@@ -137,7 +112,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if body.stream:
             events = handler.stream(body, _usage_recorder(request))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await handler.create(body)
+        result = await _unless_disconnected(handler.create(body), request)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)  # nobody is listening
         request.state.usage = result["usage"]
         return result
 
@@ -175,37 +152,28 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+DISCONNECT_POLL_S = 0.25
+
+
+async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Request):
+    """Await a non-streamed response, but cancel it — which aborts its requests in the
+    engine and frees their blocks — as soon as the client hangs up. None if it did."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 def _usage_recorder(request: Request):
     def record(counts: dict[str, int]) -> None:
         request.state.usage = counts
 
     return record
-
-
-async def _log_when_done(body: AsyncIterator, request: Request, start: float) -> AsyncIterator:
-    """A streamed response's access line is written when its last byte is, or when the
-    client goes away (status 499, as nginx logs it). Behind BaseHTTPMiddleware a hang-up
-    cancels the endpoint's stream and `body` just ends early, so a stream counts as whole
-    only if it got as far as recording its usage."""
-    status = 499
-    try:
-        async for chunk in body:
-            yield chunk
-        if getattr(request.state, "usage", None) is not None:
-            status = 200
-    finally:
-        _log_access(request, status, start)
-
-
-def _log_access(request: Request, status: int, start: float) -> None:
-    usage = getattr(request.state, "usage", None) or {}
-    access_logger.info(
-        '%s "%s %s" %d prompt_tokens=%s completion_tokens=%s %.0fms',
-        request.state.request_id,
-        request.method,
-        request.url.path,
-        status,
-        usage.get("prompt_tokens", "-"),
-        usage.get("completion_tokens", "-"),
-        1000 * (time.perf_counter() - start),
-    )

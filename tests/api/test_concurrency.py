@@ -125,3 +125,20 @@ def test_disconnected_streams_release_their_blocks(server_factory):
     assert full.choices[0].finish_reason == "length"
     assert full.usage.total_tokens == max_model_len
     assert server.process.poll() is None
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(server_factory):
+    """A client that times out on a non-streamed request: the server notices within a poll,
+    aborts the request (logged 499, not a 200 after generating everything)."""
+    server = server_factory("--num-gpu-blocks-override", str(NUM_BLOCKS))
+    before = count_disconnects(server)
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 300}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.v1}/completions", json={**body, "ignore_eos": True}, timeout=0.3)
+    deadline = time.monotonic() + 10
+    while count_disconnects(server) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert count_disconnects(server) == before + 1, server.log()[-2000:]
+    assert not re.search(
+        r'"POST /v1/completions" 200 prompt_tokens=\d+ completion_tokens=300 ', server.log()
+    )

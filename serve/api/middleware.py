@@ -1,0 +1,81 @@
+"""Authentication and the access log, as plain ASGI middleware.
+
+Plain ASGI rather than Starlette's BaseHTTPMiddleware: the endpoint keeps the server's own
+`receive`, so `request.is_disconnected()` sees a client that hangs up, and a streamed
+response is logged when it really ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+import uuid
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve.api.errors import error_body
+
+access_logger = logging.getLogger("serve.access")
+
+# nginx's code for "the client closed the connection before the response was complete".
+CLIENT_CLOSED = 499
+
+
+class AuthAndAccessLog:
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state: dict[str, Any] = scope.setdefault("state", {})
+        state["request_id"] = uuid.uuid4().hex[:12]
+        start = time.perf_counter()
+        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
+            message = "Invalid or missing API key. Send 'Authorization: Bearer KEY'."
+            await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
+            _log(scope, 401, start)
+            return
+
+        status = CLIENT_CLOSED
+        is_stream = False
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status, is_stream
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = dict(message.get("headers", []))
+                is_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            # A stream cut short by a hang-up never records its usage (it does at its end).
+            if is_stream and state.get("usage") is None:
+                status = CLIENT_CLOSED
+            _log(scope, status, start)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers", []))
+        given = headers.get(b"authorization", b"")
+        return secrets.compare_digest(given, f"Bearer {self.api_key}".encode())
+
+
+def _log(scope: Scope, status: int, start: float) -> None:
+    state = scope.get("state", {})
+    usage = state.get("usage") or {}
+    access_logger.info(
+        '%s "%s %s" %d prompt_tokens=%s completion_tokens=%s %.0fms',
+        state.get("request_id", "-"),
+        scope.get("method", "-"),
+        scope.get("path", "-"),
+        status,
+        usage.get("prompt_tokens", "-"),
+        usage.get("completion_tokens", "-"),
+        1000 * (time.perf_counter() - start),
+    )
