@@ -42,3 +42,15 @@ def tiny_mistral(tiny_model_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tiny_model_factory):
     return tiny_model_factory("qwen2")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA; without it they are skipped, not failed."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return  # torch stays unimported for runs that need no model
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
