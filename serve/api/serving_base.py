@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,13 +53,16 @@ def check_model(model: str | None, settings: ServerSettings) -> None:
 
 
 async def merge_streams(
-    streams: list[AsyncIterator[RequestOutput]],
+    streams: list[AsyncGenerator[RequestOutput, None]],
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they come, tagged with their index.
     Closing the merged iterator closes (and so aborts) every request still running."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()  # abort now, not when the generator is collected
         return
     queue: asyncio.Queue = asyncio.Queue()
 
