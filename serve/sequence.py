@@ -87,6 +87,19 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def token_ids_between(self, start: int, end: int | None = None) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list (a per-step hot path)."""
+        if end is not None and end <= start:
+            return []
+        num_prompt = self.num_prompt_tokens
+        if start >= num_prompt:
+            stop = None if end is None else end - num_prompt
+            return self.output_token_ids[start - num_prompt : stop]
+        if end is not None and end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        stop = None if end is None else end - num_prompt
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop]
+
     def token_at(self, position: int) -> int:
         if position < self.num_prompt_tokens:
             return self.prompt_token_ids[position]

@@ -144,9 +144,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         if body.model is not None:
             check_model(body.model, settings)
-        vocab_size = engine.core.vocab_size
-        if any(not 0 <= t < vocab_size for t in body.tokens):
-            raise APIError(400, f"Token ids must be in [0, {vocab_size}).", param="tokens")
+        try:
+            engine.core.check_token_ids(body.tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tokens") from None
         return {"prompt": engine.tokenizer.decode(body.tokens)}
 
     return app

@@ -35,7 +35,6 @@ class CompletionHandler:
             raw = [raw]
         elif raw and isinstance(raw[0], int):
             raw = [raw]
-        vocab_size = self.engine.core.vocab_size
         prompts = []
         for item in raw:
             if isinstance(item, str):
@@ -44,10 +43,10 @@ class CompletionHandler:
                 continue
             if not item:
                 raise APIError(400, "A prompt of token ids must not be empty.", param="prompt")
-            if any(not 0 <= t < vocab_size for t in item):
-                raise APIError(
-                    400, f"Prompt token ids must be in [0, {vocab_size}).", param="prompt"
-                )
+            try:
+                self.engine.core.check_token_ids(item, "Prompt token ids")
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from None
             prompts.append((self.tokenizer.decode(item), list(item)))
         if any(not ids for _, ids in prompts):
             raise APIError(400, "The prompt is empty.", param="prompt")

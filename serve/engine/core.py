@@ -109,14 +109,17 @@ class EngineCore:
     ) -> None:
         if request_id in self._seqs:
             raise ValueError(f"A request with id {request_id!r} is already running.")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"Prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        self.check_token_ids(prompt_token_ids, "Prompt token ids")
         seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, params, prompt)
         self.scheduler.add(seq)  # validates the prompt length
         self._next_seq_id += 1
         self.detokenizer.start(seq)
         self._seqs[request_id] = seq
+
+    def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{what} must be in [0, {self.vocab_size}); got {bad[:5]}.")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         seq = self._seqs.get(request_id)

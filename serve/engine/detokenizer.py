@@ -45,7 +45,7 @@ class Detokenizer:
 
     def update(self, seq: Sequence) -> str:
         """Decode the newest output token(s) into `seq.output_text`; returns the new text."""
-        tokens = seq.all_token_ids[seq.prefix_offset :]
+        tokens = seq.token_ids_between(seq.prefix_offset)
         read = seq.read_offset - seq.prefix_offset
         skip = seq.sampling_params.skip_special_tokens
         prefix_text = self.tokenizer.decode(tokens[:read], skip_special_tokens=skip)

@@ -138,7 +138,7 @@ class ModelRunner:
             if n == 1:
                 token_ids.append(seq.token_at(start))
             else:
-                token_ids.extend(seq.all_token_ids[start : start + n])
+                token_ids.extend(seq.token_ids_between(start, start + n))
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(table[p // bs] * bs + p % bs for p in span)
