@@ -240,6 +240,11 @@ async def stream_choices(
     yield SSE_DONE
 
 
+def ranked_alternatives(top: dict[int, float], num_top: int) -> list[tuple[int, float]]:
+    """The `num_top` most likely (token id, logprob) pairs of one position, best first."""
+    return sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+
+
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 

@@ -14,6 +14,7 @@ from serve.api.serving_base import (
     check_model,
     merge_streams,
     open_streams,
+    ranked_alternatives,
     resolve_max_tokens,
     stream_choices,
     token_text,
@@ -71,7 +72,7 @@ class ChatHandler:
         content = []
         for token_id, top in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
             token = token_text(self.tokenizer, token_id)
-            ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+            ranked = ranked_alternatives(top, num_top)
             content.append(
                 {
                     "token": token,

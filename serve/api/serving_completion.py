@@ -14,6 +14,7 @@ from serve.api.serving_base import (
     check_model,
     merge_streams,
     open_streams,
+    ranked_alternatives,
     resolve_max_tokens,
     stream_choices,
     token_text,
@@ -94,7 +95,7 @@ class CompletionHandler:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, top in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
             token = token_text(self.tokenizer, token_id)
-            ranked = sorted(top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+            ranked = ranked_alternatives(top, num_top)
             tokens.append(token)
             token_logprobs.append(top[token_id])
             # Keyed by text: ids that decode alike (e.g. partial UTF-8, "\ufffd") share a

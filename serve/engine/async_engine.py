@@ -118,9 +118,6 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-
     def shutdown(self) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout=10)

@@ -68,7 +68,7 @@ def paged_attention(
     for i in range(0, num_decodes, _DECODE_GROUP):
         group = order[i : i + _DECODE_GROUP]
         rows = torch.tensor(group, device=query.device)
-        out[rows] = _decode_group(query[rows], k_cache, v_cache, meta, group, scale)
+        out[rows] = _decode_group(query[rows], k_cache, v_cache, meta, group, rows, scale)
 
     block_size = key_cache.shape[1]
     start = num_decodes
@@ -92,6 +92,7 @@ def _decode_group(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     group: list[int],  # the sequences' indices in the batch
+    rows: torch.Tensor,  # the same indices, on the device
     scale: float,
 ) -> torch.Tensor:  # [g, num_heads, head_dim]
     g, num_heads, head_dim = q.shape
@@ -99,7 +100,6 @@ def _decode_group(
     heads_per_kv = num_heads // num_kv_heads  # query head h * heads_per_kv + j reads kv head h
     max_len = max(meta.seq_lens_cpu[b] for b in group)
     num_blocks = -(-max_len // block_size)
-    rows = torch.tensor(group, device=q.device)
     table = meta.block_tables[rows, :num_blocks].flatten()  # padding entries read block 0
     k = _gather(k_cache, table).to(q.dtype).view(num_kv_heads * g, -1, head_dim)  # [H*g, L, D]
     v = _gather(v_cache, table).to(q.dtype).view(num_kv_heads * g, -1, head_dim)
@@ -111,7 +111,7 @@ def _decode_group(
     scores.view(num_kv_heads, g, heads_per_kv, -1).masked_fill_(past_end[None, :, None], -torch.inf)
     out = torch.bmm(scores.softmax(dim=-1), v)  # [H*g, heads_per_kv, D]
     return (
-        out.view(num_kv_heads, g, num_heads // num_kv_heads, head_dim)
+        out.view(num_kv_heads, g, heads_per_kv, head_dim)
         .transpose(0, 1)
         .reshape(g, num_heads, head_dim)
     )
