@@ -6,20 +6,24 @@ kernels for CUDA plug in behind these same names.
 
 from serve.kernels.metadata import AttentionMetadata
 from serve.kernels.reference import (
+    copy_blocks,
     linear,
     paged_attention,
     reshape_and_cache,
     rms_norm,
     rotary_embedding,
     silu_and_mul,
+    swap_blocks,
 )
 
 __all__ = [
     "AttentionMetadata",
+    "copy_blocks",
     "linear",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "swap_blocks",
 ]

@@ -31,6 +31,31 @@ def reshape_and_cache(
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
+
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_blocks, block_size, H, D]
+    src: torch.Tensor,  # [num_copies] int64 block ids
+    dst: torch.Tensor,  # [num_copies] int64 block ids, all distinct
+) -> None:
+    """Copy-on-write: in every layer, block `dst[i]` becomes a copy of block `src[i]`."""
+    for key_cache, value_cache in kv_caches:
+        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,  # [num_blocks, block_size, H, D], one layer's K or V
+    dst_cache: torch.Tensor,  # the same shape on another device (or the same one)
+    src_ids: torch.Tensor,  # [n] int64 on src_cache's device
+    dst_ids: torch.Tensor,  # [n] int64 on dst_cache's device
+) -> None:
+    """Move blocks between the device cache and the CPU swap space: `dst[dst_ids[i]] = src[src_ids[i]]`.
+
+    Gathers the blocks into one contiguous buffer first, so crossing devices is one copy.
+    """
+    staged = src_cache.index_select(0, src_ids).to(dst_cache.device, non_blocking=True)
+    dst_cache.index_copy_(0, dst_ids, staged.to(dst_cache.dtype))
+
 # Queries per tile in prefill, bounding the [heads, tile, context] score matrix.
 _QUERY_TILE = 1024
 # Decodes run in groups of this many, sorted by length, so padding to the group's longest
