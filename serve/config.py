@@ -41,6 +41,10 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
 
 
+DEFAULT_SWAP_SPACE_BYTES = 4 * GiB
+PREEMPTION_MODES = ("recompute", "swap")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -49,8 +53,13 @@ class CacheConfig:
     # CUDA: fraction of total GPU memory the engine may use, weights and activations included.
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
+    # CPU memory for blocks swapped out by preemption (pinned when the device is CUDA).
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space_bytes}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -74,8 +83,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     # None: a per-device default (DEFAULT_MAX_NUM_BATCHED_TOKENS), resolved by EngineConfig.
     max_num_batched_tokens: int | None = None
+    # None: swap groups with several sequences, recompute single ones (vLLM's rule).
+    preemption_mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in (None, *PREEMPTION_MODES):
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
+                f"got {self.preemption_mode!r}."
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -107,16 +123,25 @@ class EngineConfig:
         num_gpu_blocks_override: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        swap_space: float = DEFAULT_SWAP_SPACE_BYTES / GiB,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str | None = None,
         device: str = "auto",
     ) -> EngineConfig:
-        """The flat keyword form that `LLM(...)` and the CLI share."""
+        """The flat keyword form that `LLM(...)` and the CLI share. `swap_space` is in GiB,
+        as vLLM's flag is."""
         kv_bytes = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None
         return cls(
             model=ModelConfig(model, tokenizer, dtype, max_model_len, seed, load_format),
             cache=CacheConfig(
-                block_size, kv_bytes, gpu_memory_utilization, num_gpu_blocks_override
+                block_size,
+                kv_bytes,
+                gpu_memory_utilization,
+                num_gpu_blocks_override,
+                int(swap_space * GiB),
+                enable_prefix_caching,
             ),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
+            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode),
             device=device,
         )
 

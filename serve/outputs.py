@@ -32,3 +32,27 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class EngineStats:
+    """The KV cache and scheduler at one moment (`LLM.stats()`, the stats line, metrics)."""
+
+    num_blocks_total: int
+    num_blocks_used: int  # held by at least one sequence
+    num_blocks_cached: int  # free, but still holding a known prefix (evictable, LRU)
+    peak_num_blocks_used: int  # since the last `reset_peak()`
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found (their K/V not recomputed)
+    num_preemptions: int
+    kv_waste_fraction: float  # allocated token slots holding no token / allocated slots
+    num_running: int = 0  # requests
+    num_waiting: int = 0
+    num_swapped: int = 0
+    num_cpu_blocks_used: int = 0  # swap space in use
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )

@@ -12,11 +12,16 @@ _GREEDY_EPS = 1e-5
 class SamplingParams:
     """How to decode one request, mirroring vLLM's `SamplingParams`.
 
-    `n` > 1 comes with the KV-sharing work; `max_tokens=None` means "until the context
-    window is full".
+    `best_of` sequences are sampled from one computation of the prompt (their KV blocks
+    shared until they diverge) and the `n` with the highest cumulative logprob returned;
+    with a `seed`, sample i draws from its own stream seeded `seed + i`. With
+    `use_beam_search`, `best_of` is the beam width and `n` of the best beams are returned,
+    ranked as HF transformers ranks them (`length_penalty`, `early_stopping`).
+    `max_tokens=None` means "until the context window is full".
     """
 
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -29,11 +34,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never", as in HF transformers
     _stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 for now, got {self.n}.")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}.")
+        if self.best_of is None:
+            self.best_of = self.n
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}.")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -61,9 +73,26 @@ class SamplingParams:
             raise ValueError(
                 f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}."
             )
-        if self.is_greedy:
+        if self.use_beam_search:
+            self._check_beam_search()
+        elif self.is_greedy:
             # Greedy ignores the filters; normalising keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_beam_search(self) -> None:
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}."
+            )
+        if self.temperature != 0.0:
+            raise ValueError("Beam search is deterministic: set temperature to 0.")
+        if self.top_p != 1.0 or self.top_k or self.min_p:
+            raise ValueError("Beam search takes no top_p, top_k or min_p: leave them unset.")
+        if self._stop_strings:
+            raise ValueError(
+                "Beam search stops only at EOS, stop_token_ids or max_tokens; "
+                "stop strings are not supported with it."
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -1,11 +1,16 @@
-"""A request's sequence: its tokens, how many of them have KV in the cache, its status.
+"""A request's sequences: their tokens, how many have KV in the cache, their status.
+
+A request is a `SequenceGroup`. It starts as one sequence; when its prompt has been
+computed, parallel sampling (`best_of` > 1) and beam search fork it into several that
+share the prompt's KV blocks.
 
 Writers (one per field): the scheduler writes `status` and `num_computed_tokens`; the
-engine appends tokens and sets `finish_reason`; the detokenizer writes the text fields.
+engine appends tokens, forks, and sets `finish_reason`; the detokenizer writes the text.
 """
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 from dataclasses import dataclass, field
@@ -16,6 +21,7 @@ from serve.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
+    SWAPPED = enum.auto()  # preempted with its KV blocks moved to the CPU swap space
     FINISHED = enum.auto()
 
     @property
@@ -31,7 +37,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two sequences are never the same by value
 class Sequence:
     seq_id: int
     request_id: str
@@ -39,11 +45,17 @@ class Sequence:
     sampling_params: SamplingParams
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # The seed of this sequence's own random stream: the request's seed + the sequence's
+    # index among the request's samples, so sample i of an n-way request draws exactly
+    # what a lone request with seed + i would. None: the engine's shared stream.
+    seed: int | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     # Top-`logprobs` alternatives per output token, when the request asked for them.
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Beam search: the running beam's score (its cumulative logprob, summed in float32).
+    beam_score: float = 0.0
     # Tokens whose K/V are in the cache. Reset to 0 by a recompute preemption.
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -57,6 +69,18 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.seed is None:
+            self.seed = self.sampling_params.seed
+
+    def fork(self, seq_id: int, seed: int | None = None) -> Sequence:
+        """A copy with its own id and token lists (the prompt list is shared: it never
+        changes); the block manager forks the KV blocks separately."""
+        child = copy.copy(self)
+        child.seq_id, child.seed = seq_id, seed
+        child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.output_top_logprobs = list(self.output_top_logprobs)
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,3 +136,43 @@ class Sequence:
         self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: the sequences sampled from its prompt, scheduled together."""
+
+    request_id: str
+    # Sampling: every sequence, finished ones included, in output order. Beam search: the
+    # running beams, best first (finished hypotheses live in the engine's beam search).
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Set once the prompt sequence has been forked into `best_of` samples or beams.
+    forked: bool = False
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = self.seqs[0].prompt_token_ids
+
+    @property
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def num_live_seqs(self) -> int:
+        return sum(1 for s in self.seqs if not s.is_finished)
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences this group may run at once: counted against `max_num_seqs` from
+        admission, so the fork never overflows the batch."""
+        return self.num_live_seqs if self.forked else self.sampling_params.best_of
+
+    @property
+    def needs_fork(self) -> bool:
+        return not self.forked and self.sampling_params.best_of > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -7,16 +7,18 @@ import logging
 import torch
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from serve.engine.beam_search import BeamSearch
 from serve.engine.detokenizer import Detokenizer, find_stop_string
 from serve.engine.model_runner import ModelRunner
-from serve.engine.sampler import Sampler, SamplerOutput
+from serve.engine.sampler import Sampler
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, EngineStats, RequestOutput
 from serve.sampling_params import SamplingParams
+from serve.scheduler.output import SchedulerOutput
 from serve.scheduler.scheduler import Scheduler
-from serve.sequence import FinishReason, Sequence
+from serve.sequence import FinishReason, Sequence, SequenceGroup
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +78,23 @@ class EngineCore:
             config.scheduler.max_num_batched_tokens
             or DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type]
         )
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(
+            num_blocks,
+            block_size,
+            self.model_runner.num_cpu_blocks,
+            config.cache.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
             config.scheduler, self.max_num_batched_tokens, self.max_model_len, self.block_manager
         )
         self.sampler = Sampler(config.model.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, SequenceGroup] = {}
+        self._beam_searches: dict[str, BeamSearch] = {}
         self._next_seq_id = 0
         logger.info(
-            "Model %s (%s) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB); "
-            "max_model_len %d",
+            "Model %s (%s) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), "
+            "swap space %d blocks; prefix caching %s; max_model_len %d",
             self.model_path,
             ",".join(getattr(hf_config, "architectures", None) or ["?"]),
             self.device,
@@ -95,6 +103,8 @@ class EngineCore:
             block_size,
             num_blocks * block_size,
             num_blocks * self.model_runner.bytes_per_block / 2**30,
+            self.model_runner.num_cpu_blocks,
+            "on" if config.cache.enable_prefix_caching else "off",
             self.max_model_len,
         )
 
@@ -107,14 +117,26 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> None:
-        if request_id in self._seqs:
+        if request_id in self._groups:
             raise ValueError(f"A request with id {request_id!r} is already running.")
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
-        seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, params, prompt)
-        self.scheduler.add(seq)  # validates the prompt length
-        self._next_seq_id += 1
+        seq = Sequence(self._new_seq_id(), request_id, prompt_token_ids, params, prompt)
+        group = SequenceGroup(request_id, [seq], params, prompt, seq.arrival_time)
+        self.scheduler.add(group)  # validates the prompt length and the sequence count
         self.detokenizer.start(seq)
-        self._seqs[request_id] = seq
+        self._groups[request_id] = group
+        if params.use_beam_search:
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids |= set(self.eos_token_ids)
+            max_output = self.max_model_len - seq.num_prompt_tokens
+            if params.max_tokens is not None:
+                max_output = min(max_output, params.max_tokens)
+            self._beam_searches[request_id] = BeamSearch(params, stop_ids, max_output)
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -122,44 +144,136 @@ class EngineCore:
             raise ValueError(f"{what} must be in [0, {self.vocab_size}); got {bad[:5]}.")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        seq = self._seqs.get(request_id)
-        if seq is None:
+        group = self._groups.get(request_id)
+        if group is None:
             return None
-        seq.finish_reason = FinishReason.ABORT
-        self._finish(seq)
-        return self._output(seq)
+        for seq in group.live_seqs:
+            seq.finish_reason = FinishReason.ABORT
+        self._finish(group)
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._seqs)
+        return bool(self._groups)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._seqs)
+        return len(self._groups)
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_blocks_total=bm.num_blocks,
+            num_blocks_used=bm.block_pool.num_used_blocks,
+            num_blocks_cached=bm.block_pool.num_cached_blocks,
+            peak_num_blocks_used=bm.block_pool.peak_num_used,
+            prefix_cache_queries=bm.prefix_cache.queries,
+            prefix_cache_hits=bm.prefix_cache.hits,
+            num_preemptions=sched.num_preemptions,
+            kv_waste_fraction=bm.kv_waste_fraction(),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_swapped=len(sched.swapped),
+            num_cpu_blocks_used=bm.cpu_pool.num_used_blocks,
+        )
+
+    def reset_peak(self) -> None:
+        self.block_manager.block_pool.reset_peak()
 
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the batch, sample, update. Returns the requests that
-        produced a token this step (cumulative outputs)."""
+        made progress this step (cumulative outputs)."""
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if sched.is_empty and not sched.has_block_moves:
             return []
         model_out = self.model_runner.execute(sched)
-        sampled = self.sampler(model_out.logits, model_out.sampled_seqs)
         self.scheduler.update(sched)
-        return self._update(model_out.sampled_seqs, sampled)
+        return self._process(sched, model_out.logits, model_out.sampled_seqs)
 
-    def _update(self, seqs: list[Sequence], sampled: SamplerOutput) -> list[RequestOutput]:
+    def _process(
+        self, sched: SchedulerOutput, logits: torch.Tensor, sampled_seqs: list[Sequence]
+    ) -> list[RequestOutput]:
+        rows: list[int] = []  # logits row of each sequence to sample
+        seqs: list[Sequence] = []
+        beam_rows: dict[str, list[int]] = {}
+        for row, seq in enumerate(sampled_seqs):
+            group = self._groups[seq.request_id]
+            if group.sampling_params.use_beam_search:
+                beam_rows.setdefault(group.request_id, []).append(row)
+                continue
+            siblings = self._fork_samples(group) if group.needs_fork else [seq]
+            rows += [row] * len(siblings)
+            seqs += siblings
+
+        touched: dict[str, SequenceGroup] = {}
+        if seqs:
+            row_index = torch.tensor(rows, device=logits.device)
+            sampled = self.sampler(logits.index_select(0, row_index), seqs)
+            for i, seq in enumerate(seqs):
+                seq.append_token(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+                delta = self.detokenizer.update(seq)
+                seq.finish_reason = self._check_stop(seq, sampled.token_ids[i], len(delta))
+                if seq.finish_reason is not None:
+                    self.scheduler.finish_seq(seq)
+                    self.sampler.free(seq.seq_id)
+                touched[seq.request_id] = self._groups[seq.request_id]
+        for request_id, group_rows in beam_rows.items():
+            group = self._groups[request_id]
+            self._beam_step(group, logits[group_rows])
+            touched[request_id] = group
+
         outputs = []
-        for i, seq in enumerate(seqs):
-            token = sampled.token_ids[i]
-            seq.append_token(token, sampled.logprobs[i], sampled.top_logprobs[i])
-            delta = self.detokenizer.update(seq)
-            seq.finish_reason = self._check_stop(seq, token, len(delta))
-            if seq.finish_reason is not None:
-                self._finish(seq)
-            outputs.append(self._output(seq))
+        for group in touched.values():
+            if group.is_finished:
+                self._finish(group)
+                outputs.append(self._output(group))
+            elif self._streams(group):
+                outputs.append(self._output(group))
         return outputs
+
+    def _fork_samples(self, group: SequenceGroup) -> list[Sequence]:
+        """Fork the prompt sequence, just prefilled, into `best_of` samples that share its
+        blocks. Sample i draws from seed + i (when the request has a seed)."""
+        (parent,) = group.seqs
+        seed = group.sampling_params.seed
+        for i in range(1, group.sampling_params.best_of):
+            child = parent.fork(self._new_seq_id(), None if seed is None else seed + i)
+            self.scheduler.fork(parent, child, group)
+        group.forked = True
+        return list(group.seqs)
+
+    def _beam_step(self, group: SequenceGroup, logits: torch.Tensor) -> None:
+        search = self._beam_searches[group.request_id]
+        beams = group.live_seqs
+        scores = [seq.beam_score for seq in beams]
+        continuations = search.step([seq.output_token_ids for seq in beams], scores, logits)
+        # Forks copy their parent before any parent takes its new token.
+        taken: set[int] = set()
+        next_beams: list[Sequence] = []
+        for c in continuations:
+            parent = beams[c.parent]
+            if c.parent in taken:
+                child = parent.fork(self._new_seq_id())
+                self.scheduler.fork(parent, child, group)
+                next_beams.append(child)
+            else:
+                taken.add(c.parent)
+                next_beams.append(parent)
+        for seq, c in zip(next_beams, continuations):
+            seq.append_token(c.token_id, c.token_logprob, None)
+            seq.beam_score = c.score
+        for i, seq in enumerate(beams):
+            if i not in taken:
+                self.scheduler.finish_seq(seq)  # a dropped beam frees its blocks now
+        group.seqs = next_beams
+        group.forked = True
+
+    def _streams(self, group: SequenceGroup) -> bool:
+        """Whether the request's output is sent as it grows: not when the returned
+        sequences are chosen at the end (best_of > n, beam search)."""
+        params = group.sampling_params
+        return not params.use_beam_search and params.best_of == params.n
 
     def _check_stop(self, seq: Sequence, token: int, num_new_chars: int) -> FinishReason | None:
         params = seq.sampling_params
@@ -176,15 +290,52 @@ class EngineCore:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, seq: Sequence) -> None:
-        self.scheduler.finish(seq)
-        self.sampler.free(seq.seq_id)
-        del self._seqs[seq.request_id]
+    def _finish(self, group: SequenceGroup) -> None:
+        self.scheduler.finish(group)
+        for seq in group.seqs:
+            self.sampler.free(seq.seq_id)
+        del self._groups[group.request_id]
+
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        params = group.sampling_params
+        search = self._beam_searches.pop(group.request_id, None) if group.is_finished else None
+        if params.use_beam_search:
+            completions = self._beam_completions(group, search)
+        else:
+            completions = [self._completion(i, seq) for i, seq in enumerate(group.seqs)]
+            if params.best_of > params.n:
+                completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
+                completions = completions[: params.n]
+                for i, c in enumerate(completions):
+                    c.index = i
+        return RequestOutput(
+            group.request_id, group.prompt, group.prompt_token_ids, completions, group.is_finished
+        )
+
+    def _beam_completions(
+        self, group: SequenceGroup, search: BeamSearch | None
+    ) -> list[CompletionOutput]:
+        n = group.sampling_params.n
+        if search is None or not search.is_done:  # aborted: the running beams as they are
+            return [self._completion(i, seq) for i, seq in enumerate(group.seqs[:n])]
+        skip = group.sampling_params.skip_special_tokens
+        return [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
+                token_ids=h.token_ids,
+                cumulative_logprob=h.cumulative_logprob,
+                finish_reason=(
+                    FinishReason.STOP if h.ended_by_stop_token else FinishReason.LENGTH
+                ).value,
+            )
+            for i, h in enumerate(search.finished[:n])
+        ]
 
     @staticmethod
-    def _output(seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
+    def _completion(index: int, seq: Sequence) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
             text=seq.output_text,
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob,
@@ -193,7 +344,4 @@ class EngineCore:
             else None,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished
         )

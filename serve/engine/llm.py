@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
-from serve.outputs import RequestOutput
+from serve.outputs import EngineStats, RequestOutput
 from serve.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
@@ -60,6 +60,40 @@ class LLM:
                 )
         requests = [(*self._tokenize(p), params) for p, params in zip(prompts, params_list)]
         return self._run(requests, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        ignore_eos: bool = False,
+        num_return_sequences: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search as HF transformers does it (`num_beams`, `length_penalty`,
+        `early_stopping`). Each `RequestOutput` holds the best `num_return_sequences`
+        (default: all `beam_width`) beams, best first."""
+        params = SamplingParams(
+            n=num_return_sequences or beam_width,
+            best_of=beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            ignore_eos=ignore_eos,
+        )
+        return self.generate(prompts, params, use_tqdm)
+
+    def stats(self) -> EngineStats:
+        """KV cache usage, prefix-cache hits and preemptions so far."""
+        return self.engine.stats()
+
+    def reset_peak(self) -> None:
+        """Start `stats().peak_num_blocks_used` over from the blocks in use now."""
+        self.engine.reset_peak()
 
     def chat(
         self,

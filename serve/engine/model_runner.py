@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from serve.kernels import AttentionMetadata
+from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
 from serve.models.forward_context import forward_context
 from serve.models.loader import load_model
@@ -47,6 +47,7 @@ class ModelRunner:
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
         self.num_blocks = self._num_kv_blocks()
+        self.num_cpu_blocks = config.cache.swap_space_bytes // self.bytes_per_block
         self.cache_engine = CacheEngine(
             self.num_layers,
             self.num_blocks,
@@ -55,6 +56,7 @@ class ModelRunner:
             self.head_dim,
             self.dtype,
             device,
+            self.num_cpu_blocks,
         )
         for layer, kv_cache in zip(attn, self.cache_engine.kv_caches):
             layer.kv_cache = kv_cache
@@ -171,8 +173,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self._move_blocks(sched)
+        if sched.is_empty:
+            return ModelOutput(torch.empty(0, 0), [])
         inputs = self.prepare_inputs(sched)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return ModelOutput(logits.float(), inputs.sampled_seqs)
+
+    def _move_blocks(self, sched: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy on write: swap-outs read blocks that the scheduler
+        has already handed to others, who may overwrite them with the later moves."""
+        device_caches = self.cache_engine.kv_caches
+        swap_caches = self.cache_engine.swap_caches
+        for pairs, src_caches, dst_caches in (
+            (sched.blocks_to_swap_out, device_caches, swap_caches),
+            (sched.blocks_to_swap_in, swap_caches, device_caches),
+        ):
+            if not pairs:
+                continue
+            src_ids, dst_ids = zip(*pairs)
+            for src_kv, dst_kv in zip(src_caches, dst_caches):
+                src_index = torch.tensor(src_ids, device=src_kv[0].device)
+                dst_index = torch.tensor(dst_ids, device=dst_kv[0].device)
+                for src, dst in zip(src_kv, dst_kv):
+                    swap_blocks(src, dst, src_index, dst_index)
+        if sched.blocks_to_copy:
+            src_ids, dst_ids = zip(*sched.blocks_to_copy)
+            copy_blocks(
+                device_caches,
+                torch.tensor(src_ids, device=self.device),
+                torch.tensor(dst_ids, device=self.device),
+            )

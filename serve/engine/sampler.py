@@ -36,7 +36,7 @@ class Sampler:
     def _seq_generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
         gen = self._seq_generators.get(seq.seq_id)
         if gen is None:
-            gen = torch.Generator(device).manual_seed(seq.sampling_params.seed)
+            gen = torch.Generator(device).manual_seed(seq.seed)
             self._seq_generators[seq.seq_id] = gen
         return gen
 
@@ -92,13 +92,13 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
 
         uniform = torch.empty(len(seqs), device=device)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        unseeded = [i for i, seq in enumerate(seqs) if seq.seed is None]
         if unseeded:
             uniform[unseeded] = torch.rand(
                 len(unseeded), device=device, generator=self._unseeded_generator(device)
             )
         for i, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None:
+            if seq.seed is not None:
                 uniform[i] = torch.rand(
                     1, device=device, generator=self._seq_generator(seq, device)
                 )

@@ -1,22 +1,69 @@
 """Block tables: each sequence's logical KV blocks mapped onto physical blocks.
 
-`BlockManager` is the only writer of block tables and (through `BlockPool`) of ref
-counts, so `check_invariants` can verify the whole allocation state in one place.
+`BlockManager` is the only writer of block tables and (through its two `BlockPool`s, the
+device's and the CPU swap space's) of ref counts, so `check_invariants` can verify the
+whole allocation state in one place. It implements PagedAttention's sharing:
+
+- fork: a child table lists the parent's blocks, whose ref counts go up;
+- copy-on-write: a sequence about to write into a block that others hold gets a fresh
+  block, and the caller copies the K/V (`allocate_slots` returns the (src, dst) pairs).
+  Only a partly filled last block is ever written, so full shared blocks are never copied;
+- prefix caching: every full block of computed tokens is named by a chained hash of its
+  tokens (`prefix_cache.hash_block`), and a new sequence takes the blocks of its longest
+  cached prefix instead of recomputing them;
+- swapping: a group's blocks move to the CPU pool and back, sharing preserved.
 """
 
-from collections import Counter
+from __future__ import annotations
 
-from serve.kv_cache.block_pool import BlockPool
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from serve.kv_cache.block_pool import BlockPool, NoFreeBlocksError
+from serve.kv_cache.prefix_cache import ROOT_HASH, hash_block
+from serve.sequence import Sequence
+
+BlockCopy = tuple[int, int]  # (source block id, destination block id)
+
+
+@dataclass
+class PrefixCacheCounters:
+    """Prompt tokens looked up in the prefix cache, and how many of them were found."""
+
+    queries: int = 0
+    hits: int = 0
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
-        # seq_id -> physical block ids, in logical order.
+        self.cpu_pool = BlockPool(num_cpu_blocks)
+        # seq_id -> physical block ids, in logical order: device blocks for resident
+        # sequences, CPU blocks for swapped-out ones. A sequence is in at most one.
         self.block_tables: dict[int, list[int]] = {}
+        self.cpu_block_tables: dict[int, list[int]] = {}
+        # seq_id -> chained hashes of its first full blocks (computed lazily, tokens never
+        # change), and how many of its table's blocks are registered in the prefix cache.
+        self._block_hashes: dict[int, list[bytes]] = {}
+        self._num_registered: dict[int, int] = {}
+        # seq_id -> tokens its table was sized for (the K/V slots that hold a token).
+        self._num_slots_filled: dict[int, int] = {}
+        self.prefix_cache = PrefixCacheCounters()
+
+    # -- state -----------------------------------------------------------------------------
 
     @property
     def num_blocks(self) -> int:
@@ -28,48 +75,11 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of physical blocks in use, in [0, 1]."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of device blocks held by some sequence, in [0, 1]."""
+        return self.block_pool.num_used_blocks / self.num_blocks
 
     def num_required_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
-
-    def num_new_blocks(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks to add so seq_id's table covers `num_tokens` tokens in total."""
-        num_held = len(self.block_tables.get(seq_id, ()))
-        return max(0, self.num_required_blocks(num_tokens) - num_held)
-
-    def can_allocate(self, seq_id: int, num_tokens: int, watermark_blocks: int = 0) -> bool:
-        """Whether `allocate_slots(seq_id, num_tokens)` would succeed and still leave
-        `watermark_blocks` free (headroom that avoids immediate preemption)."""
-        return self.num_new_blocks(seq_id, num_tokens) <= self.num_free_blocks - watermark_blocks
-
-    def allocate_slots(self, seq_id: int, num_tokens: int) -> bool:
-        """Grow seq_id's table to cover `num_tokens` tokens in total.
-
-        All-or-nothing: returns False and changes nothing if there are too few free blocks.
-        """
-        num_new = self.num_new_blocks(seq_id, num_tokens)
-        if num_new > self.num_free_blocks:
-            return False
-        block_table = self.block_tables.setdefault(seq_id, [])
-        block_table.extend(self.block_pool.allocate() for _ in range(num_new))
-        return True
-
-    def free(self, seq_id: int) -> None:
-        """Release every block of seq_id's table and delete it; unknown ids are a no-op."""
-        # Free in reverse so a sequence's tail blocks return to the pool first.
-        for block_id in reversed(self.block_tables.pop(seq_id, [])):
-            self.block_pool.free(block_id)
-
-    def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
-        """Give the child a table sharing every parent block (copy-on-write comes later)."""
-        if child_seq_id in self.block_tables:
-            raise ValueError(f"fork target seq {child_seq_id} already has a block table")
-        parent_table = self.block_tables[parent_seq_id]
-        for block_id in parent_table:
-            self.block_pool.incref(block_id)
-        self.block_tables[child_seq_id] = list(parent_table)
 
     def get_block_table(self, seq_id: int) -> list[int]:
         return self.block_tables[seq_id]
@@ -77,24 +87,239 @@ class BlockManager:
     def has_table(self, seq_id: int) -> bool:
         return seq_id in self.block_tables
 
-    def check_invariants(self) -> None:
-        """Assert the ref counts and free list agree with the block tables."""
-        pool = self.block_pool
-        holders = Counter(b for table in self.block_tables.values() for b in table)
-        unknown = set(holders) - set(range(pool.num_blocks))
-        assert not unknown, f"block tables hold out-of-range block ids {sorted(unknown)}"
-        for block_id in range(pool.num_blocks):
-            ref_count = pool.ref_count(block_id)
-            assert ref_count >= 0, f"block {block_id} has negative ref count {ref_count}"
-            assert ref_count == holders[block_id], (
-                f"block {block_id}: ref count {ref_count} != {holders[block_id]} tables holding it"
+    def is_swapped_out(self, seq_id: int) -> bool:
+        return seq_id in self.cpu_block_tables
+
+    def kv_waste_fraction(self) -> float:
+        """Allocated token slots that hold no token, over all allocated slots."""
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for seq_id, table in self.block_tables.items():
+            num_filled = self._num_slots_filled[seq_id]
+            for i, block_id in enumerate(table):
+                slots = min(bs, max(0, num_filled - i * bs))
+                filled[block_id] = max(filled.get(block_id, 0), slots)
+        if not filled:
+            return 0.0
+        return 1.0 - sum(filled.values()) / (len(filled) * bs)
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """The device blocks holding the longest cached prefix of `seq`'s tokens.
+
+        Never the whole sequence: its last token must still run through the model to give
+        the logits of the next one. Changes nothing but the sequence's memoised hashes.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for block_hash in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
+            block_id = self.block_pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def num_blocks_to_admit(self, cached_prefix: list[int], num_tokens: int) -> int:
+        """Free blocks used by admitting a sequence with `cached_prefix` to `num_tokens`
+        tokens: the new ones, plus cached blocks that must leave the free list."""
+        revived = sum(1 for b in cached_prefix if self.block_pool.is_free(b))
+        return revived + max(0, self.num_required_blocks(num_tokens) - len(cached_prefix))
+
+    def take_cached_prefix(self, seq: Sequence, cached_prefix: list[int]) -> int:
+        """Start `seq`'s table with the cached blocks; returns the tokens they hold."""
+        if self.has_table(seq.seq_id) or self.is_swapped_out(seq.seq_id):
+            raise ValueError(f"seq {seq.seq_id} already has blocks")
+        for block_id in cached_prefix:
+            self.block_pool.incref(block_id)
+        self.block_tables[seq.seq_id] = list(cached_prefix)
+        self._num_registered[seq.seq_id] = len(cached_prefix)
+        num_cached_tokens = len(cached_prefix) * self.block_size
+        self._num_slots_filled[seq.seq_id] = num_cached_tokens
+        if self.enable_prefix_caching:
+            self.prefix_cache.queries += seq.num_tokens
+            self.prefix_cache.hits += num_cached_tokens
+        return num_cached_tokens
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register `seq`'s newly completed full blocks in the prefix cache (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[seq.seq_id]
+        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        for i, block_hash in enumerate(self._hashes(seq, num_full)[start:num_full], start):
+            self.block_pool.cache(table[i], block_hash)
+        self._num_registered[seq.seq_id] = num_full
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        hashes = self._block_hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, seq.token_ids_between(i * bs, (i + 1) * bs)))
+        return hashes
+
+    # -- growth and copy-on-write ------------------------------------------------------------
+
+    def num_blocks_needed(self, plan: Iterable[tuple[Sequence, int]]) -> int:
+        """Free blocks that `allocate_slots(seq, num_tokens)` for each (seq, num_tokens) of
+        `plan`, in order, would take: new blocks plus copy-on-write copies."""
+        total = 0
+        writers: Counter[int] = Counter()
+        for seq, num_tokens in plan:
+            table = self.block_tables.get(seq.seq_id, [])
+            total += max(0, self.num_required_blocks(num_tokens) - len(table))
+            shared = self._shared_block_written(seq, num_tokens, table)
+            if shared is not None:
+                writers[shared] += 1
+        for block_id, num_writers in writers.items():
+            # The last holder to write finds itself the only one and writes in place.
+            total += min(num_writers, self.block_pool.ref_count(block_id) - 1)
+        return total
+
+    def can_allocate(self, plan: Iterable[tuple[Sequence, int]], watermark_blocks: int = 0) -> bool:
+        return self.num_blocks_needed(plan) <= self.num_free_blocks - watermark_blocks
+
+    def allocate_slots(self, seq: Sequence, num_tokens: int) -> list[BlockCopy]:
+        """Grow `seq`'s table to cover `num_tokens` tokens in total, copying on write the
+        shared block it is about to write into. Returns the block copies the cache engine
+        must make before the forward pass. All-or-nothing: raises `NoFreeBlocksError` and
+        changes nothing when the free blocks do not suffice."""
+        table = self.block_tables.setdefault(seq.seq_id, [])
+        needed = self.num_blocks_needed([(seq, num_tokens)])
+        if needed > self.num_free_blocks:
+            if not table:
+                del self.block_tables[seq.seq_id]
+            raise NoFreeBlocksError(
+                f"seq {seq.seq_id} needs {needed} blocks, {self.num_free_blocks} are free"
             )
-        free_ids = pool.free_block_ids
-        assert len(free_ids) == len(set(free_ids)), f"free list has duplicates: {free_ids}"
-        zero_ref = {b for b in range(pool.num_blocks) if pool.ref_count(b) == 0}
-        assert set(free_ids) == zero_ref, (
-            f"free list {sorted(free_ids)} != blocks with ref count 0 {sorted(zero_ref)}"
+        copies = []
+        shared = self._shared_block_written(seq, num_tokens, table)
+        if shared is not None:
+            fresh = self.block_pool.allocate()
+            self.block_pool.free(shared)
+            table[seq.num_computed_tokens // self.block_size] = fresh
+            copies.append((shared, fresh))
+        num_new = self.num_required_blocks(num_tokens) - len(table)
+        table.extend(self.block_pool.allocate() for _ in range(num_new))
+        self._num_slots_filled[seq.seq_id] = max(
+            num_tokens, self._num_slots_filled.get(seq.seq_id, 0)
         )
-        assert pool.num_free_blocks + len(holders) == pool.num_blocks, (
-            f"{pool.num_free_blocks} free + {len(holders)} used != {pool.num_blocks} blocks"
+        return copies
+
+    def _shared_block_written(self, seq: Sequence, num_tokens: int, table: list[int]) -> int | None:
+        """The block this allocation writes first, if other tables hold it too."""
+        first = seq.num_computed_tokens
+        index = first // self.block_size
+        if num_tokens <= first or index >= len(table):
+            return None
+        block_id = table[index]
+        return block_id if self.block_pool.ref_count(block_id) > 1 else None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give the child a table sharing every block of the parent's."""
+        if self.has_table(child.seq_id) or self.is_swapped_out(child.seq_id):
+            raise ValueError(f"fork target seq {child.seq_id} already has blocks")
+        parent_table = self.block_tables[parent.seq_id]
+        for block_id in parent_table:
+            self.block_pool.incref(block_id)
+        self.block_tables[child.seq_id] = list(parent_table)
+        self._num_slots_filled[child.seq_id] = self._num_slots_filled[parent.seq_id]
+        self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
+        if parent.seq_id in self._block_hashes:
+            self._block_hashes[child.seq_id] = list(self._block_hashes[parent.seq_id])
+
+    def free(self, seq_id: int) -> None:
+        """Release every block of seq_id's table (device or CPU); unknown ids are a no-op."""
+        # Reverse order: a sequence's tail blocks, the least likely to be shared by a later
+        # prompt, become the first evicted.
+        for block_id in reversed(self.block_tables.pop(seq_id, [])):
+            self.block_pool.free(block_id)
+        for block_id in reversed(self.cpu_block_tables.pop(seq_id, [])):
+            self.cpu_pool.free(block_id)
+        self._block_hashes.pop(seq_id, None)
+        self._num_registered.pop(seq_id, None)
+        self._num_slots_filled.pop(seq_id, None)
+
+    # -- swapping ------------------------------------------------------------------------------
+
+    def num_swap_blocks(self, seqs: Iterable[Sequence], swapped_out: bool) -> int:
+        """Distinct blocks that swapping `seqs` (out of the device, or back in) would move."""
+        tables = self.cpu_block_tables if swapped_out else self.block_tables
+        return len({b for seq in seqs for b in tables[seq.seq_id]})
+
+    def swap_out(self, seqs: list[Sequence]) -> list[BlockCopy] | None:
+        """Move `seqs`' blocks to the CPU pool, keeping what they share shared. Returns the
+        (device, cpu) block copies to make, or None (changing nothing) if the CPU swap
+        space is too small."""
+        if self.num_swap_blocks(seqs, swapped_out=False) > self.cpu_pool.num_free_blocks:
+            return None
+        return self._move(
+            seqs, self.block_tables, self.cpu_block_tables, self.block_pool, self.cpu_pool
         )
+
+    def swap_in(self, seqs: list[Sequence]) -> list[BlockCopy]:
+        """Move `seqs`' blocks back onto the device; returns the (cpu, device) copies.
+        The caller checks `num_swap_blocks(seqs, swapped_out=True)` against free blocks."""
+        copies = self._move(
+            seqs, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.block_pool
+        )
+        for seq in seqs:  # the fresh device blocks hold the same prefixes again
+            self._num_registered[seq.seq_id] = 0
+            self.mark_computed(seq)
+        return copies
+
+    @staticmethod
+    def _move(
+        seqs: list[Sequence],
+        src_tables: dict[int, list[int]],
+        dst_tables: dict[int, list[int]],
+        src_pool: BlockPool,
+        dst_pool: BlockPool,
+    ) -> list[BlockCopy]:
+        needed = len({b for seq in seqs for b in src_tables[seq.seq_id]})
+        if needed > dst_pool.num_free_blocks:
+            raise NoFreeBlocksError(f"moving {needed} blocks, {dst_pool.num_free_blocks} free")
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            table = src_tables.pop(seq.seq_id)
+            new_table = []
+            for block_id in table:
+                if block_id in mapping:
+                    dst_pool.incref(mapping[block_id])
+                else:
+                    mapping[block_id] = dst_pool.allocate()
+                new_table.append(mapping[block_id])
+            for block_id in reversed(table):
+                src_pool.free(block_id)
+            dst_tables[seq.seq_id] = new_table
+        return list(mapping.items())
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert that ref counts equal the number of tables holding each block, in both
+        pools, and that no block is both free and held."""
+        both = self.block_tables.keys() & self.cpu_block_tables.keys()
+        assert not both, f"sequences {sorted(both)} are both resident and swapped out"
+        for pool, tables in (
+            (self.block_pool, self.block_tables),
+            (self.cpu_pool, self.cpu_block_tables),
+        ):
+            pool.check_invariants()
+            holders = Counter(b for table in tables.values() for b in table)
+            unknown = set(holders) - set(range(pool.num_blocks))
+            assert not unknown, f"block tables hold out-of-range block ids {sorted(unknown)}"
+            for block_id in range(pool.num_blocks):
+                assert pool.ref_count(block_id) == holders[block_id], (
+                    f"block {block_id}: ref count {pool.ref_count(block_id)} != "
+                    f"{holders[block_id]} tables holding it"
+                )
+            assert pool.num_free_blocks + len(holders) == pool.num_blocks, (
+                f"{pool.num_free_blocks} free + {len(holders)} held != {pool.num_blocks} blocks"
+            )

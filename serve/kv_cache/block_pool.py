@@ -1,6 +1,15 @@
-"""The physical KV blocks: which are free, and how many block tables hold each one."""
+"""The physical KV blocks of one device: who holds each, and which hold a known prefix.
 
-from collections import deque
+A block is *held* while its ref count (the number of block tables listing it) is above 0,
+and *free* otherwise. A free block may still be *cached*: it keeps the K/V of a known
+full block of tokens (its prefix hash), and a new request with that prefix takes it back
+instead of recomputing. Fresh allocations evict cached blocks in LRU order: the free list
+is ordered by release time, and allocation takes the least recently released block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -8,18 +17,16 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    """Owns the free list and per-block ref counts of `num_blocks` physical blocks.
-
-    Blocks are allocated from the left of the free list and freed blocks are appended to
-    the right, so a just-freed block is reused last (useful once prefix caching keeps
-    freed blocks' contents around).
-    """
-
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self._ref_counts: list[int] = [0] * num_blocks
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # Free blocks, least recently released first (the eviction order). An OrderedDict,
+        # not a deque: a prefix-cache hit takes a cached block out of the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_of_block: dict[int, bytes] = {}
+        self._block_of_hash: dict[bytes, int] = {}
+        self.peak_num_used = 0
 
     @property
     def num_blocks(self) -> int:
@@ -27,36 +34,94 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Free blocks, cached ones included: all of them can be allocated."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a known prefix."""
+        return sum(1 for b in self._free if b in self._hash_of_block)
 
     @property
     def free_block_ids(self) -> tuple[int, ...]:
         """Snapshot of the free list, in allocation order (for invariant checks)."""
-        return tuple(self._free_block_ids)
+        return tuple(self._free)
 
     def allocate(self) -> int:
-        """Take a free block; it starts with ref count 1."""
-        if not self._free_block_ids:
+        """Take the least recently released free block (forgetting any prefix it held); it
+        starts with ref count 1."""
+        if not self._free:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block_id = self._free_block_ids.popleft()
+        block_id, _ = self._free.popitem(last=False)
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of_hash[block_hash]
         self._ref_counts[block_id] = 1
+        self._note_usage()
         return block_id
 
     def incref(self, block_id: int) -> None:
-        """Add a holder to an allocated block (a forked or prefix-sharing table)."""
-        if self.ref_count(block_id) < 1:
-            raise ValueError(f"incref of free block {block_id}")
+        """Add a holder to a block: a fork, or a prefix-cache hit (which revives a free one)."""
+        if self.ref_count(block_id) == 0:
+            if block_id not in self._hash_of_block:
+                raise ValueError(f"incref of free, uncached block {block_id}")
+            del self._free[block_id]
+            self._note_usage()
         self._ref_counts[block_id] += 1
 
     def free(self, block_id: int) -> None:
-        """Drop one holder; the block returns to the free list when none remain."""
+        """Drop one holder; the block joins the free list's tail when none remain."""
         if self.ref_count(block_id) < 1:
             raise ValueError(f"double free of block {block_id}")
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
-            self._free_block_ids.append(block_id)
+            self._free[block_id] = None
 
     def ref_count(self, block_id: int) -> int:
         if not 0 <= block_id < self.num_blocks:
             raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
         return self._ref_counts[block_id]
+
+    # -- prefix cache ----------------------------------------------------------------------
+
+    def cache(self, block_id: int, block_hash: bytes) -> None:
+        """Record that held block `block_id` holds the full block of tokens `block_hash`
+        names. A hash already cached keeps its first block; the duplicate stays unnamed."""
+        if self.ref_count(block_id) < 1:
+            raise ValueError(f"cannot cache free block {block_id}")
+        if block_hash in self._block_of_hash or block_id in self._hash_of_block:
+            return
+        self._hash_of_block[block_id] = block_hash
+        self._block_of_hash[block_hash] = block_id
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._block_of_hash.get(block_hash)
+
+    def hash_of(self, block_id: int) -> bytes | None:
+        return self._hash_of_block.get(block_id)
+
+    def is_free(self, block_id: int) -> bool:
+        return self.ref_count(block_id) == 0
+
+    def reset_peak(self) -> None:
+        self.peak_num_used = self.num_used_blocks
+
+    def _note_usage(self) -> None:
+        self.peak_num_used = max(self.peak_num_used, self.num_used_blocks)
+
+    def check_invariants(self) -> None:
+        """Assert the free list, ref counts and prefix map agree with each other."""
+        assert all(r >= 0 for r in self._ref_counts), "negative ref count"
+        zero_ref = {b for b, r in enumerate(self._ref_counts) if r == 0}
+        assert set(self._free) == zero_ref, (
+            f"free list {sorted(self._free)} != blocks with ref count 0 {sorted(zero_ref)}"
+        )
+        for block_id, block_hash in self._hash_of_block.items():
+            assert self._block_of_hash.get(block_hash) == block_id, (
+                f"block {block_id}'s prefix hash maps to {self._block_of_hash.get(block_hash)}"
+            )
+        assert len(self._block_of_hash) == len(self._hash_of_block), "prefix maps differ in size"

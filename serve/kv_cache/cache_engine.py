@@ -1,4 +1,5 @@
-"""The KV cache tensors: one (key, value) pair per attention layer."""
+"""The KV cache tensors: one (key, value) pair per attention layer on the device, and the
+same in CPU memory as the swap space that preemption by swapping moves blocks into."""
 
 from __future__ import annotations
 
@@ -22,12 +23,25 @@ class CacheEngine:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_cpu_blocks = num_cpu_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self._allocate(shape, dtype, device), self._allocate(shape, dtype, device))
             for _ in range(num_layers)
+        ]
+        # Uninitialised: a swapped-in block is always one that was swapped out. Pinned on
+        # CUDA so the copies are asynchronous DMA; on CPU, untouched pages cost nothing.
+        cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = device.type == "cuda"
+        self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
+                torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
+            )
+            for _ in range(num_layers if num_cpu_blocks else 0)
         ]
 
     @staticmethod

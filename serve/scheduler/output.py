@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from serve.sequence import Sequence
+from serve.kv_cache.block_manager import BlockCopy
+from serve.sequence import Sequence, SequenceGroup
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,12 @@ class ScheduledSequence:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
+    preempted: list[SequenceGroup] = field(default_factory=list)
+    # Block moves the cache engine makes before the forward pass, in this order: swap-outs
+    # read blocks that swap-ins and copies may then overwrite.
+    blocks_to_swap_out: list[BlockCopy] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[BlockCopy] = field(default_factory=list)  # (cpu, device)
+    blocks_to_copy: list[BlockCopy] = field(default_factory=list)  # (src, dst) copy-on-write
 
     @property
     def num_batched_tokens(self) -> int:
@@ -36,3 +42,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_block_moves(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)

@@ -3,22 +3,33 @@
 One scheduling model for every case: each sequence has `num_computed_tokens`, and every
 step decides how many of its remaining tokens to compute — a whole prompt, a prefill
 chunk, one decode token, or a recompute after preemption — within the step's budgets.
-Running sequences go first (decodes are never starved by new prompts); waiting ones are
-admitted FCFS with what is left.
+
+The unit is the request (`SequenceGroup`): its sequences are scheduled together, so the
+beams of a beam search all get their logits in the same step. Each step, in order:
+
+1. running groups, oldest first; when blocks run out the latest arrivals are preempted —
+   swapped to the CPU when they have several sequences (recomputing all of them would
+   cost more than the copy), recomputed otherwise, unless `preemption_mode` says;
+2. swapped groups come back when their blocks fit, before any new work is admitted;
+3. waiting groups are admitted FCFS, each taking the longest prefix already in the
+   prefix cache, with what is left of the budgets.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 from serve.config import SchedulerConfig
 from serve.kv_cache.block_manager import BlockManager
 from serve.scheduler.output import ScheduledSequence, SchedulerOutput
-from serve.sequence import Sequence, SequenceStatus
+from serve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # Blocks kept free when admitting new work beside running work, so that running
 # sequences can grow a little before anything must be preempted (vLLM uses 1%).
 WATERMARK_FRACTION = 0.01
+
+Plan = list[tuple[Sequence, int]]  # (sequence, tokens to compute this step)
 
 
 class Scheduler:
@@ -30,100 +41,219 @@ class Scheduler:
         block_manager: BlockManager,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        self.preemption_mode = config.preemption_mode
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
         self.watermark_blocks = int(WATERMARK_FRACTION * block_manager.num_blocks)
-        # Invariant: `running` and `waiting` are each in arrival order, and every running
-        # sequence arrived before every waiting one; so running[-1] is the latest arrival.
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        # `running` and `swapped` are kept in arrival order, so running[-1] is the latest
+        # arrival (the preemption victim); preempted groups rejoin `waiting` at its front.
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
-    def add(self, seq: Sequence) -> None:
-        if seq.num_prompt_tokens == 0:
+    def add(self, group: SequenceGroup) -> None:
+        num_prompt = len(group.prompt_token_ids)
+        if num_prompt == 0:
             raise ValueError("The prompt is empty: give at least one token.")
-        if seq.num_prompt_tokens >= self.max_model_len:
+        if num_prompt >= self.max_model_len:
             raise ValueError(
-                f"The prompt has {seq.num_prompt_tokens} tokens, but this model's context "
-                f"window (max_model_len) is {self.max_model_len} tokens, and at least one must "
-                "be left for the output. Shorten the prompt."
+                f"The prompt has {num_prompt} tokens, but this model's context window "
+                f"(max_model_len) is {self.max_model_len} tokens, and at least one must be "
+                "left for the output. Shorten the prompt."
             )
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if group.max_num_seqs > self.max_num_seqs:
+            raise ValueError(
+                f"The request runs {group.max_num_seqs} sequences at once (n, best_of or the "
+                f"beam width), more than max_num_seqs={self.max_num_seqs}. Ask for fewer, or "
+                "raise --max-num-seqs."
+            )
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.append(group)
+
+    # -- the step ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        token_budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
 
         i = 0
-        while i < len(self.running) and token_budget > 0:
-            seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, token_budget)
-            if not self._allocate_or_preempt(seq, num_new, out):
-                break  # `seq` itself was preempted, and everything after it
-            out.scheduled.append(self._scheduled(seq, num_new))
-            token_budget -= num_new
+        while i < len(self.running) and budget > 0:
+            group = self.running[i]
+            plan = self._plan(group, budget)
+            if not plan or not self._allocate_or_preempt(group, plan, out):
+                break  # out of budget, or `group` itself was preempted (and all after it)
+            budget -= self._schedule(plan, out)
             i += 1
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
-        while (
-            not out.preempted
-            and self.waiting
-            and token_budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
-            seq = self.waiting[0]
-            num_new = min(seq.num_uncomputed_tokens, token_budget)
-            watermark = self.watermark_blocks if self.running else 0
-            num_tokens = seq.num_computed_tokens + num_new
-            if not self.block_manager.can_allocate(seq.seq_id, num_tokens, watermark):
+        seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
+        while not out.preempted and self.swapped and budget > 0:
+            group = self.swapped[0]
+            plan = self._plan(group, budget)
+            if not plan or group.max_num_seqs > seats or not self._can_swap_in(group, plan):
                 break
-            self.block_manager.allocate_slots(seq.seq_id, num_tokens)
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += self.block_manager.swap_in(group.live_seqs)
+            self._set_running(group)
+            seats -= group.max_num_seqs
+            self._allocate(plan, out)
+            budget -= self._schedule(plan, out)
+
+        while not out.preempted and not self.swapped and self.waiting and budget > 0:
+            group = self.waiting[0]
+            if group.max_num_seqs > seats or not self._admit(group, budget, out):
+                break
             self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(self._scheduled(seq, num_new))
-            token_budget -= num_new
+            seats -= group.max_num_seqs
+            budget = self.max_num_batched_tokens - out.num_batched_tokens
         return out
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        return ScheduledSequence(seq, num_new, self.block_manager.get_block_table(seq.seq_id))
+    def _plan(
+        self, group: SequenceGroup, budget: int, cached: dict[int, int] | None = None
+    ) -> Plan:
+        """How many tokens each live sequence of `group` computes this step, within
+        `budget`; `cached` overrides sequences' computed counts (prefix-cache hits)."""
+        live = group.live_seqs
+        remaining = [
+            seq.num_tokens - (cached[seq.seq_id] if cached else seq.num_computed_tokens)
+            for seq in live
+        ]
+        if len(live) == 1:
+            n = min(remaining[0], budget)
+            return [(live[0], n)] if n > 0 else []
+        if any(r > 1 for r in remaining):
+            # Catching up after a recompute: compute all but each sequence's last token, so
+            # that every sequence samples in the same later step (beams need that).
+            plan = []
+            for seq, r in zip(live, remaining):
+                n = min(r - 1, budget)
+                if n > 0:
+                    plan.append((seq, n))
+                    budget -= n
+            return plan
+        return [(seq, 1) for seq in live] if len(live) <= budget else []
 
-    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
-        """Grow `seq`'s blocks for `num_new` tokens, preempting the latest arrivals until
-        they fit. Returns False if `seq` itself had to go."""
-        num_tokens = seq.num_computed_tokens + num_new
-        while not self.block_manager.allocate_slots(seq.seq_id, num_tokens):
+    def _schedule(self, plan: Plan, out: SchedulerOutput) -> int:
+        for seq, n in plan:
+            out.scheduled.append(
+                ScheduledSequence(seq, n, self.block_manager.get_block_table(seq.seq_id))
+            )
+        return sum(n for _, n in plan)
+
+    def _allocate(self, plan: Plan, out: SchedulerOutput) -> None:
+        for seq, n in plan:
+            copies = self.block_manager.allocate_slots(seq, seq.num_computed_tokens + n)
+            out.blocks_to_copy += copies
+
+    def _allocate_or_preempt(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> bool:
+        """Grow `group`'s blocks for `plan`, preempting the latest arrivals until they fit.
+        Returns False if `group` itself had to go."""
+        totals = [(seq, seq.num_computed_tokens + n) for seq, n in plan]
+        while not self.block_manager.can_allocate(totals):
             victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is seq:
+            self._preempt(victim, out)
+            if victim is group:
                 return False
+        self._allocate(plan, out)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, go back to the waiting front."""
-        self.block_manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+    def _can_swap_in(self, group: SequenceGroup, plan: Plan) -> bool:
+        bm = self.block_manager
+        # Upper bound of the growth after swapping in: new blocks, plus one copy-on-write
+        # copy per sequence.
+        growth = sum(
+            max(
+                0,
+                bm.num_required_blocks(seq.num_computed_tokens + n)
+                - len(bm.cpu_block_tables[seq.seq_id]),
+            )
+            + 1
+            for seq, n in plan
+        )
+        needed = bm.num_swap_blocks(group.live_seqs, swapped_out=True) + growth
+        watermark = self.watermark_blocks if self.running else 0
+        return needed <= bm.num_free_blocks - watermark
+
+    def _admit(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> bool:
+        """Start a waiting group: take its cached prefixes, allocate its first chunk."""
+        bm = self.block_manager
+        live = group.live_seqs
+        hits = {seq.seq_id: bm.find_cached_prefix(seq) for seq in live}
+        cached = {seq.seq_id: len(hits[seq.seq_id]) * bm.block_size for seq in live}
+        plan = self._plan(group, budget, cached)
+        if not plan:
+            return False
+        revived = {b for blocks in hits.values() for b in blocks if bm.block_pool.is_free(b)}
+        needed = len(revived) + sum(
+            max(0, bm.num_required_blocks(cached[seq.seq_id] + n) - len(hits[seq.seq_id]))
+            for seq, n in plan
+        )
+        watermark = self.watermark_blocks if self.running else 0
+        if needed > bm.num_free_blocks - watermark:
+            return False
+        for seq in live:
+            seq.num_computed_tokens = bm.take_cached_prefix(seq, hits[seq.seq_id])
+        self._set_running(group)
+        self._allocate(plan, out)
+        self._schedule(plan, out)
+        return True
+
+    def _set_running(self, group: SequenceGroup) -> None:
+        for seq in group.live_seqs:
+            seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        live = group.live_seqs
+        mode = self.preemption_mode or ("swap" if len(live) > 1 else "recompute")
+        copies = self.block_manager.swap_out(live) if mode == "swap" else None
+        if copies is not None:
+            out.blocks_to_swap_out += copies
+            for seq in live:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
+        else:
+            # Recompute (or the swap space is full): drop the KV, keep the tokens.
+            for seq in live:
+                self.block_manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(group)
+        out.preempted.append(group)
         self.num_preemptions += 1
+
+    # -- after the step --------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens' K/V are now in the cache."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.mark_computed(s.seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its blocks, in this same step."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+    def fork(self, parent: Sequence, child: Sequence, group: SequenceGroup) -> None:
+        """Add `child` (a copy of running `parent`) to `group`, sharing the parent's blocks."""
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+
+    def finish_seq(self, seq: Sequence) -> None:
+        """One sequence of a group is done (or a beam dropped): free its blocks now."""
         self.block_manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
+
+    def finish(self, group: SequenceGroup) -> None:
+        """Remove a finished or aborted request and free all its blocks, in this same step."""
+        for queue in (self.running, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        if group in self.waiting:
+            self.waiting.remove(group)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.finish_seq(seq)

@@ -1,0 +1,114 @@
+"""Beam search for one request, step by step, with HF transformers' rules.
+
+HF's (vectorised, transformers >= 4.45) beam search, restated for one request whose beams
+are engine sequences:
+
+- each step, every running beam's next-token log-probabilities are added to its running
+  score, and the top `max(2, 1 + num_stop_tokens) * width` (beam, token) candidates taken;
+- candidates that end (a stop token, or the length limit) and rank in the first `width`
+  become finished hypotheses, scored `score / output_len ** length_penalty`; the `width`
+  best hypotheses are kept;
+- the best `width` candidates that do not end are the next running beams;
+- the search stops when no candidate can continue, when `early_stopping=True` and `width`
+  hypotheses are finished, or when the best running beam can no longer beat the worst
+  finished hypothesis (judged at the current length, or at the maximum length for
+  `early_stopping="never"` with a positive penalty).
+
+Scores are float32 sums, as HF keeps them, so ties resolve alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from serve.sampling_params import SamplingParams
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam: its output tokens and scores."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    score: float  # cumulative_logprob / len(token_ids) ** length_penalty
+    ended_by_stop_token: bool
+
+
+@dataclass
+class Continuation:
+    """A beam that runs on: `parent`'s tokens plus `token_id`."""
+
+    parent: int  # index into the beams given to `BeamSearch.step`
+    token_id: int
+    score: float  # the new running score (cumulative logprob, float32)
+    token_logprob: float
+
+
+class BeamSearch:
+    def __init__(
+        self, params: SamplingParams, stop_token_ids: set[int], max_output_tokens: int
+    ) -> None:
+        self.width = params.best_of
+        self.length_penalty = params.length_penalty
+        self.early_stopping = params.early_stopping
+        self.stop_token_ids = stop_token_ids
+        self.max_output_tokens = max_output_tokens  # max_tokens, capped by the context window
+        self.num_candidates = max(2, 1 + len(stop_token_ids)) * self.width
+        self.finished: list[Hypothesis] = []  # best first, at most `width`
+        self.is_done = False
+        # HF's `is_early_stop_heuristic_unsatisfied`: once False, nothing more can finish.
+        self._can_improve = True
+
+    def step(
+        self,
+        output_token_ids: list[list[int]],  # per running beam, all of the same length
+        scores: list[float],  # per running beam, its running score
+        logits: torch.Tensor,  # [num_beams, vocab]
+    ) -> list[Continuation]:
+        """Advance one token. Returns the next running beams, best first (empty when done)."""
+        num_beams, vocab = logits.shape
+        out_len = len(output_token_ids[0]) + 1  # output length of every candidate
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        totals = logprobs + torch.tensor(scores, dtype=torch.float32)[:, None]
+        top = totals.view(-1).topk(min(self.num_candidates, num_beams * vocab))
+        # Divided in float32, as HF does, so that rankings of near-equal scores agree.
+        penalized = (top.values / out_len**self.length_penalty).tolist()
+        candidates = list(zip(top.values.tolist(), top.indices.tolist(), penalized))
+        at_length_limit = out_len >= self.max_output_tokens
+
+        running: list[Continuation] = []
+        new_finished: list[Hypothesis] = []
+        num_ended = 0
+        for rank, (total, flat_index, score) in enumerate(candidates):
+            parent, token = divmod(flat_index, vocab)
+            is_stop = token in self.stop_token_ids
+            if is_stop or at_length_limit:
+                num_ended += 1
+                if rank < self.width:
+                    tokens = [*output_token_ids[parent], token]
+                    new_finished.append(Hypothesis(tokens, total, score, is_stop))
+            elif len(running) < self.width:
+                running.append(Continuation(parent, token, total, logprobs[parent, token].item()))
+
+        full = len(self.finished) == self.width
+        if self._can_improve and not (full and self.early_stopping is True):
+            # Stable sort, earlier hypotheses first: HF's top-k over [old, new] keeps order on ties.
+            merged = sorted(self.finished + new_finished, key=lambda h: -h.score)
+            self.finished = merged[: self.width]
+
+        if running and self._can_improve and len(self.finished) == self.width:
+            if self.early_stopping == "never" and self.length_penalty > 0:
+                best_length = self.max_output_tokens
+            else:
+                best_length = out_len
+            best_score = torch.tensor(running[0].score, dtype=torch.float32)
+            best_possible = (best_score / best_length**self.length_penalty).item()
+            self._can_improve = best_possible > self.finished[-1].score
+
+        all_finished_and_eager = len(self.finished) == self.width and self.early_stopping is True
+        if not self._can_improve or all_finished_and_eager or num_ended == len(candidates):
+            self.is_done = True
+            return []
+        return running
