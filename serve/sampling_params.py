@@ -85,13 +85,18 @@ class SamplingParams:
                 f"early_stopping must be true, false or 'never', got {self.early_stopping!r}."
             )
         if self.temperature != 0.0:
-            raise ValueError("Beam search is deterministic: set temperature to 0.")
+            raise ValueError(
+                f"temperature must be 0 with beam search, which is deterministic; "
+                f"got {self.temperature}."
+            )
         if self.top_p != 1.0 or self.top_k or self.min_p:
-            raise ValueError("Beam search takes no top_p, top_k or min_p: leave them unset.")
+            raise ValueError(
+                "top_p, top_k and min_p do not apply to beam search: leave them unset."
+            )
         if self._stop_strings:
             raise ValueError(
-                "Beam search stops only at EOS, stop_token_ids or max_tokens; "
-                "stop strings are not supported with it."
+                "stop strings are not supported with beam search, which stops only at EOS, "
+                "stop_token_ids or max_tokens."
             )
 
     @property

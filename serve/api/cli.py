@@ -7,7 +7,14 @@ import logging
 import os
 import sys
 
-from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, LOAD_FORMATS
+from serve.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_SWAP_SPACE_BYTES,
+    DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    GiB,
+)
 
 logger = logging.getLogger("serve")
 
@@ -80,6 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on GPU, "
         f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU)",
     )
+    cache.add_argument(
+        "--swap-space",
+        type=float,
+        default=DEFAULT_SWAP_SPACE_BYTES / GiB,
+        help="CPU swap space for preempted requests' KV blocks, in GiB (default %(default)g)",
+    )
+    cache.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default=None,
+        help="how to preempt when the KV cache is full (default: swap requests with several "
+        "sequences, recompute single ones)",
+    )
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompts' shared prefixes (default on)",
+    )
     cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 
     server = p.add_argument_group("server")
@@ -140,6 +166,9 @@ def _load(args: argparse.Namespace):
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        swap_space=args.swap_space,
+        enable_prefix_caching=args.enable_prefix_caching,
+        preemption_mode=args.preemption_mode,
         device=args.device,
     )
     engine = AsyncEngine.from_config(config)

@@ -43,6 +43,12 @@ class SamplingRequest(OpenAIModel):
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=128)
+    # vLLM's extras: sample best_of, return the n most likely; or beam search of width
+    # best_of (default n) ranked as HF transformers ranks beams.
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -58,17 +64,30 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(
-        self, max_tokens: int, num_logprobs: int | None, sample_index: int
-    ) -> SamplingParams:
-        """Params for the `sample_index`-th of the n independent samples."""
-        seed = None if self.seed is None else self.seed + sample_index
+    @model_validator(mode="after")
+    def _best_of(self) -> SamplingRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and not self.use_beam_search and (self.best_of or self.n) > self.n:
+            raise ValueError("best_of greater than n cannot be streamed; set stream to false")
+        return self
+
+    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        """The engine's params: n samples (sample i seeded seed + i) or n beams."""
+        temperature = self.temperature
+        if self.use_beam_search and "temperature" not in self.model_fields_set:
+            temperature = 0.0  # beam search is deterministic; 1.0 is only the API default
         return SamplingParams(
-            temperature=self.temperature,
+            n=self.n,
+            best_of=self.best_of,
+            use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            temperature=temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
-            seed=seed,
+            seed=self.seed,
             max_tokens=max_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -1,5 +1,5 @@
-"""What chat and completions share: the context-window check, fanning out `n` samples,
-holding back text that may yet turn out to be a stop string, and usage counts."""
+"""What chat and completions share: the context-window check, numbering the `n` choices
+of each prompt, holding back text that may yet turn out to be a stop string, and usage."""
 
 from __future__ import annotations
 
@@ -202,8 +202,28 @@ async def guard_stream() -> AsyncIterator[StreamFailure]:
 ContentFields = Callable[[int, CompletionOutput, str, int, int, int], dict[str, Any]]
 
 
+async def choice_outputs(
+    streams: list[AsyncGenerator[RequestOutput, None]], n: int
+) -> AsyncIterator[tuple[int, CompletionOutput]]:
+    """Every choice's output as it grows: choice `i * n + j` is output j of prompt i, as
+    OpenAI numbers them."""
+    async for stream_index, out in merge_streams(streams):
+        for completion in out.outputs:
+            yield stream_index * n + completion.index, completion
+
+
+async def final_choices(
+    streams: list[AsyncGenerator[RequestOutput, None]], n: int
+) -> list[CompletionOutput]:
+    finals: dict[int, CompletionOutput] = {}
+    async for index, completion in choice_outputs(streams, n):
+        finals[index] = completion
+    return [finals[i] for i in range(len(finals))]
+
+
 async def stream_choices(
-    streams: list[AsyncIterator[RequestOutput]],
+    streams: list[AsyncGenerator[RequestOutput, None]],
+    n: int,
     writer: ChunkWriter,
     stop: str | list[str] | None,
     num_prompt_tokens: int,
@@ -213,10 +233,11 @@ async def stream_choices(
 ) -> AsyncIterator[str]:
     """The content, finish and usage chunks of a streamed response, then [DONE]. Chat and
     completions differ only in the fields of a choice, which the callers supply."""
-    state = StreamState(len(streams), stop_holdback(stop))
+    state = StreamState(len(streams) * n, stop_holdback(stop))
     async with guard_stream() as failed:
-        async for index, out in merge_streams(streams):
-            completion = out.outputs[0]
+        async for index, completion in choice_outputs(streams, n):
+            if state.choices[index].finish_reason is not None:
+                continue  # a sibling moved on; this choice has said all it had
             sent_chars = state.choices[index].num_chars
             text, start, end = state.delta(index, completion)
             if text or (completion.logprobs is not None and end > start):
@@ -249,7 +270,7 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def open_streams(
+def open_stream(
     engine: AsyncEngine,
     request: SamplingRequest,
     request_id: str,
@@ -257,13 +278,10 @@ def open_streams(
     prompt: str | None,
     max_tokens: int,
     num_logprobs: int | None,
-) -> list[AsyncIterator[RequestOutput]]:
-    """`n` independent samples (KV sharing between them comes with fork / copy-on-write)."""
+) -> AsyncGenerator[RequestOutput, None]:
+    """One engine request for a prompt's `n` choices, which share the prompt's KV blocks."""
     try:
-        params = [request.sampling_params(max_tokens, num_logprobs, i) for i in range(request.n)]
+        params = request.sampling_params(max_tokens, num_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
-    return [
-        engine.generate(f"{request_id}-{i}", prompt_token_ids, p, prompt)
-        for i, p in enumerate(params)
-    ]
+    return engine.generate(request_id, prompt_token_ids, params, prompt)

@@ -12,8 +12,8 @@ from serve.api.serving_base import (
     ServerSettings,
     UsageCallback,
     check_model,
-    merge_streams,
-    open_streams,
+    final_choices,
+    open_stream,
     ranked_alternatives,
     resolve_max_tokens,
     stream_choices,
@@ -93,15 +93,12 @@ class ChatHandler:
     async def create(self, request: ChatCompletionRequest) -> dict[str, Any]:
         text, prompt_ids, max_tokens = self.prepare(request)
         request_id = random_id("chatcmpl")
-        streams = open_streams(
+        stream = open_stream(
             self.engine, request, request_id, prompt_ids, text, max_tokens, request.num_logprobs
         )
-        finals: dict[int, CompletionOutput] = {}
-        async for index, out in merge_streams(streams):
-            finals[index] = out.outputs[0]
+        finals = await final_choices([stream], request.n)
         choices = []
-        for index in range(request.n):
-            completion = finals[index]
+        for index, completion in enumerate(finals):
             choices.append(
                 {
                     "index": index,
@@ -113,7 +110,7 @@ class ChatHandler:
                     "stop_reason": completion.stop_reason,
                 }
             )
-        num_completion = sum(len(c.token_ids) for c in finals.values())
+        num_completion = sum(len(c.token_ids) for c in finals)
         return {
             "id": request_id,
             "object": "chat.completion",
@@ -136,10 +133,10 @@ class ChatHandler:
             self.settings.served_model_name,
             bool(request.stream_options and request.stream_options.include_usage),
         )
-        streams = open_streams(
+        stream = open_stream(
             self.engine, request, writer.id, prompt_ids, text, max_tokens, request.num_logprobs
         )
-        return self._events(request, streams, writer, len(prompt_ids), on_usage)
+        return self._events(request, [stream], writer, len(prompt_ids), on_usage)
 
     async def _events(
         self,
@@ -159,6 +156,13 @@ class ChatHandler:
             return {"delta": {"content": text}, "logprobs": logprobs}
 
         async for event in stream_choices(
-            streams, writer, request.stop, num_prompt_tokens, content, {"delta": {}}, on_usage
+            streams,
+            request.n,
+            writer,
+            request.stop,
+            num_prompt_tokens,
+            content,
+            {"delta": {}},
+            on_usage,
         ):
             yield event

@@ -12,8 +12,8 @@ from serve.api.serving_base import (
     ServerSettings,
     UsageCallback,
     check_model,
-    merge_streams,
-    open_streams,
+    final_choices,
+    open_stream,
     ranked_alternatives,
     resolve_max_tokens,
     stream_choices,
@@ -73,10 +73,9 @@ class CompletionHandler:
         ]
 
     def _open(self, request: CompletionRequest, request_id: str, prompts):
-        """Choice i*n + j is sample j of prompt i, as OpenAI numbers them."""
-        streams = []
-        for i, (text, ids, max_tokens) in enumerate(prompts):
-            streams += open_streams(
+        """One engine request per prompt."""
+        return [
+            open_stream(
                 self.engine,
                 request,
                 f"{request_id}-{i}",
@@ -85,7 +84,8 @@ class CompletionHandler:
                 max_tokens,
                 request.num_logprobs,
             )
-        return streams
+            for i, (text, ids, max_tokens) in enumerate(prompts)
+        ]
 
     def _logprobs(
         self, completion: CompletionOutput, start: int, end: int, text_offset: int, num_top: int
@@ -116,12 +116,9 @@ class CompletionHandler:
     async def create(self, request: CompletionRequest) -> dict[str, Any]:
         prompts = self.prepare(request)
         request_id = random_id("cmpl")
-        finals: dict[int, CompletionOutput] = {}
-        async for index, out in merge_streams(self._open(request, request_id, prompts)):
-            finals[index] = out.outputs[0]
+        finals = await final_choices(self._open(request, request_id, prompts), request.n)
         choices = []
-        for index in range(len(finals)):
-            completion = finals[index]
+        for index, completion in enumerate(finals):
             prompt_text = prompts[index // request.n][0]
             prefix = prompt_text if request.echo else ""
             choices.append(
@@ -136,7 +133,7 @@ class CompletionHandler:
                 }
             )
         num_prompt = sum(len(ids) for _, ids, _ in prompts)
-        num_completion = sum(len(c.token_ids) for c in finals.values())
+        num_completion = sum(len(c.token_ids) for c in finals)
         return {
             "id": request_id,
             "object": "text_completion",
@@ -168,7 +165,7 @@ class CompletionHandler:
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[str]:
         if request.echo:
-            for index in range(len(streams)):
+            for index in range(len(streams) * request.n):
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
         num_top = request.logprobs or 0
@@ -179,6 +176,6 @@ class CompletionHandler:
 
         num_prompt = sum(len(ids) for _, ids, _ in prompts)
         async for event in stream_choices(
-            streams, writer, request.stop, num_prompt, content, {"text": ""}, on_usage
+            streams, request.n, writer, request.stop, num_prompt, content, {"text": ""}, on_usage
         ):
             yield event

@@ -126,7 +126,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         core = self.core
-        stats = _Stats()
+        stats = _Stats(core)
         try:
             while True:
                 # Idle: block until a command arrives. Busy: take whatever is queued.
@@ -137,7 +137,7 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                     if block:
-                        stats.start_window()  # idle time is not throughput
+                        stats.start_window(core)  # idle time is not throughput
                     if command is _STOP:
                         return
                     self._apply(command)
@@ -145,7 +145,7 @@ class AsyncEngine:
                 if not core.has_unfinished_requests():
                     continue
                 outputs = core.step()
-                stats.record(core, outputs)
+                stats.record(core)
                 self._deliver_step(outputs)
         except BaseException as e:  # a fault here ends the engine: fail everyone, loudly
             logger.exception("Engine loop died")
@@ -192,24 +192,27 @@ def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
 class _Stats:
     """The periodic stats line while the engine is busy."""
 
-    def __init__(self) -> None:
-        self.start_window()
+    def __init__(self, core: EngineCore) -> None:
+        self.start_window(core)
 
-    def start_window(self) -> None:
+    def start_window(self, core: EngineCore) -> None:
         self.last_log = time.monotonic()
-        self.num_tokens = 0
+        self.tokens_at_start = core.num_generated_tokens
 
-    def record(self, core: EngineCore, outputs: list[RequestOutput]) -> None:
-        self.num_tokens += len(outputs)
+    def record(self, core: EngineCore) -> None:
         now = time.monotonic()
         if now - self.last_log < STATS_INTERVAL_S:
             return
-        scheduler = core.scheduler
+        stats = core.stats()
         logger.info(
-            "running %d, waiting %d, KV cache %.1f%% used, generation %.1f tokens/s",
-            len(scheduler.running),
-            len(scheduler.waiting),
-            100 * core.block_manager.usage,
-            self.num_tokens / (now - self.last_log),
+            "running %d, waiting %d, swapped %d requests; KV cache %.1f%% used, prefix cache "
+            "hit rate %.1f%%; %d preemptions; generation %.1f tokens/s",
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_swapped,
+            100 * stats.num_blocks_used / stats.num_blocks_total,
+            100 * stats.prefix_cache_hit_rate,
+            stats.num_preemptions,
+            (core.num_generated_tokens - self.tokens_at_start) / (now - self.last_log),
         )
-        self.last_log, self.num_tokens = now, 0
+        self.start_window(core)

@@ -92,6 +92,7 @@ class EngineCore:
         self._groups: dict[str, SequenceGroup] = {}
         self._beam_searches: dict[str, BeamSearch] = {}
         self._next_seq_id = 0
+        self.num_generated_tokens = 0  # sampled tokens, beams included, since start
         logger.info(
             "Model %s (%s) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), "
             "swap space %d blocks; prefix caching %s; max_model_len %d",
@@ -207,6 +208,7 @@ class EngineCore:
             seqs += siblings
 
         touched: dict[str, SequenceGroup] = {}
+        self.num_generated_tokens += len(seqs) + sum(len(r) for r in beam_rows.values())
         if seqs:
             row_index = torch.tensor(rows, device=logits.device)
             sampled = self.sampler(logits.index_select(0, row_index), seqs)

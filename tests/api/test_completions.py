@@ -64,6 +64,51 @@ def test_n_choices(client, server):
     assert len({c.text for c in resp.choices}) > 1
 
 
+def test_n_samples_equal_single_requests_with_derived_seeds(client, server):
+    """One request with n samples shares the prompt's KV; sample i is seeded seed + i."""
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=6, extra_body=IGNORE_EOS)
+    together = client.completions.create(n=3, seed=11, **kwargs)
+    alone = [client.completions.create(seed=11 + i, **kwargs).choices[0].text for i in range(3)]
+    assert [c.text for c in together.choices] == alone
+
+
+def test_best_of_returns_the_most_likely_samples(client, server):
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=5, seed=5, extra_body=IGNORE_EOS)
+    four = client.completions.create(n=4, logprobs=0, **kwargs).choices
+    ranked = sorted(four, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.usage.completion_tokens == 10
+
+
+def test_beam_search_equals_hf(client, server, tokenizer, tiny_llama):
+    import torch
+    import transformers
+
+    prompt_ids = tokenizer(PROMPT).input_ids
+    resp = client.completions.create(
+        model=server.model,
+        prompt=prompt_ids,
+        n=2,
+        max_tokens=6,
+        extra_body={"use_beam_search": True, "best_of": 3, **IGNORE_EOS},
+    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    hf = model.generate(
+        torch.tensor([prompt_ids]),
+        num_beams=3,
+        num_return_sequences=2,
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=1,  # unused: no beam ends early; HF needs one without an EOS
+    )
+    expected = [tokenizer.decode(row[len(prompt_ids) :]) for row in hf.tolist()]
+    assert [c.text for c in resp.choices] == expected
+    assert [c.finish_reason for c in resp.choices] == ["length", "length"]
+
+
 def test_stop_string_and_token_ids(client, server, tokenizer, tiny_llama):
     full = greedy(client, server, PROMPT, max_tokens=16, extra_body=IGNORE_EOS).choices[0].text
     match = re.search(r"[A-Za-z0-9]{2}", full[2:])

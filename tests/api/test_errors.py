@@ -65,6 +65,11 @@ def test_chat_bad_values_are_400(http, server, fields, param):
         {"logprobs": 50},
         {"echo": True, "logprobs": 1},
         {"suffix": "x"},
+        {"n": 3, "best_of": 2},
+        {"best_of": 3, "stream": True},  # the best cannot be known until the end
+        {"use_beam_search": True, "best_of": 2, "temperature": 0.7},
+        {"use_beam_search": True, "best_of": 2, "stop": "x"},
+        {"n": 200, "best_of": 300},
     ],
 )
 def test_completion_bad_values_are_400(http, server, fields):
