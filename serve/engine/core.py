@@ -16,7 +16,6 @@ from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
 from serve.outputs import CompletionOutput, EngineStats, RequestOutput
 from serve.sampling_params import SamplingParams
-from serve.scheduler.output import SchedulerOutput
 from serve.scheduler.scheduler import Scheduler
 from serve.sequence import FinishReason, Sequence, SequenceGroup
 
@@ -186,15 +185,29 @@ class EngineCore:
         """One iteration: schedule, run the batch, sample, update. Returns the requests that
         made progress this step (cumulative outputs)."""
         sched = self.scheduler.schedule()
+        ended = [self._end_cannot_fit(group) for group in sched.cannot_fit]
         if sched.is_empty and not sched.has_block_moves:
-            return []
+            return ended
         model_out = self.model_runner.execute(sched)
         self.scheduler.update(sched)
-        return self._process(sched, model_out.logits, model_out.sampled_seqs)
+        return ended + self._process(model_out.logits, model_out.sampled_seqs)
 
-    def _process(
-        self, sched: SchedulerOutput, logits: torch.Tensor, sampled_seqs: list[Sequence]
-    ) -> list[RequestOutput]:
+    def _end_cannot_fit(self, group: SequenceGroup) -> RequestOutput:
+        logger.warning(
+            "Request %s: its %d sequences need more KV blocks than the whole cache holds "
+            "(%d); ending them at %d tokens. Raise --kv-cache-memory / "
+            "--gpu-memory-utilization, or lower n, best_of or the beam width.",
+            group.request_id,
+            group.num_live_seqs,
+            self.block_manager.num_blocks,
+            max(seq.num_tokens for seq in group.live_seqs),
+        )
+        for seq in group.live_seqs:
+            seq.finish_reason = FinishReason.LENGTH
+        self._finish(group)
+        return self._output(group)
+
+    def _process(self, logits: torch.Tensor, sampled_seqs: list[Sequence]) -> list[RequestOutput]:
         rows: list[int] = []  # logits row of each sequence to sample
         seqs: list[Sequence] = []
         beam_rows: dict[str, list[int]] = {}

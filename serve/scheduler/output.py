@@ -25,6 +25,9 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[SequenceGroup] = field(default_factory=list)
+    # Groups that cannot grow even holding the whole cache (several long sequences); the
+    # engine finishes them with finish_reason "length".
+    cannot_fit: list[SequenceGroup] = field(default_factory=list)
     # Block moves the cache engine makes before the forward pass, in this order: swap-outs
     # read blocks that swap-ins and copies may then overwrite.
     blocks_to_swap_out: list[BlockCopy] = field(default_factory=list)  # (device, cpu)

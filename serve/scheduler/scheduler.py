@@ -157,6 +157,12 @@ class Scheduler:
         Returns False if `group` itself had to go."""
         totals = [(seq, seq.num_computed_tokens + n) for seq, n in plan]
         while not self.block_manager.can_allocate(totals):
+            if self.running == [group]:
+                # It holds every block in use and still cannot grow: the cache is too small
+                # for its sequences together, however long it waits. The engine ends it.
+                self.running.pop()
+                out.cannot_fit.append(group)
+                return False
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is group:
