@@ -53,7 +53,9 @@ def swap_blocks(
 
     Gathers the blocks into one contiguous buffer first, so crossing devices is one copy.
     """
-    staged = src_cache.index_select(0, src_ids).to(dst_cache.device, non_blocking=True)
+    # Asynchronous only towards a GPU: a copy to the CPU must land before index_copy_ reads it.
+    to_gpu = dst_cache.device.type == "cuda"
+    staged = src_cache.index_select(0, src_ids).to(dst_cache.device, non_blocking=to_gpu)
     dst_cache.index_copy_(0, dst_ids, staged.to(dst_cache.dtype))
 
 # Queries per tile in prefill, bounding the [heads, tile, context] score matrix.

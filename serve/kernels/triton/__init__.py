@@ -1,0 +1,24 @@
+"""Triton kernels for CUDA, with the reference's function names and signatures.
+
+Loaded only through `serve.kernels.backend` (never at `import serve`). Under
+`TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how CI tests them.
+`linear` is torch's (cuBLAS), as in the reference.
+"""
+
+from serve.kernels.reference import linear
+from serve.kernels.triton.activation import silu_and_mul
+from serve.kernels.triton.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
+from serve.kernels.triton.norm import rms_norm
+from serve.kernels.triton.paged_attention import paged_attention
+from serve.kernels.triton.rotary import rotary_embedding
+
+__all__ = [
+    "copy_blocks",
+    "linear",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "swap_blocks",
+]
