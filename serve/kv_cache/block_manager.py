@@ -166,20 +166,29 @@ class BlockManager:
 
     # -- growth and copy-on-write ------------------------------------------------------------
 
-    def num_blocks_needed(self, plan: Iterable[tuple[Sequence, int]]) -> int:
-        """Free blocks that `allocate_slots(seq, num_tokens)` for each (seq, num_tokens) of
-        `plan`, in order, would take: new blocks plus copy-on-write copies."""
+    def num_blocks_needed(
+        self, plan: Iterable[tuple[Sequence, int]], swapped_out: bool = False
+    ) -> int:
+        """Free device blocks that `allocate_slots(seq, num_tokens)` for each (seq,
+        num_tokens) of `plan`, in order, would take: new blocks plus copy-on-write copies.
+        With `swapped_out`, for sequences whose blocks are in the CPU pool, as if swapped
+        back in first (sharing survives the swap, so the copies are the same)."""
+        tables, pool = (
+            (self.cpu_block_tables, self.cpu_pool)
+            if swapped_out
+            else (self.block_tables, self.block_pool)
+        )
         total = 0
         writers: Counter[int] = Counter()
         for seq, num_tokens in plan:
-            table = self.block_tables.get(seq.seq_id, [])
+            table = tables.get(seq.seq_id, [])
             total += max(0, self.num_required_blocks(num_tokens) - len(table))
-            shared = self._shared_block_written(seq, num_tokens, table)
+            shared = self._shared_block_written(seq, num_tokens, table, pool)
             if shared is not None:
                 writers[shared] += 1
         for block_id, num_writers in writers.items():
             # The last holder to write finds itself the only one and writes in place.
-            total += min(num_writers, self.block_pool.ref_count(block_id) - 1)
+            total += min(num_writers, pool.ref_count(block_id) - 1)
         return total
 
     def can_allocate(self, plan: Iterable[tuple[Sequence, int]], watermark_blocks: int = 0) -> bool:
@@ -199,7 +208,7 @@ class BlockManager:
                 f"seq {seq.seq_id} needs {needed} blocks, {self.num_free_blocks} are free"
             )
         copies = []
-        shared = self._shared_block_written(seq, num_tokens, table)
+        shared = self._shared_block_written(seq, num_tokens, table, self.block_pool)
         if shared is not None:
             fresh = self.block_pool.allocate()
             self.block_pool.free(shared)
@@ -212,14 +221,16 @@ class BlockManager:
         )
         return copies
 
-    def _shared_block_written(self, seq: Sequence, num_tokens: int, table: list[int]) -> int | None:
+    def _shared_block_written(
+        self, seq: Sequence, num_tokens: int, table: list[int], pool: BlockPool
+    ) -> int | None:
         """The block this allocation writes first, if other tables hold it too."""
         first = seq.num_computed_tokens
         index = first // self.block_size
         if num_tokens <= first or index >= len(table):
             return None
         block_id = table[index]
-        return block_id if self.block_pool.ref_count(block_id) > 1 else None
+        return block_id if pool.ref_count(block_id) > 1 else None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give the child a table sharing every block of the parent's."""

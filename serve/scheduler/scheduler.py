@@ -67,10 +67,11 @@ class Scheduler:
                 f"(max_model_len) is {self.max_model_len} tokens, and at least one must be "
                 "left for the output. Shorten the prompt."
             )
-        if group.max_num_seqs > self.max_num_seqs:
+        if group.max_num_seqs > min(self.max_num_seqs, self.max_num_batched_tokens):
             raise ValueError(
                 f"The request runs {group.max_num_seqs} sequences at once (n, best_of or the "
-                f"beam width), more than max_num_seqs={self.max_num_seqs}. Ask for fewer, or "
+                f"beam width), more than one step holds (max_num_seqs={self.max_num_seqs}, "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}). Ask for fewer, or "
                 "raise --max-num-seqs."
             )
         for seq in group.seqs:
@@ -97,7 +98,14 @@ class Scheduler:
         while not out.preempted and self.swapped and budget > 0:
             group = self.swapped[0]
             plan = self._plan(group, budget)
-            if not plan or group.max_num_seqs > seats or not self._can_swap_in(group, plan):
+            if not plan or group.max_num_seqs > seats:
+                break
+            needed = self._swap_in_blocks(group, plan)
+            if needed > self.block_manager.num_free_blocks - self._watermark():
+                if not self.running:  # it holds more than the whole cache: it never will fit
+                    self.swapped.pop(0)
+                    out.cannot_fit.append(group)
+                    continue
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += self.block_manager.swap_in(group.live_seqs)
@@ -108,7 +116,14 @@ class Scheduler:
 
         while not out.preempted and not self.swapped and self.waiting and budget > 0:
             group = self.waiting[0]
-            if group.max_num_seqs > seats or not self._admit(group, budget, out):
+            if group.max_num_seqs > seats:
+                break
+            if not self._admit(group, budget, out):
+                if not self.running and not out.scheduled and group.forked:
+                    # A recomputed group whose sequences, unshared, outgrow the empty cache.
+                    self.waiting.popleft()
+                    out.cannot_fit.append(group)
+                    continue
                 break
             self.waiting.popleft()
             seats -= group.max_num_seqs
@@ -170,22 +185,13 @@ class Scheduler:
         self._allocate(plan, out)
         return True
 
-    def _can_swap_in(self, group: SequenceGroup, plan: Plan) -> bool:
+    def _swap_in_blocks(self, group: SequenceGroup, plan: Plan) -> int:
+        """Device blocks that swapping `group` back in and running `plan` would take."""
         bm = self.block_manager
-        # Upper bound of the growth after swapping in: new blocks, plus one copy-on-write
-        # copy per sequence.
-        growth = sum(
-            max(
-                0,
-                bm.num_required_blocks(seq.num_computed_tokens + n)
-                - len(bm.cpu_block_tables[seq.seq_id]),
-            )
-            + 1
-            for seq, n in plan
+        totals = [(seq, seq.num_computed_tokens + n) for seq, n in plan]
+        return bm.num_swap_blocks(group.live_seqs, swapped_out=True) + bm.num_blocks_needed(
+            totals, swapped_out=True
         )
-        needed = bm.num_swap_blocks(group.live_seqs, swapped_out=True) + growth
-        watermark = self.watermark_blocks if self.running else 0
-        return needed <= bm.num_free_blocks - watermark
 
     def _admit(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> bool:
         """Start a waiting group: take its cached prefixes, allocate its first chunk."""
@@ -201,8 +207,7 @@ class Scheduler:
             max(0, bm.num_required_blocks(cached[seq.seq_id] + n) - len(hits[seq.seq_id]))
             for seq, n in plan
         )
-        watermark = self.watermark_blocks if self.running else 0
-        if needed > bm.num_free_blocks - watermark:
+        if needed > bm.num_free_blocks - self._watermark():
             return False
         for seq in live:
             seq.num_computed_tokens = bm.take_cached_prefix(seq, hits[seq.seq_id])
@@ -210,6 +215,9 @@ class Scheduler:
         self._allocate(plan, out)
         self._schedule(plan, out)
         return True
+
+    def _watermark(self) -> int:
+        return self.watermark_blocks if self.running else 0
 
     def _set_running(self, group: SequenceGroup) -> None:
         for seq in group.live_seqs:

@@ -2,10 +2,17 @@ import pytest
 
 from serve.kv_cache.block_pool import BlockPool, NoFreeBlocksError
 
+H1, H2 = b"hash-1", b"hash-2"
 
-def test_rejects_empty_pool():
+
+def test_rejects_negative_size_allows_empty_pool():
     with pytest.raises(ValueError):
-        BlockPool(0)
+        BlockPool(-1)
+    pool = BlockPool(0)  # an empty CPU swap space
+    assert pool.num_blocks == pool.num_free_blocks == pool.num_used_blocks == 0
+    pool.check_invariants()
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate()
 
 
 def test_allocate_until_exhausted_then_raises():
@@ -13,9 +20,10 @@ def test_allocate_until_exhausted_then_raises():
     block_ids = [pool.allocate() for _ in range(3)]
     assert sorted(block_ids) == [0, 1, 2]
     assert all(pool.ref_count(b) == 1 for b in block_ids)
-    assert pool.num_free_blocks == 0
+    assert pool.num_free_blocks == 0 and pool.num_used_blocks == 3
     with pytest.raises(NoFreeBlocksError):
         pool.allocate()
+    pool.check_invariants()
 
 
 def test_free_returns_block_to_back_of_free_list():
@@ -25,6 +33,7 @@ def test_free_returns_block_to_back_of_free_list():
     assert pool.num_free_blocks == 3
     assert pool.free_block_ids[-1] == first
     assert pool.allocate() != first
+    pool.check_invariants()
 
 
 def test_double_free_raises():
@@ -34,6 +43,7 @@ def test_double_free_raises():
     with pytest.raises(ValueError):
         pool.free(block_id)
     assert pool.num_free_blocks == 2
+    pool.check_invariants()
 
 
 def test_incref_keeps_block_until_last_free():
@@ -45,14 +55,16 @@ def test_incref_keeps_block_until_last_free():
     assert pool.ref_count(block_id) == 1
     assert pool.num_free_blocks == 1
     pool.free(block_id)
-    assert pool.ref_count(block_id) == 0
+    assert pool.ref_count(block_id) == 0 and pool.is_free(block_id)
     assert pool.num_free_blocks == 2
+    pool.check_invariants()
 
 
-def test_incref_of_free_block_raises():
+def test_incref_of_free_uncached_block_raises():
     pool = BlockPool(2)
     with pytest.raises(ValueError):
         pool.incref(0)
+    pool.check_invariants()
 
 
 def test_out_of_range_block_id_raises():
@@ -61,3 +73,83 @@ def test_out_of_range_block_id_raises():
         pool.ref_count(2)
     with pytest.raises(IndexError):
         pool.free(-1)
+
+
+# -- prefix cache --------------------------------------------------------------------------
+
+
+def test_cached_block_stays_named_when_freed_and_revives_on_incref():
+    pool = BlockPool(3)
+    block_id = pool.allocate()
+    pool.cache(block_id, H1)
+    assert pool.lookup(H1) == block_id and pool.hash_of(block_id) == H1
+    assert pool.num_cached_blocks == 0  # held, not cached-free
+    pool.free(block_id)
+    assert pool.is_free(block_id) and pool.lookup(H1) == block_id
+    assert pool.num_cached_blocks == 1 and pool.num_free_blocks == 3
+    pool.incref(block_id)  # a prefix-cache hit takes it back out of the free list
+    assert pool.ref_count(block_id) == 1 and block_id not in pool.free_block_ids
+    assert pool.num_free_blocks == 2 and pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_allocation_evicts_least_recently_freed_and_forgets_its_hash():
+    pool = BlockPool(2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache(a, H1)
+    pool.cache(b, H2)
+    pool.free(b)
+    pool.free(a)  # b was freed first: it goes first
+    assert pool.free_block_ids == (b, a)
+    assert pool.allocate() == b
+    assert pool.lookup(H2) is None and pool.hash_of(b) is None
+    assert pool.lookup(H1) == a and pool.num_cached_blocks == 1
+    pool.check_invariants()
+
+
+def test_cache_keeps_the_first_block_of_a_hash():
+    pool = BlockPool(3)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache(a, H1)
+    pool.cache(b, H1)  # a duplicate computed before the first was registered
+    assert pool.lookup(H1) == a and pool.hash_of(b) is None
+    pool.cache(a, H2)  # a named block keeps its name
+    assert pool.hash_of(a) == H1 and pool.lookup(H2) is None
+    pool.check_invariants()
+
+
+def test_cache_of_free_block_raises():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError):
+        pool.cache(0, H1)
+
+
+def test_peak_usage_and_reset():
+    pool = BlockPool(4)
+    blocks = [pool.allocate() for _ in range(3)]
+    assert pool.peak_num_used == 3
+    for block_id in blocks:
+        pool.free(block_id)
+    assert pool.num_used_blocks == 0 and pool.peak_num_used == 3
+    pool.reset_peak()
+    assert pool.peak_num_used == 0
+    pool.allocate()
+    assert pool.peak_num_used == 1
+
+
+def test_peak_counts_revived_cached_blocks():
+    pool = BlockPool(2)
+    block_id = pool.allocate()
+    pool.cache(block_id, H1)
+    pool.free(block_id)
+    pool.reset_peak()
+    pool.incref(block_id)
+    assert pool.peak_num_used == 1
+
+
+def test_check_invariants_catches_corruption():
+    pool = BlockPool(2)
+    block_id = pool.allocate()
+    pool._ref_counts[block_id] = 0  # held by nobody, yet not on the free list
+    with pytest.raises(AssertionError, match="free list"):
+        pool.check_invariants()

@@ -1,8 +1,7 @@
 """The scheduler against a fake model: budgets, FCFS, chunked prefill, preemption, freeing.
 
-Pure Python (no torch). `run_step` plays the engine: schedule, note which sequences sample
-(before `update` advances `num_computed_tokens`), update, append a fake token, finish the
-sequences that reached `max_tokens` or the context window; then checks every invariant.
+One-sequence requests; sequence groups (forks, swapping) are in test_scheduler_groups.py.
+The fake engine step and its checks live in harness.py.
 """
 
 from __future__ import annotations
@@ -12,154 +11,54 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scheduler.harness import (
+    FAKE_TOKEN,
+    add_all,
+    assert_all_free,
+    check_state,
+    make_groups,
+    make_scheduler,
+    run_step,
+    run_to_completion,
+    sample_token,
+    scheduled_ids,
+)
 
-from serve.config import SchedulerConfig
-from serve.kv_cache.block_manager import BlockManager
-from serve.sampling_params import SamplingParams
-from serve.scheduler.output import SchedulerOutput
-from serve.scheduler.scheduler import Scheduler
-from serve.sequence import Sequence, SequenceStatus
-
-FAKE_TOKEN = 7
-
-
-def make_scheduler(
-    num_blocks: int = 64,
-    block_size: int = 4,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int | None = None,
-) -> Scheduler:
-    block_manager = BlockManager(num_blocks, block_size)
-    # As the engine does: one sequence of max_model_len always fits in the cache.
-    max_model_len = max_model_len or num_blocks * block_size
-    assert max_model_len <= num_blocks * block_size
-    config = SchedulerConfig(max_num_seqs=max_num_seqs)
-    return Scheduler(config, max_num_batched_tokens, max_model_len, block_manager)
-
-
-def make_seqs(prompt_lens: list[int], max_tokens: int = 4, first_id: int = 0) -> list[Sequence]:
-    return [
-        Sequence(
-            seq_id,
-            f"r{seq_id}",
-            list(range(n)),
-            SamplingParams(temperature=0, max_tokens=max_tokens),
-        )
-        for seq_id, n in enumerate(prompt_lens, start=first_id)
-    ]
-
-
-def add_all(sched: Scheduler, seqs: list[Sequence]) -> list[Sequence]:
-    for seq in seqs:
-        sched.add(seq)
-    return seqs
-
-
-def check_state(sched: Scheduler) -> None:
-    """What must hold between steps, beyond the block manager's own invariants."""
-    bm = sched.block_manager
-    bm.check_invariants()
-    assert len(sched.running) <= sched.max_num_seqs
-    assert all(s.status is SequenceStatus.RUNNING for s in sched.running)
-    assert all(s.status is SequenceStatus.WAITING for s in sched.waiting)
-    # Only running sequences hold blocks, exactly enough for their computed tokens.
-    assert set(bm.block_tables) == {s.seq_id for s in sched.running}
-    for seq in sched.running:
-        assert len(bm.get_block_table(seq.seq_id)) == bm.num_required_blocks(
-            seq.num_computed_tokens
-        )
-    for seq in sched.waiting:
-        assert seq.num_computed_tokens == 0
-    # Arrival order (ids are given in arrival order): running, then waiting.
-    ids = [s.seq_id for s in sched.running] + [s.seq_id for s in sched.waiting]
-    assert ids == sorted(ids)
-
-
-def run_step(sched: Scheduler) -> SchedulerOutput:
-    num_unfinished = sched.num_unfinished
-    out = sched.schedule()
-    # Budgets, and progress: with work left, a step always computes something.
-    assert out.num_seqs <= sched.max_num_seqs
-    assert out.num_batched_tokens <= sched.max_num_batched_tokens
-    assert num_unfinished == 0 or not out.is_empty
-    scheduled = [s.seq for s in out.scheduled]
-    assert len({s.seq_id for s in scheduled}) == len(scheduled)
-    assert not set(map(id, scheduled)) & set(map(id, out.preempted))
-    for s in out.scheduled:
-        assert s.seq.status is SequenceStatus.RUNNING
-        assert 1 <= s.num_new_tokens <= s.seq.num_uncomputed_tokens
-        assert s.block_table == sched.block_manager.get_block_table(s.seq.seq_id)
-        assert len(s.block_table) == sched.block_manager.num_required_blocks(
-            s.seq.num_computed_tokens + s.num_new_tokens
-        )
-    for seq in out.preempted:
-        assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
-    sampled = [s.seq for s in out.scheduled if s.is_sampled]  # before update moves it
-    sched.update(out)
-    for seq in sampled:
-        seq.append_token(FAKE_TOKEN, 0.0, None)
-        if (
-            seq.num_output_tokens >= seq.sampling_params.max_tokens
-            or seq.num_tokens >= sched.max_model_len
-        ):
-            sched.finish(seq)
-    sampled_ids = {seq.seq_id for seq in sampled}
-    for s in out.scheduled:
-        if s.seq.is_finished:
-            continue
-        if s.seq.seq_id in sampled_ids:  # just its new token left to compute
-            assert s.seq.num_uncomputed_tokens == 1
-        else:  # a prefill chunk stopped short of the last token
-            assert s.seq.num_uncomputed_tokens >= 1
-    check_state(sched)
-    return out
-
-
-def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
-    outs = []
-    while sched.num_unfinished:
-        outs.append(run_step(sched))
-        assert len(outs) < max_steps, "the scheduler stopped making progress"
-    return outs
-
-
-def assert_all_free(sched: Scheduler) -> None:
-    bm = sched.block_manager
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.num_blocks
-    assert not bm.block_tables
-    assert not sched.running and not sched.waiting
-
-
-def scheduled_ids(out: SchedulerOutput) -> list[tuple[int, int]]:
-    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
-
+from serve.sequence import SequenceGroup, SequenceStatus
 
 # -- add ------------------------------------------------------------------------------------
 
 
 def test_add_refuses_empty_prompt():
     sched = make_scheduler()
-    (seq,) = make_seqs([0])
+    (group,) = make_groups([0])
     with pytest.raises(ValueError, match="empty"):
-        sched.add(seq)
+        sched.add(group)
     assert sched.num_unfinished == 0
 
 
 @pytest.mark.parametrize("extra", [0, 1, 10])
 def test_add_refuses_prompt_at_or_over_max_model_len(extra):
     sched = make_scheduler(max_model_len=32)
-    (seq,) = make_seqs([32 + extra])
+    (group,) = make_groups([32 + extra])
     with pytest.raises(ValueError, match="max_model_len"):
-        sched.add(seq)
+        sched.add(group)
+    assert sched.num_unfinished == 0
+
+
+def test_add_refuses_more_sequences_than_max_num_seqs():
+    sched = make_scheduler(max_num_seqs=4)
+    (group,) = make_groups([4], best_of=5)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.add(group)
     assert sched.num_unfinished == 0
 
 
 def test_prompt_one_short_of_max_model_len_runs_to_the_window():
     sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=32)
-    (seq,) = add_all(sched, make_seqs([31], max_tokens=100))
+    (group,) = add_all(sched, make_groups([31], max_tokens=100))
     run_to_completion(sched)
+    (seq,) = group.seqs
     assert seq.num_output_tokens == 1 and seq.num_tokens == 32
     assert_all_free(sched)
 
@@ -169,13 +68,13 @@ def test_prompt_one_short_of_max_model_len_runs_to_the_window():
 
 def test_fcfs_admission_under_max_num_seqs():
     sched = make_scheduler(max_num_seqs=2)
-    seqs = add_all(sched, make_seqs([5, 6, 7, 8], max_tokens=2))
+    groups = add_all(sched, make_groups([5, 6, 7, 8], max_tokens=2))
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 5), (1, 6)]
-    assert [s.seq_id for s in sched.waiting] == [2, 3]
+    assert list(sched.waiting) == groups[2:]
     out = run_step(sched)  # r0 and r1 finish with this decode
     assert scheduled_ids(out) == [(0, 1), (1, 1)]
-    assert seqs[0].is_finished and seqs[1].is_finished
+    assert groups[0].is_finished and groups[1].is_finished
     out = run_step(sched)
     assert scheduled_ids(out) == [(2, 7), (3, 8)]
     run_to_completion(sched)
@@ -184,20 +83,20 @@ def test_fcfs_admission_under_max_num_seqs():
 
 def test_fcfs_admission_under_token_budget():
     sched = make_scheduler(max_num_batched_tokens=25)
-    add_all(sched, make_seqs([10, 10, 10, 10]))
+    groups = add_all(sched, make_groups([10, 10, 10, 10]))
     out = run_step(sched)
     # r2 gets the budget's remainder as a first chunk; r3 waits its turn.
     assert scheduled_ids(out) == [(0, 10), (1, 10), (2, 5)]
-    assert [s.seq_id for s in sched.waiting] == [3]
+    assert list(sched.waiting) == groups[3:]
 
 
 def test_head_of_line_blocks_later_arrivals_that_would_fit():
     # 8 blocks of 4: r0 holds 5, r1 needs 4 and must wait; r2 (1 block) may not jump it.
     sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=32)
-    r0, r1, r2 = add_all(sched, make_seqs([20, 16, 4], max_tokens=8))
+    r0, r1, r2 = add_all(sched, make_groups([20, 16, 4], max_tokens=8))
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 20)]
-    assert [s.seq_id for s in sched.waiting] == [1, 2]
+    assert list(sched.waiting) == [r1, r2]
     while not r0.is_finished:
         out = run_step(sched)
         assert [s.seq.seq_id for s in out.scheduled] == [0]
@@ -209,28 +108,28 @@ def test_head_of_line_blocks_later_arrivals_that_would_fit():
 
 def test_running_decodes_go_before_new_prompts():
     sched = make_scheduler(max_num_batched_tokens=16)
-    add_all(sched, make_seqs([4, 4], max_tokens=10))
+    add_all(sched, make_groups([4, 4], max_tokens=10))
     run_step(sched)
-    add_all(sched, make_seqs([40], first_id=2))
+    (late,) = add_all(sched, make_groups([40], first_id=2))
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 1), (1, 1), (2, 14)]
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 1), (1, 1), (2, 14)]
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 1), (1, 1), (2, 12)]
-    assert out.scheduled[2].seq.num_computed_tokens == 40
+    assert late.seqs[0].num_computed_tokens == 40
 
 
 def test_new_prompt_waits_when_decodes_use_the_whole_budget():
     sched = make_scheduler(max_num_batched_tokens=2)
-    add_all(sched, make_seqs([1, 1], max_tokens=3))
+    add_all(sched, make_groups([1, 1], max_tokens=3))
     run_step(sched)
-    (late,) = add_all(sched, make_seqs([3], first_id=2))
+    (late,) = add_all(sched, make_groups([3], first_id=2))
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 1), (1, 1)]
-    assert late.status is SequenceStatus.WAITING
+    assert late.seqs[0].status is SequenceStatus.WAITING
     run_to_completion(sched)
-    assert late.num_output_tokens == 4
+    assert late.seqs[0].num_output_tokens == 4
     assert_all_free(sched)
 
 
@@ -239,31 +138,41 @@ def test_new_prompt_waits_when_decodes_use_the_whole_budget():
 
 def test_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples():
     sched = make_scheduler(max_num_batched_tokens=8)
-    (seq,) = add_all(sched, make_seqs([23], max_tokens=3))
+    (group,) = add_all(sched, make_groups([23], max_tokens=3))
+    (seq,) = group.seqs
     chunks = []
     while seq.num_output_tokens == 0:
-        out = sched.schedule()
+        out = run_step(sched)
         (s,) = out.scheduled
-        is_sampled = s.is_sampled  # read before update advances num_computed_tokens
-        chunks.append((s.num_new_tokens, is_sampled, seq.num_computed_tokens))
-        sched.update(out)
-        if is_sampled:
-            seq.append_token(FAKE_TOKEN, 0.0, None)
-        check_state(sched)
-    assert chunks == [(8, False, 0), (8, False, 8), (7, True, 16)]
+        chunks.append((s.num_new_tokens, seq.num_output_tokens == 1))
+    assert chunks == [(8, False), (8, False), (7, True)]
     # Then one decode token per step.
     for _ in range(2):
         out = sched.schedule()
         assert scheduled_ids(out) == [(0, 1)] and out.scheduled[0].is_sampled
         sched.update(out)
         seq.append_token(FAKE_TOKEN, 0.0, None)
-    sched.finish(seq)
+    sched.finish(group)
     assert_all_free(sched)
+
+
+def test_is_sampled_is_read_before_update():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    (group,) = add_all(sched, make_groups([12]))
+    (seq,) = group.seqs
+    out = sched.schedule()
+    assert [(s.num_new_tokens, s.is_sampled) for s in out.scheduled] == [(8, False)]
+    assert seq.num_computed_tokens == 0  # the scheduler leaves it to update
+    sched.update(out)
+    assert seq.num_computed_tokens == 8
+    out = sched.schedule()
+    assert [(s.num_new_tokens, s.is_sampled) for s in out.scheduled] == [(4, True)]
 
 
 def test_chunks_grow_blocks_one_chunk_at_a_time():
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=6)
-    (seq,) = add_all(sched, make_seqs([20]))
+    (group,) = add_all(sched, make_groups([20]))
+    (seq,) = group.seqs
     for expected_blocks in (2, 3, 5, 5):  # ceil(6/4), ceil(12/4), ceil(18/4), ceil(20/4)
         run_step(sched)
         assert len(sched.block_manager.get_block_table(seq.seq_id)) == expected_blocks
@@ -273,9 +182,9 @@ def test_chunks_grow_blocks_one_chunk_at_a_time():
 @pytest.mark.parametrize("budget", [1, 3, 16])
 def test_chunked_prefill_finishes_every_sequence(budget):
     sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=budget)
-    seqs = add_all(sched, make_seqs([1, 17, 30, 5, 9], max_tokens=5))
+    groups = add_all(sched, make_groups([1, 17, 30, 5, 9], max_tokens=5))
     outs = run_to_completion(sched)
-    assert all(s.num_output_tokens == 5 for s in seqs)
+    assert all(g.seqs[0].num_output_tokens == 5 for g in groups)
     assert all(o.num_batched_tokens <= budget for o in outs)
     assert_all_free(sched)
 
@@ -286,41 +195,44 @@ def test_chunked_prefill_finishes_every_sequence(budget):
 def test_preempts_the_latest_arrival_and_requeues_it_first():
     # 6 blocks of 4: three 8-token prompts fill the cache; the first decode needs a 7th block.
     sched = make_scheduler(num_blocks=6, block_size=4, max_model_len=24)
-    r0, r1, r2 = add_all(sched, make_seqs([8, 8, 8], max_tokens=5))
-    (r3,) = add_all(sched, make_seqs([2], first_id=3))
+    r0, r1, r2 = add_all(sched, make_groups([8, 8, 8], max_tokens=5))
+    (r3,) = add_all(sched, make_groups([2], first_id=3))
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 8), (1, 8), (2, 8)]
     assert sched.block_manager.num_free_blocks == 0
     out = run_step(sched)
     assert out.preempted == [r2]
     assert scheduled_ids(out) == [(0, 1), (1, 1)]  # r2's two blocks went to r0 and r1
-    assert r2.status is SequenceStatus.WAITING and r2.num_computed_tokens == 0
-    assert r2.output_token_ids == [FAKE_TOKEN]  # recompute keeps the tokens
+    (seq2,) = r2.seqs
+    assert seq2.status is SequenceStatus.WAITING and seq2.num_computed_tokens == 0
+    assert seq2.output_token_ids == [sample_token(seq2)]  # recompute keeps the tokens
     assert list(sched.waiting) == [r2, r3]
     assert sched.num_preemptions == 1
-    assert not sched.block_manager.has_table(r2.seq_id)
+    assert not sched.block_manager.has_table(seq2.seq_id)
+    assert not out.blocks_to_swap_out  # one sequence: recomputed, not swapped
     run_to_completion(sched)
-    assert all(s.num_output_tokens == 5 for s in (r0, r1, r2))
+    assert all(g.seqs[0].num_output_tokens == 5 for g in (r0, r1, r2))
     assert_all_free(sched)
 
 
 def test_preempted_sequence_recomputes_prompt_and_outputs_then_samples():
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
-    r0, r1 = add_all(sched, make_seqs([8, 8], max_tokens=6))
+    r0, r1 = add_all(sched, make_groups([8, 8], max_tokens=6))
     run_step(sched)
     out = run_step(sched)
     assert out.preempted == [r1]
-    assert r1.num_tokens == 9  # 8 prompt + 1 sampled before the preemption
-    while r1.status is SequenceStatus.WAITING:
+    (seq,) = r1.seqs
+    assert seq.num_tokens == 9  # 8 prompt + 1 sampled before the preemption
+    while seq.status is SequenceStatus.WAITING:
         run_step(sched)
     # Readmitted: the whole prompt and its output token are recomputed, then it samples.
-    assert r1.num_computed_tokens == 9 and r1.num_output_tokens == 2
+    assert seq.num_computed_tokens == 9 and seq.num_output_tokens == 2
 
 
 def test_a_sequence_that_cannot_grow_preempts_itself():
     # r0's sampled token fits its last block; r1's needs a third block and none is free.
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
-    r0, r1 = add_all(sched, make_seqs([7, 8], max_tokens=3))
+    r0, r1 = add_all(sched, make_groups([7, 8], max_tokens=3))
     run_step(sched)
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 1)]
@@ -332,20 +244,20 @@ def test_a_sequence_that_cannot_grow_preempts_itself():
 
 def test_no_admission_in_a_step_that_preempts():
     sched = make_scheduler(num_blocks=6, block_size=4, max_model_len=24)
-    add_all(sched, make_seqs([8, 8, 8], max_tokens=5))
+    add_all(sched, make_groups([8, 8, 8], max_tokens=5))
     run_step(sched)
-    (small,) = add_all(sched, make_seqs([1], first_id=3))
+    (small,) = add_all(sched, make_groups([1], first_id=3))
     out = run_step(sched)
-    assert out.preempted and small.status is SequenceStatus.WAITING
-    assert small not in [s.seq for s in out.scheduled]
+    assert out.preempted and small.seqs[0].status is SequenceStatus.WAITING
+    assert small.seqs[0] not in [s.seq for s in out.scheduled]
 
 
 def test_preemption_never_deadlocks_and_frees_everything():
     sched = make_scheduler(num_blocks=8, block_size=2, max_num_seqs=6, max_model_len=16)
-    seqs = add_all(sched, make_seqs([3, 5, 2, 7, 4, 6, 1, 9], max_tokens=6))
+    groups = add_all(sched, make_groups([3, 5, 2, 7, 4, 6, 1, 9], max_tokens=6))
     run_to_completion(sched, max_steps=500)
     assert sched.num_preemptions > 0
-    assert all(s.num_output_tokens == 6 or s.num_tokens == 16 for s in seqs)
+    assert all(g.seqs[0].num_output_tokens == 6 or g.seqs[0].num_tokens == 16 for g in groups)
     assert_all_free(sched)
 
 
@@ -353,21 +265,21 @@ def test_admission_keeps_a_watermark_beside_running_work():
     # 200 blocks of 1 token: the watermark is 2 blocks while anything runs.
     sched = make_scheduler(num_blocks=200, block_size=1, max_num_batched_tokens=512)
     assert sched.watermark_blocks == 2
-    add_all(sched, make_seqs([100], max_tokens=50))
+    add_all(sched, make_groups([100], max_tokens=50))
     run_step(sched)
-    (big,) = add_all(sched, make_seqs([99], first_id=1))
+    (big,) = add_all(sched, make_groups([99], first_id=1))
     run_step(sched)  # 99 free, 99 needed + 2 watermark: wait
-    assert big.status is SequenceStatus.WAITING
+    assert big.seqs[0].status is SequenceStatus.WAITING
     sched.finish(sched.running[0])
     run_step(sched)
-    assert big.status is SequenceStatus.RUNNING
+    assert big.seqs[0].status is SequenceStatus.RUNNING
 
 
 def test_admission_with_nothing_running_may_use_the_whole_cache():
     sched = make_scheduler(num_blocks=200, block_size=1, max_num_batched_tokens=512)
-    (seq,) = add_all(sched, make_seqs([199], max_tokens=1))
+    (group,) = add_all(sched, make_groups([199], max_tokens=1))
     out = run_step(sched)
-    assert scheduled_ids(out) == [(0, 199)] and seq.is_finished
+    assert scheduled_ids(out) == [(0, 199)] and group.is_finished
     assert_all_free(sched)
 
 
@@ -376,12 +288,12 @@ def test_admission_with_nothing_running_may_use_the_whole_cache():
 
 def test_finish_running_sequence_frees_its_blocks_at_once():
     sched = make_scheduler(num_blocks=16, block_size=4)
-    r0, r1 = add_all(sched, make_seqs([10, 6], max_tokens=10))
+    r0, r1 = add_all(sched, make_groups([10, 6], max_tokens=10))
     run_step(sched)
     assert sched.block_manager.num_free_blocks == 16 - 3 - 2
     sched.finish(r0)
     assert r0.is_finished and r0 not in sched.running
-    assert not sched.block_manager.has_table(r0.seq_id)
+    assert not sched.block_manager.has_table(r0.seqs[0].seq_id)
     assert sched.block_manager.num_free_blocks == 16 - 2
     check_state(sched)
     out = run_step(sched)
@@ -392,19 +304,19 @@ def test_finish_running_sequence_frees_its_blocks_at_once():
 
 def test_finish_waiting_sequence_removes_it():
     sched = make_scheduler(max_num_seqs=1)
-    r0, r1, r2 = add_all(sched, make_seqs([4, 4, 4], max_tokens=3))
+    r0, r1, r2 = add_all(sched, make_groups([4, 4, 4], max_tokens=3))
     run_step(sched)
     sched.finish(r1)
     assert r1.is_finished and list(sched.waiting) == [r2]
     check_state(sched)
     run_to_completion(sched)
-    assert r1.num_output_tokens == 0 and r2.num_output_tokens == 3
+    assert r1.seqs[0].num_output_tokens == 0 and r2.seqs[0].num_output_tokens == 3
     assert_all_free(sched)
 
 
 def test_finish_preempted_sequence_frees_nothing_twice():
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
-    r0, r1 = add_all(sched, make_seqs([8, 8], max_tokens=6))
+    r0, r1 = add_all(sched, make_groups([8, 8], max_tokens=6))
     run_step(sched)
     out = run_step(sched)
     assert out.preempted == [r1]
@@ -416,14 +328,20 @@ def test_finish_preempted_sequence_frees_nothing_twice():
 
 def test_finish_mid_chunked_prefill_frees_its_blocks():
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=8)
-    (seq,) = add_all(sched, make_seqs([30]))
+    (group,) = add_all(sched, make_groups([30]))
     run_step(sched)
+    (seq,) = group.seqs
     assert seq.num_computed_tokens == 8 and seq.num_output_tokens == 0
-    sched.finish(seq)
+    sched.finish(group)
     assert_all_free(sched)
 
 
 # -- random workloads ---------------------------------------------------------------------------
+
+
+def expected_num_output_tokens(group: SequenceGroup, max_model_len: int) -> int:
+    seq = group.seqs[0]
+    return min(seq.sampling_params.max_tokens, max_model_len - seq.num_prompt_tokens)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -439,23 +357,21 @@ def test_random_workload_with_a_tiny_cache(seed):
         max_num_batched_tokens=rng.randint(4, 64),
         max_model_len=max_model_len,
     )
-    seqs = []
+    groups = []
     for seq_id in range(60):
         prompt_len = rng.randint(1, max_model_len // 2)
-        (seq,) = make_seqs([prompt_len], max_tokens=rng.randint(1, 24), first_id=seq_id)
-        sched.add(seq)
-        seqs.append(seq)
+        (group,) = make_groups([prompt_len], max_tokens=rng.randint(1, 24), first_id=seq_id)
+        sched.add(group)
+        groups.append(group)
     run_to_completion(sched, max_steps=20_000)
-    for seq in seqs:
-        assert seq.is_finished
-        assert seq.num_output_tokens == min(
-            seq.sampling_params.max_tokens, max_model_len - seq.num_prompt_tokens
-        )
+    for group in groups:
+        assert group.is_finished
+        assert group.seqs[0].num_output_tokens == expected_num_output_tokens(group, max_model_len)
     assert sched.num_preemptions > 0
     assert_all_free(sched)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     block_size=st.sampled_from([1, 2, 4]),
     num_blocks=st.integers(2, 24),
@@ -470,29 +386,29 @@ def test_random_arrivals_and_aborts(
     sched = make_scheduler(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len
     )
-    seqs: list[Sequence] = []
+    groups: list[SequenceGroup] = []
     aborted: set[int] = set()
     num_steps = data.draw(st.integers(0, 40), label="num_steps")
     for _ in range(num_steps):
         for _ in range(data.draw(st.integers(0, 2))):
             prompt_len = data.draw(st.integers(1, max_model_len - 1))
             max_tokens = data.draw(st.integers(1, 12))
-            (seq,) = make_seqs([prompt_len], max_tokens=max_tokens, first_id=len(seqs))
-            sched.add(seq)
-            seqs.append(seq)
-        live = [s for s in seqs if not s.is_finished]
+            (group,) = make_groups([prompt_len], max_tokens=max_tokens, first_id=len(groups))
+            sched.add(group)
+            groups.append(group)
+        live = [g for g in groups if not g.is_finished]
         if live and data.draw(st.booleans()):
             victim = data.draw(st.sampled_from(live))
             sched.finish(victim)
-            aborted.add(victim.seq_id)
+            aborted.add(id(victim))
             check_state(sched)
         if sched.num_unfinished:
             run_step(sched)
     run_to_completion(sched, max_steps=5_000)
-    for seq in seqs:
-        assert seq.is_finished
-        if seq.seq_id not in aborted:
-            assert seq.num_output_tokens == min(
-                seq.sampling_params.max_tokens, max_model_len - seq.num_prompt_tokens
+    for group in groups:
+        assert group.is_finished
+        if id(group) not in aborted:
+            assert group.seqs[0].num_output_tokens == expected_num_output_tokens(
+                group, max_model_len
             )
     assert_all_free(sched)

@@ -1,0 +1,399 @@
+"""The scheduler with sequence groups: forks, copy-on-write, swap and recompute
+preemption of multi-sequence groups, prefix-cache hits; the fake engine (harness.py)
+checks after every step that each sequence's blocks hold its own tokens."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from scheduler.harness import (
+    add_all,
+    assert_all_free,
+    fork,
+    make_group,
+    make_groups,
+    make_scheduler,
+    prompt_of,
+    run_step,
+    run_to_completion,
+    sample_token,
+    scheduled_ids,
+)
+
+from serve.scheduler.output import SchedulerOutput
+from serve.scheduler.scheduler import Scheduler
+from serve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# -- forks and copy-on-write ----------------------------------------------------------------
+
+
+def test_a_group_forked_into_four_decodes_all_four_in_one_step():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    (group,) = add_all(sched, make_groups([6], max_tokens=3, best_of=4))
+    (parent,) = group.seqs
+    out = sched.schedule()
+    assert scheduled_ids(out) == [(0, 6)] and out.scheduled[0].is_sampled
+    sched.update(out)
+    # The engine forks the prefilled prompt into best_of samples sharing its blocks.
+    children = [parent.fork(seq_id, seed=seq_id) for seq_id in (1, 2, 3)]
+    for child in children:
+        sched.fork(parent, child, group)
+    group.forked = True
+    for seq in group.seqs:
+        seq.append_token(sample_token(seq), 0.0, None)
+    bm = sched.block_manager
+    assert bm.num_free_blocks == 16 - 2
+    full, partial = bm.get_block_table(0)
+    assert all(bm.block_pool.ref_count(b) == 4 for b in (full, partial))
+
+    out = sched.schedule()
+    assert scheduled_ids(out) == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert all(s.is_sampled for s in out.scheduled)
+    # Each writes token 6 into the shared partial block: three copy it, the last writes
+    # in place; the full block is never copied.
+    assert [src for src, _ in out.blocks_to_copy] == [partial] * 3
+    assert bm.block_pool.ref_count(full) == 4 and bm.block_pool.ref_count(partial) == 1
+    assert bm.num_free_blocks == 16 - 2 - 3
+    sched.update(out)
+    for seq in group.seqs:
+        seq.append_token(sample_token(seq), 0.0, None)
+    sched.finish(group)
+    assert_all_free(sched)
+
+
+def test_parallel_samples_share_the_prompt_blocks_and_finish():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=4)
+    (group,) = add_all(sched, make_groups([16], max_tokens=5, best_of=4))
+    run_step(sched)
+    assert len(group.seqs) == 4
+    assert sched.block_manager.num_free_blocks == 32 - 4  # the prompt, once
+    outs = run_to_completion(sched)
+    assert all(o.num_seqs == 4 for o in outs)
+    assert all(s.num_output_tokens == 5 for s in group.seqs)
+    assert_all_free(sched)
+
+
+def test_a_group_counts_best_of_seats_from_admission():
+    sched = make_scheduler(max_num_seqs=4)
+    big, small = add_all(sched, [*make_groups([4], best_of=3), *make_groups([4], first_id=1)])
+    late = add_all(sched, make_groups([4], first_id=2))
+    out = run_step(sched)  # big holds 3 seats before forking; small takes the 4th
+    assert scheduled_ids(out) == [(0, 4), (1, 4)]
+    assert list(sched.waiting) == late
+    out = run_step(sched)
+    assert out.num_seqs == 4
+
+
+def test_finishing_one_sequence_of_a_group_frees_only_its_blocks():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    (group,) = add_all(sched, make_groups([8], max_tokens=8, best_of=2))
+    run_step(sched)
+    run_step(sched)
+    first, second = group.seqs
+    num_free = sched.block_manager.num_free_blocks
+    sched.finish_seq(second)
+    assert second.is_finished and group.live_seqs == [first]
+    assert sched.block_manager.num_free_blocks == num_free + 1  # its own block only
+    out = run_step(sched)
+    assert scheduled_ids(out) == [(first.seq_id, 1)]
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+# -- preemption of multi-sequence groups --------------------------------------------------------
+
+
+def squeeze(sched: Scheduler, best_of: int = 2) -> tuple[SequenceGroup, SequenceGroup]:
+    """An early single-sequence request, then a `best_of` group that it will crowd out."""
+    early, group = add_all(
+        sched,
+        [make_group(0, prompt_of(0, 8), max_tokens=12), make_group(1, prompt_of(1, 6), 6, best_of)],
+    )
+    return early, group
+
+
+def run_until(sched: Scheduler, done: Callable[[], object]) -> list[SchedulerOutput]:
+    outs = []
+    while not done():
+        outs.append(run_step(sched))
+        assert len(outs) < 200
+    return outs
+
+
+def test_a_multi_sequence_group_is_swapped_out_and_back_before_new_work():
+    sched = make_scheduler(num_blocks=8, block_size=4, max_model_len=24, num_cpu_blocks=8)
+    early, group = squeeze(sched)
+    outs = run_until(sched, lambda: sched.swapped)
+    out = outs[-1]
+    assert out.preempted == [group] and sched.swapped == [group]
+    assert len(out.blocks_to_swap_out) == sched.block_manager.num_swap_blocks(
+        group.live_seqs, swapped_out=True
+    )
+    assert all(s.status is SequenceStatus.SWAPPED for s in group.seqs)
+    assert all(sched.block_manager.is_swapped_out(s.seq_id) for s in group.seqs)
+    computed = [s.num_computed_tokens for s in group.seqs]  # kept: nothing is recomputed
+    (late,) = add_all(sched, make_groups([2], first_id=2))
+    while sched.swapped:
+        out = run_step(sched)
+        assert late.seqs[0].status is SequenceStatus.WAITING or not sched.swapped
+    assert out.blocks_to_swap_in
+    assert [s.num_computed_tokens for s in group.seqs] == [c + 1 for c in computed]
+    run_to_completion(sched)
+    assert all(s.num_output_tokens == 6 for s in group.seqs)
+    assert early.seqs[0].num_output_tokens == 12 and late.is_finished
+    assert sched.num_preemptions >= 1
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+def test_recompute_mode_catches_up_then_samples_all_sequences_together(enable_prefix_caching):
+    sched = make_scheduler(
+        num_blocks=8,
+        block_size=4,
+        max_model_len=24,
+        num_cpu_blocks=8,
+        preemption_mode="recompute",
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    _, group = squeeze(sched)
+    outs = run_until(sched, lambda: sched.num_preemptions)
+    assert group in sched.waiting
+    assert outs[-1].preempted == [group] and not outs[-1].blocks_to_swap_out
+    assert all(s.num_computed_tokens == 0 for s in group.seqs)
+    counts = [s.num_output_tokens for s in group.seqs]
+    # Readmitted, the sequences catch up on all but their last token, sampling nothing...
+    caught_up = run_until(
+        sched,
+        lambda: group in sched.running and all(s.num_uncomputed_tokens == 1 for s in group.seqs),
+    )
+    assert caught_up and [s.num_output_tokens for s in group.seqs] == counts
+    # ... then all sample in the same step.
+    out = run_step(sched)
+    assert {s.seq.seq_id for s in out.scheduled} >= {s.seq_id for s in group.seqs}
+    assert [s.num_output_tokens for s in group.seqs] == [c + 1 for c in counts]
+    run_to_completion(sched)
+    assert all(s.num_output_tokens == 6 for s in group.seqs)
+    assert_all_free(sched)
+
+
+def test_swap_mode_swaps_a_single_sequence_too():
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_model_len=24, num_cpu_blocks=8, preemption_mode="swap"
+    )
+    groups = add_all(sched, make_groups([8, 8, 8], max_tokens=5))
+    run_step(sched)
+    out = run_step(sched)
+    assert out.preempted == [groups[2]] and out.blocks_to_swap_out
+    assert sched.swapped == [groups[2]]
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize(("mode", "best_of"), [("swap", 1), ("swap", 2), (None, 2)])
+def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_too_small(mode, best_of):
+    sched = make_scheduler(
+        num_blocks=6, block_size=4, max_model_len=24, num_cpu_blocks=1, preemption_mode=mode
+    )
+    _, group = squeeze(sched, best_of)
+    outs = run_until(sched, lambda: sched.num_preemptions)
+    assert outs[-1].preempted == [group] and not outs[-1].blocks_to_swap_out
+    assert group in sched.waiting and not sched.swapped
+    assert all(s.num_computed_tokens == 0 for s in group.seqs)
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+# -- prefix caching ------------------------------------------------------------------------------
+
+
+def test_a_prefix_cache_hit_lowers_the_first_steps_new_tokens():
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    system = prompt_of(0, 8)
+    add_all(sched, [make_group(0, system + [1, 2, 3], max_tokens=2)])
+    run_to_completion(sched)
+    # Same prompt: 8 of 11 tokens cached; shared system prompt: its 8 tokens cached.
+    same, other = add_all(
+        sched,
+        [make_group(1, system + [1, 2, 3], 2), make_group(2, system + [4, 5, 6, 7, 8], 2)],
+    )
+    out = run_step(sched)
+    assert scheduled_ids(out) == [(1, 3), (2, 5)]
+    assert [s.seq.num_computed_tokens for s in out.scheduled] == [11, 13]  # after update
+    bm = sched.block_manager
+    assert bm.get_block_table(1)[:2] == bm.get_block_table(2)[:2]
+    assert (bm.prefix_cache.queries, bm.prefix_cache.hits) == (11 + 11 + 13, 16)
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+def test_a_prefix_ending_mid_block_hits_only_full_blocks():
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    add_all(sched, [make_group(0, prompt_of(0, 10), max_tokens=1)])
+    run_to_completion(sched)
+    add_all(sched, [make_group(1, prompt_of(0, 6) + [1, 2, 3, 4], max_tokens=1)])
+    out = run_step(sched)
+    assert scheduled_ids(out) == [(1, 6)]
+
+
+def test_prefix_hit_on_a_running_sequences_blocks():
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    add_all(sched, [make_group(0, prompt_of(0, 9), max_tokens=10)])
+    run_step(sched)
+    add_all(sched, [make_group(1, prompt_of(0, 9), max_tokens=3)])
+    out = run_step(sched)
+    assert scheduled_ids(out) == [(0, 1), (1, 1)]
+    bm = sched.block_manager
+    assert bm.get_block_table(0)[:2] == bm.get_block_table(1)[:2]
+    assert all(bm.block_pool.ref_count(b) == 2 for b in bm.get_block_table(0)[:2])
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+def test_disabled_prefix_caching_computes_the_whole_prompt():
+    sched = make_scheduler(num_blocks=32, block_size=4, enable_prefix_caching=False)
+    add_all(sched, [make_group(0, prompt_of(0, 9), max_tokens=1)])
+    run_to_completion(sched)
+    add_all(sched, [make_group(1, prompt_of(0, 9), max_tokens=1)])
+    assert scheduled_ids(run_step(sched)) == [(1, 9)]
+
+
+def test_recompute_reuses_the_preempted_sequences_cached_blocks():
+    # 5 blocks: r1 (9 tokens) is preempted when r0 grows; r0's next block evicts r1's
+    # tail, so r1 comes back with its first block cached and computes 9 - 4 tokens.
+    sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=20)
+    _, r1 = add_all(sched, make_groups([8, 8], max_tokens=6))
+    run_step(sched)
+    assert run_step(sched).preempted == [r1]
+    num_hits = sched.block_manager.prefix_cache.hits
+    outs = run_until(sched, lambda: r1.seqs[0].status is SequenceStatus.RUNNING)
+    assert (r1.seqs[0].seq_id, 5) in scheduled_ids(outs[-1])
+    assert sched.block_manager.prefix_cache.hits == num_hits + 4
+    run_to_completion(sched)
+    assert_all_free(sched)
+
+
+# -- capacity edge cases ----------------------------------------------------------------------
+
+
+def test_a_group_that_cannot_grow_holding_the_whole_cache_is_given_up():
+    # 4 blocks: two sequences of up to 16 tokens each need 1 shared + 2 x 3 blocks.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
+    (group,) = add_all(sched, [make_group(0, prompt_of(0, 4), max_tokens=12, best_of=2)])
+    (late,) = add_all(sched, make_groups([3], first_id=1))
+    outs = run_until(sched, lambda: group.is_finished)
+    assert outs[-1].cannot_fit == [group] and not outs[-1].preempted
+    assert not any(group in o.preempted for o in outs)  # not swapped out and in forever
+    assert all(s.num_tokens < 16 for s in group.seqs)
+    run_to_completion(sched)
+    assert late.seqs[0].num_output_tokens == 4
+    assert_all_free(sched)
+
+
+def test_a_swapped_group_that_fits_exactly_is_swapped_back_in():
+    # 4 blocks. The 2-sequence group shares its 1-block prompt and has one block per
+    # sequence (3 blocks); the early request's growth swaps it out. Alone again, the group
+    # needs exactly its 3 blocks (each next token fits its own block), but the swap-in
+    # check asks for 3 + 2.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
+    add_all(sched, [make_group(0, prompt_of(0, 1), 8), make_group(1, prompt_of(1, 4), 6, 2)])
+    run_to_completion(sched, max_steps=100)
+    assert_all_free(sched)
+
+
+def test_a_swapped_group_that_can_never_fit_again_is_given_up():
+    # 4 blocks. Swapped out holding 3 (a shared block and one per sequence), each sequence's
+    # next token needs a new block: 5 blocks, more than the cache, even once alone.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
+    add_all(sched, [make_group(0, prompt_of(0, 1), 8), make_group(1, prompt_of(1, 5), 10, 2)])
+    run_to_completion(sched, max_steps=100)
+    assert_all_free(sched)
+
+
+def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
+    # 8 blocks. Forked, the group holds its 2-block prompt once and a block per sequence
+    # (6 blocks); the early request's growth preempts it. Recomputed, each of its 4
+    # sequences needs the prompt again (12 blocks): rather than wait forever, it ends
+    # (cannot_fit) once nothing else runs.
+    sched = make_scheduler(
+        num_blocks=8,
+        block_size=4,
+        max_model_len=32,
+        max_num_seqs=5,
+        preemption_mode="recompute",
+        enable_prefix_caching=False,
+    )
+    add_all(sched, [make_group(0, prompt_of(0, 5), 12), make_group(1, prompt_of(1, 8), 5, 4)])
+    run_to_completion(sched, max_steps=100)
+    assert_all_free(sched)
+
+
+def test_a_group_wider_than_the_token_budget_is_refused_or_runs():
+    sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=3)
+    (group,) = make_groups([4], best_of=4)
+    try:
+        sched.add(group)
+    except ValueError:
+        return
+    run_to_completion(sched, max_steps=100)
+
+
+# -- random workloads -----------------------------------------------------------------------
+
+
+def beam_like(rng: random.Random):
+    """An `on_sample` hook that, like beam search, sometimes drops a sequence and forks
+    another in its place, keeping the group's width."""
+
+    def on_sample(sched: Scheduler, group: SequenceGroup, seqs: list[Sequence]) -> list[Sequence]:
+        if len(seqs) < 2 or rng.random() < 0.5:
+            return seqs
+        dropped, parent = rng.sample(seqs, 2)
+        child = fork(sched, parent, group)  # forks before the parent takes its token
+        sched.finish_seq(dropped)
+        group.seqs = [s for s in group.seqs if s is not dropped]
+        return [s for s in seqs if s is not dropped] + [child]
+
+    return on_sample
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_workload_with_forks_tiny_cache_and_swap_space(seed):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    max_best_of = 4
+    max_model_len = rng.randint(4, 24)
+    # Any one group fits with its sequences unshared (as a recompute without prefix hits
+    # prefills them), plus two blocks a sequence of headroom.
+    num_blocks = max_best_of * (-(-max_model_len // block_size) + 2) + rng.randint(0, 4)
+    sched = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=rng.randint(max_best_of, 24),
+        max_num_batched_tokens=rng.randint(max_best_of, 64),
+        max_model_len=max_model_len,
+        num_cpu_blocks=rng.choice([0, 2, num_blocks // 2, 2 * num_blocks]),
+        preemption_mode=rng.choice([None, "swap", "recompute"]),
+        enable_prefix_caching=rng.random() < 0.8,
+    )
+    on_sample = beam_like(rng)
+    groups = []
+    shared = [rng.randrange(50) for _ in range(max_model_len)]  # common prefixes
+    while len(groups) < 60:
+        for _ in range(rng.choice([0, 1, 2, 3, 4])):
+            n = rng.randint(1, max_model_len - 1)
+            prompt = shared[: rng.randint(0, n)]
+            prompt += [rng.randrange(50) for _ in range(n - len(prompt))]
+            max_tokens = rng.randint(1, max_model_len)
+            group = make_group(len(groups), prompt, max_tokens, rng.randint(1, max_best_of))
+            sched.add(group)
+            groups.append(group)
+        live = [g for g in groups if not g.is_finished]
+        if live and rng.random() < 0.05:
+            sched.finish(rng.choice(live))
+        if sched.num_unfinished:
+            run_step(sched, on_sample)
+    run_to_completion(sched, max_steps=5_000, on_sample=on_sample)
+    assert all(g.is_finished for g in groups)
+    assert_all_free(sched)
