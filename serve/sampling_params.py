@@ -75,6 +75,10 @@ class SamplingParams:
             )
         if self.use_beam_search:
             self._check_beam_search()
+            if self.best_of == 1:
+                # One beam is greedy search, as HF transformers runs `num_beams=1`; a true
+                # one-beam search would keep going past an EOS that greedy stops at.
+                self.use_beam_search = False
         elif self.is_greedy:
             # Greedy ignores the filters; normalising keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

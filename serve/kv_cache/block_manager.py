@@ -326,9 +326,10 @@ class BlockManager:
             holders = Counter(b for table in tables.values() for b in table)
             unknown = set(holders) - set(range(pool.num_blocks))
             assert not unknown, f"block tables hold out-of-range block ids {sorted(unknown)}"
-            for block_id in range(pool.num_blocks):
-                assert pool.ref_count(block_id) == holders[block_id], (
-                    f"block {block_id}: ref count {pool.ref_count(block_id)} != "
+            held = pool.held_ref_counts()
+            for block_id in held.keys() | holders.keys():
+                assert held.get(block_id, 0) == holders[block_id], (
+                    f"block {block_id}: ref count {held.get(block_id, 0)} != "
                     f"{holders[block_id]} tables holding it"
                 )
             assert pool.num_free_blocks + len(holders) == pool.num_blocks, (

@@ -21,9 +21,12 @@ class BlockPool:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self._ref_counts: list[int] = [0] * num_blocks
-        # Free blocks, least recently released first (the eviction order). An OrderedDict,
-        # not a deque: a prefix-cache hit takes a cached block out of the middle.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Blocks [_num_touched, num_blocks) were never allocated: free, and taken first, so a
+        # large pool (a CPU swap space of millions of small blocks) costs nothing up front.
+        self._num_touched = 0
+        # Released blocks, least recently released first (the eviction order). An
+        # OrderedDict, not a deque: a prefix-cache hit takes a cached block out of the middle.
+        self._free: OrderedDict[int, None] = OrderedDict()
         self._hash_of_block: dict[int, bytes] = {}
         self._block_of_hash: dict[bytes, int] = {}
         self.peak_num_used = 0
@@ -35,11 +38,11 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Free blocks, cached ones included: all of them can be allocated."""
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._num_touched
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -48,12 +51,18 @@ class BlockPool:
 
     @property
     def free_block_ids(self) -> tuple[int, ...]:
-        """Snapshot of the free list, in allocation order (for invariant checks)."""
-        return tuple(self._free)
+        """Snapshot of the free blocks, in allocation order (for invariant checks)."""
+        return (*range(self._num_touched, self.num_blocks), *self._free)
 
     def allocate(self) -> int:
         """Take the least recently released free block (forgetting any prefix it held); it
         starts with ref count 1."""
+        if self._num_touched < self.num_blocks:
+            block_id = self._num_touched
+            self._num_touched += 1
+            self._ref_counts[block_id] = 1
+            self._note_usage()
+            return block_id
         if not self._free:
             raise NoFreeBlocksError(f"all {self.num_blocks} KV blocks are in use")
         block_id, _ = self._free.popitem(last=False)
@@ -107,6 +116,10 @@ class BlockPool:
     def is_free(self, block_id: int) -> bool:
         return self.ref_count(block_id) == 0
 
+    def held_ref_counts(self) -> dict[int, int]:
+        """{block id: ref count} of every held block."""
+        return {b: r for b, r in enumerate(self._ref_counts) if r}
+
     def reset_peak(self) -> None:
         self.peak_num_used = self.num_used_blocks
 
@@ -117,9 +130,8 @@ class BlockPool:
         """Assert the free list, ref counts and prefix map agree with each other."""
         assert all(r >= 0 for r in self._ref_counts), "negative ref count"
         zero_ref = {b for b, r in enumerate(self._ref_counts) if r == 0}
-        assert set(self._free) == zero_ref, (
-            f"free list {sorted(self._free)} != blocks with ref count 0 {sorted(zero_ref)}"
-        )
+        free = set(self.free_block_ids)
+        assert free == zero_ref, f"free blocks {sorted(free)} != ref count 0 {sorted(zero_ref)}"
         for block_id, block_hash in self._hash_of_block.items():
             assert self._block_of_hash.get(block_hash) == block_id, (
                 f"block {block_id}'s prefix hash maps to {self._block_of_hash.get(block_hash)}"

@@ -151,5 +151,5 @@ def test_check_invariants_catches_corruption():
     pool = BlockPool(2)
     block_id = pool.allocate()
     pool._ref_counts[block_id] = 0  # held by nobody, yet not on the free list
-    with pytest.raises(AssertionError, match="free list"):
+    with pytest.raises(AssertionError, match="free blocks"):
         pool.check_invariants()
