@@ -31,7 +31,6 @@ def reshape_and_cache(
     flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
 
-
 def copy_blocks(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, [num_blocks, block_size, H, D]
     src: torch.Tensor,  # [num_copies] int64 block ids
@@ -57,6 +56,7 @@ def swap_blocks(
     to_gpu = dst_cache.device.type == "cuda"
     staged = src_cache.index_select(0, src_ids).to(dst_cache.device, non_blocking=to_gpu)
     dst_cache.index_copy_(0, dst_ids, staged.to(dst_cache.dtype))
+
 
 # Queries per tile in prefill, bounding the [heads, tile, context] score matrix.
 _QUERY_TILE = 1024
