@@ -15,6 +15,7 @@ import itertools
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kv_cache.manager_helpers import allocation_state
 
 from serve.kv_cache.block_manager import BlockManager
 from serve.kv_cache.block_pool import NoFreeBlocksError
@@ -29,17 +30,6 @@ NUM_CPU_BLOCKS = 8
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 
 Content = dict[int, list[int | None]]  # block id -> the token written in each slot
-
-
-def allocation_state(manager: BlockManager) -> tuple:
-    return (
-        {k: list(v) for k, v in manager.block_tables.items()},
-        {k: list(v) for k, v in manager.cpu_block_tables.items()},
-        [manager.block_pool.ref_count(b) for b in range(manager.num_blocks)],
-        [manager.cpu_pool.ref_count(b) for b in range(manager.cpu_pool.num_blocks)],
-        manager.block_pool.free_block_ids,
-        manager.cpu_pool.free_block_ids,
-    )
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -2,28 +2,13 @@
 holder to write into it writes in place."""
 
 import pytest
+from kv_cache.manager_helpers import fork_into, prefilled
 
 from serve.kv_cache.block_manager import BlockManager
 from serve.kv_cache.block_pool import NoFreeBlocksError
-from serve.sampling_params import SamplingParams
 from serve.sequence import Sequence
 
 BLOCK_SIZE = 4
-
-
-def prefilled(manager: BlockManager, num_tokens: int, seq_id: int = 0) -> Sequence:
-    seq = Sequence(seq_id, "r", list(range(num_tokens)), SamplingParams(max_tokens=8))
-    manager.allocate_slots(seq, num_tokens)
-    seq.num_computed_tokens = num_tokens
-    manager.mark_computed(seq)
-    return seq
-
-
-def fork_into(manager: BlockManager, parent: Sequence, num_children: int) -> list[Sequence]:
-    children = [parent.fork(parent.seq_id + i) for i in range(1, num_children + 1)]
-    for child in children:
-        manager.fork(parent, child)
-    return [parent, *children]
 
 
 def grow(manager: BlockManager, seq: Sequence, num_tokens: int) -> list[tuple[int, int]]:

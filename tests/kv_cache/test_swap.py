@@ -1,6 +1,8 @@
 """Swapping a group's blocks to the CPU pool and back: sharing and prefixes survive."""
 
 import pytest
+from kv_cache.manager_helpers import allocation_state as snapshot
+from kv_cache.manager_helpers import fork_into, prefilled
 
 from serve.kv_cache.block_manager import BlockManager
 from serve.kv_cache.block_pool import NoFreeBlocksError
@@ -8,33 +10,6 @@ from serve.sampling_params import SamplingParams
 from serve.sequence import Sequence
 
 BLOCK_SIZE = 4
-
-
-def prefilled(manager: BlockManager, num_tokens: int, seq_id: int = 0) -> Sequence:
-    tokens = [seq_id * 1000 + i for i in range(num_tokens)]
-    seq = Sequence(seq_id, f"r{seq_id}", tokens, SamplingParams(max_tokens=8))
-    manager.allocate_slots(seq, num_tokens)
-    seq.num_computed_tokens = num_tokens
-    manager.mark_computed(seq)
-    return seq
-
-
-def fork_into(manager: BlockManager, parent: Sequence, num_children: int) -> list[Sequence]:
-    children = [parent.fork(parent.seq_id + i) for i in range(1, num_children + 1)]
-    for child in children:
-        manager.fork(parent, child)
-    return [parent, *children]
-
-
-def snapshot(manager: BlockManager) -> tuple:
-    return (
-        {k: list(v) for k, v in manager.block_tables.items()},
-        {k: list(v) for k, v in manager.cpu_block_tables.items()},
-        [manager.block_pool.ref_count(b) for b in range(manager.num_blocks)],
-        [manager.cpu_pool.ref_count(b) for b in range(manager.cpu_pool.num_blocks)],
-        manager.block_pool.free_block_ids,
-        manager.cpu_pool.free_block_ids,
-    )
 
 
 def test_swap_round_trip_moves_one_sequence():
