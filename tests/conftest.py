@@ -7,6 +7,11 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without a GPU the Triton kernel tests run under Triton's interpreter. Triton reads this
+# once, and transformers imports triton while test modules are collected, so it is set
+# here, first; only the kernel tests use Triton on CPU.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
