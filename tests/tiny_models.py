@@ -185,6 +185,52 @@ def hf_greedy(
     return _generate(_hf_models[key], list(prompt_token_ids), max_new_tokens, ignore_eos)
 
 
+def hf_beam_search(
+    model_dir: Path,
+    prompt: list[int],
+    width: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+) -> list[tuple[list[int], float]]:
+    """HF's beams in float32, best first, as (new token ids, cumulative logprob), stopping
+    at the model's own EOS. For width 1 HF runs greedy search (whatever `early_stopping`
+    says): its single sequence."""
+    key = str(Path(model_dir).resolve())
+    if key not in _hf_models:
+        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        _hf_models[key] = model.eval()
+    model = _hf_models[key]
+    input_ids = torch.tensor([prompt], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            num_beams=width,
+            num_return_sequences=width,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=[model.config.eos_token_id],
+            pad_token_id=model.config.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    if width == 1:
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = [torch.log_softmax(s[0], dim=-1)[t].item() for s, t in zip(out.scores, tokens)]
+        return [(tokens, sum(logprobs))]
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()  # output tokens of each beam
+    return [
+        (
+            out.sequences[i, len(prompt) : len(prompt) + n].tolist(),
+            out.sequences_scores[i].item() * n**length_penalty,
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
 def random_prompts(
     tokenizer_or_vocab_size, n: int, min_len: int, max_len: int, seed: int
 ) -> list[list[int]]:

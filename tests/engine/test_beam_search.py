@@ -12,16 +12,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
+import tiny_models
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
 
 MAX_TOKENS = 16
 BLOCK_SIZE = 4
-
-_hf_models: dict[str, torch.nn.Module] = {}
 
 
 def hf_beam_search(
@@ -31,41 +28,9 @@ def hf_beam_search(
     length_penalty: float = 1.0,
     early_stopping: bool | str = False,
 ) -> list[tuple[list[int], float]]:
-    """HF's beams, best first, as (new token ids, cumulative logprob). For width 1 HF runs
-    greedy search (whatever `early_stopping` says): its single sequence."""
-    key = str(Path(model_dir).resolve())
-    if key not in _hf_models:
-        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
-        _hf_models[key] = model.eval()
-    model = _hf_models[key]
-    input_ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-            max_new_tokens=MAX_TOKENS,
-            eos_token_id=[model.config.eos_token_id],
-            pad_token_id=model.config.pad_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
-        )
-    if width == 1:
-        tokens = out.sequences[0, len(prompt) :].tolist()
-        logprobs = [torch.log_softmax(s[0], dim=-1)[t].item() for s, t in zip(out.scores, tokens)]
-        return [(tokens, sum(logprobs))]
-    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()  # output tokens of each beam
-    return [
-        (
-            out.sequences[i, len(prompt) : len(prompt) + n].tolist(),
-            out.sequences_scores[i].item() * n**length_penalty,
-        )
-        for i, n in enumerate(lengths)
-    ]
+    return tiny_models.hf_beam_search(
+        model_dir, prompt, width, MAX_TOKENS, length_penalty, early_stopping
+    )
 
 
 def _llm(model_dir, **kwargs) -> LLM:

@@ -9,14 +9,11 @@ victim falls back to recompute.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
-import transformers
-from tiny_models import hf_greedy, random_prompts
+from tiny_models import hf_beam_search, hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
 
@@ -224,30 +221,9 @@ def test_too_small_swap_space_falls_back_to_recompute(
     _assert_idle(llm)
 
 
-@functools.cache
-def _hf_model(model_dir: Path) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-
 def _hf_beams(model_dir: Path, prompt: list[int], width: int, max_new_tokens: int):
     """HF beam search's beams, best first (new tokens only; EOS is the model's own)."""
-    model = _hf_model(model_dir)
-    input_ids = torch.tensor([prompt], dtype=torch.long)
-    with torch.no_grad():
-        out = model.eval().generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=[model.config.eos_token_id],
-            pad_token_id=model.config.pad_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
-        )
-    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
-    return [out.sequences[i, len(prompt) : len(prompt) + n].tolist() for i, n in enumerate(lengths)]
+    return [tokens for tokens, _ in hf_beam_search(model_dir, prompt, width, max_new_tokens)]
 
 
 @pytest.mark.parametrize("preemption_mode", [None, "recompute"], ids=str)
