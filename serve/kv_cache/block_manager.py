@@ -121,11 +121,16 @@ class BlockManager:
             blocks.append(block_id)
         return blocks
 
-    def num_blocks_to_admit(self, cached_prefix: list[int], num_tokens: int) -> int:
-        """Free blocks used by admitting a sequence with `cached_prefix` to `num_tokens`
-        tokens: the new ones, plus cached blocks that must leave the free list."""
-        revived = sum(1 for b in cached_prefix if self.block_pool.is_free(b))
-        return revived + max(0, self.num_required_blocks(num_tokens) - len(cached_prefix))
+    def num_blocks_to_admit(self, admissions: Iterable[tuple[list[int], int]]) -> int:
+        """Free blocks used by admitting sequences, each (cached_prefix, num_tokens) starting
+        with the cached blocks and grown to `num_tokens`: the new blocks, plus the cached
+        blocks that must leave the free list (once, however many sequences share them)."""
+        revived: set[int] = set()
+        num_new = 0
+        for cached_prefix, num_tokens in admissions:
+            revived.update(b for b in cached_prefix if self.block_pool.is_free(b))
+            num_new += max(0, self.num_required_blocks(num_tokens) - len(cached_prefix))
+        return len(revived) + num_new
 
     def take_cached_prefix(self, seq: Sequence, cached_prefix: list[int]) -> int:
         """Start `seq`'s table with the cached blocks; returns the tokens they hold."""

@@ -202,10 +202,9 @@ class Scheduler:
         plan = self._plan(group, budget, cached)
         if not plan:
             return False
-        revived = {b for blocks in hits.values() for b in blocks if bm.block_pool.is_free(b)}
-        needed = len(revived) + sum(
-            max(0, bm.num_required_blocks(cached[seq.seq_id] + n) - len(hits[seq.seq_id]))
-            for seq, n in plan
+        new_tokens = {seq.seq_id: n for seq, n in plan}
+        needed = bm.num_blocks_to_admit(
+            (hits[seq.seq_id], cached[seq.seq_id] + new_tokens.get(seq.seq_id, 0)) for seq in live
         )
         if needed > bm.num_free_blocks - self._watermark():
             return False

@@ -125,7 +125,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq.token_ids_between(0, len(hits) * BLOCK_SIZE)
         )
         event(f"prefix hit: {len(hits) > 0}")
-        needed = manager.num_blocks_to_admit(hits, seq.num_tokens)
+        needed = manager.num_blocks_to_admit([(hits, seq.num_tokens)])
         if needed > manager.num_free_blocks:
             return
         num_free = manager.num_free_blocks

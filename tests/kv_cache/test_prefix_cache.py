@@ -58,7 +58,7 @@ def test_a_freed_prompt_is_still_cached():
     held = manager.get_block_table(0)[:2]
     manager.free(0)
     assert manager.block_pool.num_cached_blocks == 2
-    assert manager.num_blocks_to_admit(held, 10) == 2 + 1  # two revived, one new
+    assert manager.num_blocks_to_admit([(held, 10)]) == 2 + 1  # two revived, one new
     hits = admit(manager, make_seq(1, tokens(100, 10)))
     assert hits == held
     assert manager.block_pool.num_cached_blocks == 0
