@@ -273,11 +273,12 @@ class BlockManager:
         """Move `seqs`' blocks to the CPU pool, keeping what they share shared. Returns the
         (device, cpu) block copies to make, or None (changing nothing) if the CPU swap
         space is too small."""
-        if self.num_swap_blocks(seqs, swapped_out=False) > self.cpu_pool.num_free_blocks:
+        try:
+            return self._move(
+                seqs, self.block_tables, self.cpu_block_tables, self.block_pool, self.cpu_pool
+            )
+        except NoFreeBlocksError:  # raised before anything moved
             return None
-        return self._move(
-            seqs, self.block_tables, self.cpu_block_tables, self.block_pool, self.cpu_pool
-        )
 
     def swap_in(self, seqs: list[Sequence]) -> list[BlockCopy]:
         """Move `seqs`' blocks back onto the device; returns the (cpu, device) copies.
@@ -299,7 +300,7 @@ class BlockManager:
         dst_pool: BlockPool,
     ) -> list[BlockCopy]:
         needed = len({b for seq in seqs for b in src_tables[seq.seq_id]})
-        if needed > dst_pool.num_free_blocks:
+        if needed > dst_pool.num_free_blocks:  # all-or-nothing: checked before any move
             raise NoFreeBlocksError(f"moving {needed} blocks, {dst_pool.num_free_blocks} free")
         mapping: dict[int, int] = {}
         for seq in seqs:
