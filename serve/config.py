@@ -29,8 +29,12 @@ class ModelConfig:
     seed: int = 0
     # "pt" allows pickled `.bin` checkpoints, which can run arbitrary code when loaded.
     load_format: str = "auto"
+    # The most `logprobs` / `prompt_logprobs` alternatives a request may ask for.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}.")
         if self.load_format not in LOAD_FORMATS:
@@ -117,6 +121,7 @@ class EngineConfig:
         max_model_len: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
+        max_logprobs: int = 20,
         block_size: int = 16,
         kv_cache_memory: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -132,7 +137,9 @@ class EngineConfig:
         as vLLM's flag is."""
         kv_bytes = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None
         return cls(
-            model=ModelConfig(model, tokenizer, dtype, max_model_len, seed, load_format),
+            model=ModelConfig(
+                model, tokenizer, dtype, max_model_len, seed, load_format, max_logprobs
+            ),
             cache=CacheConfig(
                 block_size,
                 kv_bytes,

@@ -28,6 +28,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # With `prompt_logprobs`: None for the first prompt token (nothing predicts it), then
+    # {token_id: logprob} with the prompt token and the top alternatives, per position.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -3,9 +3,48 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar; exactly one of the fields is set.
+
+    `json`: a JSON schema (dict or its text); `json_object`: any JSON object; `regex`;
+    `choice`: one of these strings, verbatim; `grammar`: EBNF in xgrammar's (GBNF-like)
+    dialect, with a `root` rule.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or any(not isinstance(c, str) for c in self.choice):
+                raise ValueError("choice must be a non-empty list of strings.")
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured output takes exactly one of json, json_object, regex, choice or "
+                f"grammar; got {kinds or 'none'}."
+            )
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
 
 
 @dataclass
@@ -37,7 +76,22 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as in HF transformers
+    # Penalties, as OpenAI and vLLM define them: presence and frequency over the output so
+    # far, repetition (HF's, divides positive logits) over prompt and output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
+    bad_words: list[str] | None = None  # never generated (their tokenisations are masked)
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token but the first
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
+    # Each bad word's token ids, with and without a leading space (update_from_tokenizer).
+    _bad_words_token_ids: list[list[int]] = field(
+        init=False, repr=False, compare=False, default_factory=list
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -68,6 +122,7 @@ class SamplingParams:
                 f"stop must be a non-empty string or a list of them, got {self.stop!r}."
             )
         self._stop_strings = tuple(stops)
+        self._check_decoding_controls()
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(
@@ -82,6 +137,78 @@ class SamplingParams:
         elif self.is_greedy:
             # Greedy ignores the filters; normalising keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_decoding_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            for token, bias in self.logit_bias.items():
+                if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise ValueError(
+                        f"logit_bias maps token ids (>= 0) to values in [-100, 100]; "
+                        f"got {token}: {bias}."
+                    )
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})."
+            )
+        if self.bad_words is not None and any(
+            not isinstance(w, str) or not w.strip() for w in self.bad_words
+        ):
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(
+                "allowed_token_ids must be a non-empty list of non-negative integers, "
+                f"got {self.allowed_token_ids!r}."
+            )
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+
+    def token_ids_to_check(self) -> list[int]:
+        """The token ids this request names (stop, bias, allowed), for the engine to check
+        against the vocabulary."""
+        return [
+            *self.stop_token_ids,
+            *(self.logit_bias or {}),
+            *(self.allowed_token_ids or []),
+        ]
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words`; the engine calls this when a request arrives. A word is
+        banned in both the forms it takes in a text: at its start and after a space.
+        Idempotent, so one params object may serve many requests."""
+        if not self.bad_words or self._bad_words_token_ids:
+            return
+        token_ids: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in token_ids:
+                    token_ids.append(ids)
+        self._bad_words_token_ids = token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """The token-id sequences the sampler bans (see `update_from_tokenizer`)."""
+        if self.bad_words and not self._bad_words_token_ids:
+            raise RuntimeError("bad_words are not tokenized: call update_from_tokenizer first.")
+        return self._bad_words_token_ids
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def _check_beam_search(self) -> None:
         if self.early_stopping not in (True, False, "never"):
@@ -101,6 +228,29 @@ class SamplingParams:
             raise ValueError(
                 "stop strings are not supported with beam search, which stops only at EOS, "
                 "stop_token_ids or max_tokens."
+            )
+        if self.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs (response_format, guided_*) cannot be combined with beam "
+                "search; sample instead."
+            )
+        controls = [
+            name
+            for name, unset in (
+                ("presence_penalty", 0.0),
+                ("frequency_penalty", 0.0),
+                ("repetition_penalty", 1.0),
+                ("logit_bias", None),
+                ("min_tokens", 0),
+                ("bad_words", None),
+                ("allowed_token_ids", None),
+            )
+            if getattr(self, name) != unset
+        ]
+        if controls:
+            raise ValueError(
+                f"{controls[0]} does not apply to beam search, which ranks beams by the "
+                "model's own logprobs; leave it unset or sample instead."
             )
 
     @property

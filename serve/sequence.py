@@ -151,6 +151,9 @@ class SequenceGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     # Set once the prompt sequence has been forked into `best_of` samples or beams.
     forked: bool = False
+    # With `prompt_logprobs`: [None, then one entry per prompt token after the first],
+    # filled as the prompt is computed (chunk by chunk).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = self.seqs[0].prompt_token_ids

@@ -170,6 +170,23 @@ def make_tiny_model(arch: str, out_dir: Path, *, seed: int = 0, **overrides) -> 
 _hf_models: dict[str, torch.nn.Module] = {}
 
 
+def _hf_model(model_dir: Path) -> torch.nn.Module:
+    key = str(Path(model_dir).resolve())
+    if key not in _hf_models:
+        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+        _hf_models[key] = model.eval()
+    return _hf_models[key]
+
+
+def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
+    """HF's float32 log-probabilities at every position of `token_ids`: row p is the
+    distribution of the token after position p. [len(token_ids), vocab]."""
+    input_ids = torch.tensor([token_ids], dtype=torch.long)
+    with torch.no_grad():
+        logits = _hf_model(model_dir)(input_ids).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
 def hf_greedy(
     model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool = False
 ) -> list[int]:
@@ -178,11 +195,7 @@ def hf_greedy(
     Stops after EOS (included in the result) as HF does by default; with `ignore_eos`,
     runs to `max_new_tokens` without changing any logits.
     """
-    key = str(Path(model_dir).resolve())
-    if key not in _hf_models:
-        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
-        _hf_models[key] = model.eval()
-    return _generate(_hf_models[key], list(prompt_token_ids), max_new_tokens, ignore_eos)
+    return _generate(_hf_model(model_dir), list(prompt_token_ids), max_new_tokens, ignore_eos)
 
 
 def hf_beam_search(
@@ -196,11 +209,7 @@ def hf_beam_search(
     """HF's beams in float32, best first, as (new token ids, cumulative logprob), stopping
     at the model's own EOS. For width 1 HF runs greedy search (whatever `early_stopping`
     says): its single sequence."""
-    key = str(Path(model_dir).resolve())
-    if key not in _hf_models:
-        model = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
-        _hf_models[key] = model.eval()
-    model = _hf_models[key]
+    model = _hf_model(model_dir)
     input_ids = torch.tensor([prompt], dtype=torch.long)
     with torch.no_grad():
         out = model.generate(

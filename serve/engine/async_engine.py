@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.outputs import RequestOutput
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,12 @@ class AsyncEngine:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar (or find it compiled) off the event loop, so that an
+        invalid one is refused (ValueError) before the request starts. The engine then
+        finds it in its cache."""
+        await asyncio.wrap_future(self.core.structured_output.submit(spec))
 
     async def generate(
         self,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.beam_search import BeamSearch
 from serve.engine.detokenizer import Detokenizer, find_stop_string
-from serve.engine.model_runner import ModelRunner
+from serve.engine.logprobs import token_logprobs
+from serve.engine.model_runner import ModelOutput, ModelRunner
 from serve.engine.sampler import Sampler
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
@@ -19,7 +23,12 @@ from serve.sampling_params import SamplingParams
 from serve.scheduler.scheduler import Scheduler
 from serve.sequence import FinishReason, Sequence, SequenceGroup
 
+if TYPE_CHECKING:
+    from serve.engine.structured_output import StructuredOutputManager
+
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.05  # an idle engine's longest wait on a compiling grammar
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,9 +95,14 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.max_num_batched_tokens, self.max_model_len, self.block_manager
         )
-        self.sampler = Sampler(config.model.seed)
+        self.sampler = Sampler(config.model.seed, self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self._structured_output: StructuredOutputManager | None = None
+        self._structured_output_lock = threading.Lock()  # the API thread may build it too
         self._groups: dict[str, SequenceGroup] = {}
+        # Requests whose grammar is still compiling, in arrival order: they join the
+        # scheduler when it is ready, so a slow compile never holds up the loop.
+        self._awaiting_grammar: dict[str, tuple[SequenceGroup, concurrent.futures.Future]] = {}
         self._beam_searches: dict[str, BeamSearch] = {}
         self._next_seq_id = 0
         self.num_generated_tokens = 0  # sampled tokens, beams included, since start
@@ -120,9 +134,19 @@ class EngineCore:
         if request_id in self._groups:
             raise ValueError(f"A request with id {request_id!r} is already running.")
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
+        self.check_params(params)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
         seq = Sequence(self._new_seq_id(), request_id, prompt_token_ids, params, prompt)
         group = SequenceGroup(request_id, [seq], params, prompt, seq.arrival_time)
-        self.scheduler.add(group)  # validates the prompt length and the sequence count
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self.scheduler.check(group)  # the prompt length and the sequence count
+        if params.structured_outputs is not None:
+            future = self.structured_output.submit(params.structured_outputs)
+            self._awaiting_grammar[request_id] = (group, future)
+        else:
+            self.scheduler.add(group)
         self.detokenizer.start(seq)
         self._groups[request_id] = group
         if params.use_beam_search:
@@ -143,10 +167,43 @@ class EngineCore:
         if bad:
             raise ValueError(f"{what} must be in [0, {self.vocab_size}); got {bad[:5]}.")
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary and
+        logprob counts against --max-logprobs. Each message starts with the field's name."""
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name) or []
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name} must name token ids in [0, {self.vocab_size}); got {bad[:5]}."
+                )
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(
+                    f"{name} asks for {value} alternatives; this server returns at most "
+                    f"{limit} (--max-logprobs)."
+                )
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """Built on first use: importing xgrammar and indexing the vocabulary take seconds
+        that requests without a grammar should not pay at start-up."""
+        with self._structured_output_lock:
+            if self._structured_output is None:
+                from serve.engine.structured_output import StructuredOutputManager
+
+                self._structured_output = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+        return self._structured_output
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self._groups.get(request_id)
         if group is None:
             return None
+        self._awaiting_grammar.pop(request_id, None)
         for seq in group.live_seqs:
             seq.finish_reason = FinishReason.ABORT
         self._finish(group)
@@ -184,13 +241,57 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the batch, sample, update. Returns the requests that
         made progress this step (cumulative outputs)."""
+        ended = self._admit_compiled()
         sched = self.scheduler.schedule()
-        ended = [self._end_cannot_fit(group) for group in sched.cannot_fit]
+        ended += [self._end_cannot_fit(group) for group in sched.cannot_fit]
         if sched.is_empty and not sched.has_block_moves:
+            if self._awaiting_grammar and not ended:
+                # Nothing to run but grammars compiling: wait for one, not a busy spin.
+                futures = [future for _, future in self._awaiting_grammar.values()]
+                concurrent.futures.wait(
+                    futures, timeout=GRAMMAR_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+                )
             return ended
         model_out = self.model_runner.execute(sched)
         self.scheduler.update(sched)
+        self._record_prompt_logprobs(model_out)
         return ended + self._process(model_out.logits, model_out.sampled_seqs)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand requests whose grammar has compiled to the scheduler; end those whose
+        grammar failed (the API compiles first and answers 400, so only direct users of
+        the engine get here)."""
+        ended: list[RequestOutput] = []
+        for request_id, (group, future) in list(self._awaiting_grammar.items()):
+            if not future.done():
+                continue
+            del self._awaiting_grammar[request_id]
+            try:
+                compiled = future.result()
+            except ValueError as e:
+                logger.warning(
+                    "Request %s: its structured output cannot be used: %s", request_id, e
+                )
+                for seq in group.live_seqs:
+                    seq.finish_reason = FinishReason.ABORT
+                self._finish(group)
+                ended.append(self._output(group))
+                continue
+            self.structured_output.start(group.seqs[0].seq_id, compiled)
+            self.scheduler.add(group)
+        return ended
+
+    def _record_prompt_logprobs(self, model_out: ModelOutput) -> None:
+        for span in model_out.prompt_spans:
+            seq = span.seq
+            group = self._groups[seq.request_id]
+            recorded = group.prompt_logprobs
+            if recorded is None or len(recorded) >= span.start + span.count + 1:
+                continue  # recomputed after a preemption: already known
+            rows = model_out.prompt_logits[span.offset : span.offset + span.count]
+            targets = seq.prompt_token_ids[span.start + 1 : span.start + span.count + 1]
+            entries = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
+            recorded.extend(entries[len(recorded) - 1 - span.start :])
 
     def _end_cannot_fit(self, group: SequenceGroup) -> RequestOutput:
         logger.warning(
@@ -224,14 +325,17 @@ class EngineCore:
         self.num_generated_tokens += len(seqs) + sum(len(r) for r in beam_rows.values())
         if seqs:
             row_index = torch.tensor(rows, device=logits.device)
-            sampled = self.sampler(logits.index_select(0, row_index), seqs)
+            sampled = self.sampler(
+                logits.index_select(0, row_index), seqs, self._grammar_mask(seqs)
+            )
             for i, seq in enumerate(seqs):
-                seq.append_token(sampled.token_ids[i], sampled.logprobs[i], sampled.top_logprobs[i])
+                token = sampled.token_ids[i]
+                seq.append_token(token, sampled.logprobs[i], sampled.top_logprobs[i])
                 delta = self.detokenizer.update(seq)
-                seq.finish_reason = self._check_stop(seq, sampled.token_ids[i], len(delta))
+                seq.finish_reason = self._check_stop(seq, token, len(delta))
                 if seq.finish_reason is not None:
                     self.scheduler.finish_seq(seq)
-                    self.sampler.free(seq.seq_id)
+                    self._free_seq_state(seq.seq_id)
                 touched[seq.request_id] = self._groups[seq.request_id]
         for request_id, group_rows in beam_rows.items():
             group = self._groups[request_id]
@@ -247,6 +351,20 @@ class EngineCore:
                 outputs.append(self._output(group))
         return outputs
 
+    def _grammar_mask(self, seqs: list[Sequence]) -> Any:
+        """The sampler's hook that masks what each constrained sequence's grammar forbids;
+        None when no sequence in the batch has a grammar."""
+        manager = self._structured_output
+        if manager is None or not any(manager.has(seq.seq_id) for seq in seqs):
+            return None
+        seq_ids = [seq.seq_id for seq in seqs]
+        return lambda logits: manager.mask_logits(logits, seq_ids)
+
+    def _free_seq_state(self, seq_id: int) -> None:
+        self.sampler.free(seq_id)
+        if self._structured_output is not None:
+            self._structured_output.free(seq_id)
+
     def _fork_samples(self, group: SequenceGroup) -> list[Sequence]:
         """Fork the prompt sequence, just prefilled, into `best_of` samples that share its
         blocks. Sample i draws from seed + i (when the request has a seed)."""
@@ -255,6 +373,8 @@ class EngineCore:
         for i in range(1, group.sampling_params.best_of):
             child = parent.fork(self._new_seq_id(), None if seed is None else seed + i)
             self.scheduler.fork(parent, child, group)
+            if group.sampling_params.structured_outputs is not None:
+                self.structured_output.fork(parent.seq_id, child.seq_id)
         group.forked = True
         return list(group.seqs)
 
@@ -292,23 +412,39 @@ class EngineCore:
 
     def _check_stop(self, seq: Sequence, token: int, num_new_chars: int) -> FinishReason | None:
         params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
+        if params.structured_outputs is not None and self._grammar_ended(seq, token):
             return FinishReason.STOP
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return FinishReason.STOP
-        if find_stop_string(seq, num_new_chars):
-            return FinishReason.STOP
+        if seq.num_output_tokens >= params.min_tokens:  # vLLM: no stop before min_tokens
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return FinishReason.STOP
+            if find_stop_string(seq, num_new_chars):
+                return FinishReason.STOP
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 
+    def _grammar_ended(self, seq: Sequence, token: int) -> bool:
+        """Advance the sequence's grammar by `token`: True once the grammar is complete
+        (it took a stop token) or if it refused the token, which the mask should prevent."""
+        manager = self.structured_output
+        if not manager.accept(seq.seq_id, token):
+            logger.warning(
+                "Request %s: token %d does not fit its structured output; ending it.",
+                seq.request_id,
+                token,
+            )
+            return True
+        return manager.is_terminated(seq.seq_id)
+
     def _finish(self, group: SequenceGroup) -> None:
         self.scheduler.finish(group)
         for seq in group.seqs:
-            self.sampler.free(seq.seq_id)
+            self._free_seq_state(seq.seq_id)
         del self._groups[group.request_id]
 
     def _output(self, group: SequenceGroup) -> RequestOutput:
@@ -324,7 +460,12 @@ class EngineCore:
                 for i, c in enumerate(completions):
                     c.index = i
         return RequestOutput(
-            group.request_id, group.prompt, group.prompt_token_ids, completions, group.is_finished
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            group.is_finished,
+            group.prompt_logprobs,
         )
 
     def _beam_completions(

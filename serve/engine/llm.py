@@ -140,6 +140,11 @@ class LLM:
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [f"offline-{next(self._request_ids)}" for _ in requests]
+        # Compile every grammar up front (in the background, all at once), so a bad one
+        # raises here rather than ending its request silently.
+        specs = [p.structured_outputs for _, _, p in requests if p.structured_outputs]
+        for future in [engine.structured_output.submit(spec) for spec in specs]:
+            future.result()
         try:
             for request_id, (text, token_ids, params) in zip(ids, requests):
                 engine.add_request(request_id, token_ids, params, text)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,23 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class PromptSpan:
+    """Prompt positions [start, start + count) of a sequence that asked for prompt
+    logprobs; their logits (each predicting the next prompt token) are rows
+    [offset, offset + count) of `ModelOutput.prompt_logits`."""
+
+    seq: Sequence
+    start: int
+    count: int
+    offset: int
+
+
+@dataclass
 class ModelOutput:
     logits: torch.Tensor  # [num_sampled, vocab] float32, one row per sampled sequence
     sampled_seqs: list[Sequence]
+    prompt_logits: torch.Tensor | None = None  # [sum of span counts, vocab] float32
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 @dataclass
@@ -33,6 +47,8 @@ class ModelInputs:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: the last token of each sampled sequence
     sampled_seqs: list[Sequence]
+    prompt_logits_indices: torch.Tensor | None = None  # rows for prompt logprobs
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -135,12 +151,21 @@ class ModelRunner:
         query_lens: list[int] = []
         logits_indices: list[int] = []
         sampled: list[Sequence] = []
+        prompt_indices: list[int] = []
+        prompt_spans: list[PromptSpan] = []
         for s in ordered:
             seq, start, n, table = s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table
             if n == 1:
                 token_ids.append(seq.token_at(start))
             else:
                 token_ids.extend(seq.token_ids_between(start, start + n))
+            if seq.sampling_params.prompt_logprobs is not None:
+                # Position p's logits predict prompt token p + 1; the last prompt position
+                # predicts the first output token, which the sampler reports.
+                count = min(start + n, seq.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_spans.append(PromptSpan(seq, start, count, len(prompt_indices)))
+                    prompt_indices.extend(range(len(positions), len(positions) + count))
             span = range(start, start + n)
             positions.extend(span)
             slots.extend(table[p // bs] * bs + p % bs for p in span)
@@ -168,7 +193,13 @@ class ModelRunner:
             num_decode_seqs=num_decode_seqs,
         )
         return ModelInputs(
-            tensor(token_ids), tensor(positions), meta, tensor(logits_indices), sampled
+            tensor(token_ids),
+            tensor(positions),
+            meta,
+            tensor(logits_indices),
+            sampled,
+            tensor(prompt_indices) if prompt_indices else None,
+            prompt_spans,
         )
 
     @torch.inference_mode()
@@ -180,7 +211,10 @@ class ModelRunner:
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return ModelOutput(logits.float(), inputs.sampled_seqs)
+        prompt_logits = None
+        if inputs.prompt_logits_indices is not None:
+            prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices]).float()
+        return ModelOutput(logits.float(), inputs.sampled_seqs, prompt_logits, inputs.prompt_spans)
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap out, swap in, then copy on write: swap-outs read blocks that the scheduler

@@ -1,6 +1,9 @@
 """Turn a batch of logits into one token per sequence, each with its own controls.
 
-Every control is a batched tensor op over the rows that use it. A token is drawn by
+Every control is a batched tensor op over the rows that use it (logits_processors.py);
+a batch where nobody uses a control skips it, and one where nobody uses any samples from
+the model's logits without a copy. Greedy rows take the argmax of the processed logits;
+logprobs are always reported from the model's own, unprocessed ones. A token is drawn by
 inverse-CDF sampling, one uniform number per row: a seeded request draws its number from
 its own generator, so its tokens never depend on its batch. (One number per row, not one
 per vocabulary entry as the exponential-race trick needs, keeps the draw cheap on CPU.)
@@ -8,11 +11,16 @@ per vocabulary entry as the exponential-race trick needs, keeps the draw cheap o
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
+from serve.engine import logits_processors as lp
 from serve.sequence import Sequence
+
+# Edits processed logits [num_seqs, vocab] in place, setting disallowed tokens to -inf.
+LogitsMask = Callable[[torch.Tensor], None]
 
 
 @dataclass
@@ -23,8 +31,9 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()) -> None:
         self._seed = seed
+        self._eos_token_ids = sorted(set(eos_token_ids))  # masked until min_tokens
         self._generators: dict[torch.device, torch.Generator] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
 
@@ -43,14 +52,20 @@ class Sampler:
     def free(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        # logits: [num_seqs, vocab] float32
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], logits_mask: LogitsMask | None = None
+    ) -> SamplerOutput:
+        """One token per sequence (row of `logits`, [num_seqs, vocab] float32), chosen from
+        the processed logits (`process_logits`); logprobs are reported from `logits` as
+        the model gave them. `logits_mask` (structured output) sees the processed logits
+        before temperature and filters."""
         params = [s.sampling_params for s in seqs]
-        token_ids = logits.argmax(dim=-1)
+        processed = self.process_logits(logits, seqs, logits_mask)
+        token_ids = processed.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            token_ids[rows] = self._sample(logits[rows], [seqs[i] for i in random_rows])
+            token_ids[rows] = self._sample(processed[rows], [seqs[i] for i in random_rows])
 
         # Log-probabilities under the model's own distribution (before temperature and
         # filters), as vLLM reports them; logit - logsumexp avoids a full log_softmax.
@@ -75,6 +90,82 @@ class Sampler:
             entry[token_list[i]] = sampled_list[i]
             top_logprobs.append(entry)
         return SamplerOutput(token_list, sampled_list, top_logprobs)
+
+    def process_logits(
+        self, logits: torch.Tensor, seqs: list[Sequence], logits_mask: LogitsMask | None = None
+    ) -> torch.Tensor:
+        """The logits greedy and sampling choose from, [num_seqs, vocab] float32: each
+        request's controls applied to its row, in vLLM's order (allowed_token_ids,
+        bad_words, min_tokens, logit_bias, then repetition, frequency and presence
+        penalties), then `logits_mask`. `logits` is left unchanged, and returned as it is
+        when nothing applies."""
+        allowed: list[int] = []
+        banned: dict[int, list[int]] = {}  # row -> bad-word and min_tokens bans
+        biased: list[int] = []
+        penalised: list[int] = []
+        for i, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if p.allowed_token_ids:
+                allowed.append(i)
+            row_bans = []
+            if p.bad_words:
+                row_bans += lp.banned_by_bad_words(p.bad_words_token_ids, seq.output_token_ids)
+            if seq.num_output_tokens < p.min_tokens:
+                row_bans += [*self._eos_token_ids, *p.stop_token_ids]
+            if row_bans:
+                banned[i] = row_bans
+            if p.logit_bias:
+                biased.append(i)
+            if p.has_penalties:
+                penalised.append(i)
+        if not (allowed or banned or biased or penalised) and logits_mask is None:
+            return logits
+
+        logits = logits.clone()
+        device = logits.device
+        if allowed:
+            ids = [seqs[i].sampling_params.allowed_token_ids or [] for i in allowed]
+            lp.keep_only_tokens(logits, *lp.coordinates(allowed, ids, device))
+        if banned:
+            lp.ban_tokens(logits, *lp.coordinates(list(banned), list(banned.values()), device))
+        if biased:
+            biases = [seqs[i].sampling_params.logit_bias or {} for i in biased]
+            rows, ids = lp.coordinates(biased, [list(b) for b in biases], device)
+            values = torch.tensor([v for b in biases for v in b.values()], device=device)
+            lp.add_logit_bias(logits, rows, ids, values)
+        if penalised:
+            self._apply_penalties(logits, [seqs[i] for i in penalised], penalised)
+        if logits_mask is not None:
+            logits_mask(logits)
+        return logits
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+        """Count each penalised row's tokens (prompt tokens only for rows with a repetition
+        penalty) and apply the penalties; `seqs[j]` is batch row `rows[j]`."""
+        device, vocab_size = logits.device, logits.shape[1]
+        params = [s.sampling_params for s in seqs]
+        local = list(range(len(seqs)))
+        output_counts = lp.count_tokens(
+            *lp.coordinates(local, [s.output_token_ids for s in seqs], device),
+            len(seqs),
+            vocab_size,
+        )
+        prompt_counts = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompts = [
+                s.prompt_token_ids if p.repetition_penalty != 1.0 else []
+                for s, p in zip(seqs, params)
+            ]
+            prompt_counts = lp.count_tokens(
+                *lp.coordinates(local, prompts, device), len(seqs), vocab_size
+            )
+        penalties = torch.tensor(
+            [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+            device=device,
+        )
+        rows_t = torch.tensor(rows, device=device)
+        lp.apply_penalties(logits, rows_t, output_counts, prompt_counts, penalties)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.sampling_params for s in seqs]

@@ -58,6 +58,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def add(self, group: SequenceGroup) -> None:
+        self.check(group)
+        for seq in group.seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.append(group)
+
+    def check(self, group: SequenceGroup) -> None:
+        """Refuse (ValueError) a group that could never run."""
         num_prompt = len(group.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("The prompt is empty: give at least one token.")
@@ -74,9 +81,6 @@ class Scheduler:
                 f"max_num_batched_tokens={self.max_num_batched_tokens}). Ask for fewer, or "
                 "raise --max-num-seqs."
             )
-        for seq in group.seqs:
-            seq.status = SequenceStatus.WAITING
-        self.waiting.append(group)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -197,7 +201,9 @@ class Scheduler:
         """Start a waiting group: take its cached prefixes, allocate its first chunk."""
         bm = self.block_manager
         live = group.live_seqs
-        hits = {seq.seq_id: bm.find_cached_prefix(seq) for seq in live}
+        # Prompt logprobs need the logits of every prompt position, so nothing is skipped.
+        use_cache = group.sampling_params.prompt_logprobs is None
+        hits = {seq.seq_id: bm.find_cached_prefix(seq) if use_cache else [] for seq in live}
         cached = {seq.seq_id: len(hits[seq.seq_id]) * bm.block_size for seq in live}
         plan = self._plan(group, budget, cached)
         if not plan:

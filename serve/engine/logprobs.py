@@ -1,0 +1,24 @@
+"""Log-probabilities of given tokens (the prompt's, for `prompt_logprobs`) and their top-k
+alternatives, under the model's own distribution."""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: int
+) -> list[dict[int, float]]:
+    """Per row of `logits` [rows, vocab]: {token id: logprob} holding `token_ids[row]` and
+    the `num_top` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(token_ids, device=logits.device)[:, None]
+    chosen = logprobs.gather(1, targets).squeeze(1).tolist()
+    entries: list[dict[int, float]] = [{} for _ in token_ids]
+    if num_top:
+        top = logprobs.topk(num_top, dim=-1)
+        for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
+            entry.update(zip(ids, values))
+    for entry, token, logprob in zip(entries, token_ids, chosen):
+        entry[token] = logprob
+    return entries

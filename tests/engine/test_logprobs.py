@@ -1,0 +1,92 @@
+"""Logprobs and prompt logprobs equal HF transformers' log_softmax (float32), position by
+position, and come in the shapes vLLM returns."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import hf_log_softmax, random_prompts
+
+from serve import LLM, SamplingParams
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, tiny_model_factory):
+    path = tiny_model_factory(request.param)
+    # A small step budget splits the longest prompt over several steps.
+    llm = LLM(model=str(path), kv_cache_memory="8MiB", swap_space=0.001, max_num_batched_tokens=32)
+    return path, llm
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(512, 4, 5, 60, seed=21)
+
+
+def test_greedy_logprobs_equal_hf_log_softmax(model, prompts):
+    path, llm = model
+    params = SamplingParams(temperature=0.0, logprobs=5, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        reference = hf_log_softmax(path, prompt + completion.token_ids)
+        for i, (token, top) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = reference[len(prompt) - 1 + i]
+            # The sampled token is the most likely one, and its logprob is the top-1's.
+            assert top[token] == max(top.values())
+            assert top[token] == pytest.approx(row.max().item(), abs=TOLERANCE)
+            assert top[token] == pytest.approx(row[token].item(), abs=TOLERANCE)
+            expected_top = row.topk(5)
+            for tid, lp in zip(expected_top.indices.tolist(), expected_top.values.tolist()):
+                assert top[tid] == pytest.approx(lp, abs=TOLERANCE)
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(top[t] for t, top in zip(completion.token_ids, completion.logprobs)), abs=1e-3
+        )
+
+
+def test_prompt_logprobs_equal_hf_log_softmax(model, prompts):
+    """Every prompt token but the first, including prompts computed over several steps."""
+    path, llm = model
+    params = SamplingParams(temperature=0.0, prompt_logprobs=3, max_tokens=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None
+        reference = hf_log_softmax(path, prompt)
+        for pos in range(1, len(prompt)):
+            entry, row = out.prompt_logprobs[pos], reference[pos - 1]
+            assert entry[prompt[pos]] == pytest.approx(row[prompt[pos]].item(), abs=TOLERANCE)
+            top = row.topk(3)
+            for tid, lp in zip(top.indices.tolist(), top.values.tolist()):
+                assert entry[tid] == pytest.approx(lp, abs=TOLERANCE)
+            assert len(entry) in (3, 4)  # the top 3, plus the prompt token if not among them
+
+
+def test_prompt_logprobs_survive_a_prefix_cache_hit(model, prompts):
+    """A prompt already in the prefix cache is computed again when its logprobs are asked
+    for: no position comes back missing."""
+    _, llm = model
+    prompt = {"prompt_token_ids": prompts[3]}
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    with_logprobs = SamplingParams(temperature=0.0, prompt_logprobs=0, max_tokens=1)
+    first = llm.generate(prompt, with_logprobs, use_tqdm=False)[0].prompt_logprobs
+    again = llm.generate(prompt, with_logprobs, use_tqdm=False)[0].prompt_logprobs
+    assert len(first) == len(prompts[3]) and all(e is not None for e in first[1:])
+    assert again == first
+
+
+def test_no_prompt_logprobs_unless_asked(model, prompts):
+    _, llm = model
+    out = llm.generate(
+        {"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=2), use_tqdm=False
+    )
+    assert out[0].prompt_logprobs is None
+    assert out[0].outputs[0].logprobs is None
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_the_server_allows_is_refused(model, prompts, field):
+    _, llm = model
+    with pytest.raises(ValueError, match=rf"^{field} asks for 21 .*--max-logprobs"):
+        llm.generate(prompts[0], SamplingParams(**{field: 21}), use_tqdm=False)

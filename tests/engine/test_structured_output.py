@@ -1,0 +1,396 @@
+"""StructuredOutputManager: compiling in the background, cached by spec; masks that allow
+exactly what the grammar allows; greedy decoding over random logits that always yields
+valid output ending in EOS; forked and freed matchers."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+import torch
+from tiny_models import VOCAB_SIZE, build_tokenizer
+
+from serve.engine.structured_output import StructuredOutputManager
+from serve.sampling_params import StructuredOutputsParams as Spec
+
+TINY_EOS = 0
+TINY_VOCAB = VOCAB_SIZE + 8  # a model vocab wider than the tokenizer, as real ones often are
+
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "score": {"type": "number"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        "point": {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}, "y": {"type": "boolean"}},
+            "required": ["x", "y"],
+        },
+    },
+    "required": ["name", "age", "point"],
+}
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)  # every torch.randn below is a fresh, reproducible draw
+
+
+@pytest.fixture
+def tiny():
+    manager = StructuredOutputManager(build_tokenizer(), TINY_VOCAB, [TINY_EOS])
+    yield manager
+    manager.shutdown()
+
+
+@pytest.fixture(scope="module")
+def smol():
+    """The default model's tokenizer (vocab 49152, EOS <|im_end|>) and a manager for it."""
+    from serve.engine.tokenizer import load_tokenizer
+    from serve.models.default_model import resolve_default_model
+
+    tokenizer = load_tokenizer(resolve_default_model())
+    manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+    yield tokenizer, manager
+    manager.shutdown()
+
+
+def compiled(manager, spec):
+    return manager.submit(spec).result(timeout=60)
+
+
+def drive(manager, specs, vocab_size, eos_id, seed, max_steps=200):
+    """Greedy argmax over fresh random logits, masked each step, for one batch of sequences
+    (spec None: an unconstrained row that is sampled but never fed to a matcher).
+    Returns each constrained sequence's tokens, ending in EOS."""
+    generator = torch.Generator().manual_seed(seed)
+    seq_ids = list(range(len(specs)))
+    for seq_id, spec in zip(seq_ids, specs):
+        if spec is not None:
+            manager.start(seq_id, compiled(manager, spec))
+    tokens = {seq_id: [] for seq_id, spec in zip(seq_ids, specs) if spec is not None}
+    for _ in range(max_steps):
+        running = [s for s in tokens if not manager.is_terminated(s)]
+        if not running:
+            break
+        logits = torch.randn(len(seq_ids), vocab_size, generator=generator)
+        manager.mask_logits(logits, seq_ids)
+        for seq_id in running:
+            token_id = int(logits[seq_id].argmax())
+            assert manager.accept(seq_id, token_id)
+            tokens[seq_id].append(token_id)
+    for seq_id in tokens:
+        assert manager.is_terminated(seq_id), f"no EOS within {max_steps} steps: {tokens[seq_id]}"
+        assert tokens[seq_id][-1] == eos_id
+        manager.free(seq_id)
+    return [tokens[s] for s in tokens]
+
+
+def allowed_by_matcher(manager, seq_id, vocab_size):
+    """The next tokens `seq_id`'s matcher accepts, asked token by token of fresh forks."""
+    matcher = manager._matchers[seq_id]
+    return {t for t in range(vocab_size) if matcher.fork().accept_token(t)}
+
+
+def finite(row):
+    return set(torch.isfinite(row).nonzero().flatten().tolist())
+
+
+# ---- compiling ----
+
+
+def test_one_compile_per_spec_off_the_callers_thread(tiny):
+    threads, calls = [], []
+    compile_ = tiny._compile
+
+    def recording_compile(key):
+        threads.append(threading.get_ident())
+        calls.append(key)
+        return compile_(key)
+
+    tiny._compile = recording_compile
+    first = compiled(tiny, Spec(json=NESTED_SCHEMA))
+    assert compiled(tiny, Spec(json=json.loads(json.dumps(NESTED_SCHEMA)))) is first
+    assert compiled(tiny, Spec(json=json.dumps(NESTED_SCHEMA, indent=2))) is first  # any layout
+    assert compiled(tiny, Spec(regex="a+")) is compiled(tiny, Spec(regex="a+"))
+    assert len(calls) == 2
+    # Property order is the user's: it decides the order of the output's keys.
+    reordered = {**NESTED_SCHEMA, "properties": dict(reversed(NESTED_SCHEMA["properties"].items()))}
+    assert compiled(tiny, Spec(json=reordered)) is not first
+    assert len(calls) == 3
+    assert threading.get_ident() not in threads
+
+
+def test_concurrent_submits_of_one_spec_share_one_future(tiny):
+    release = threading.Event()
+    compile_ = tiny._compile
+    tiny._compile = lambda key: release.wait(10) and compile_(key)
+    futures = [None] * 4
+
+    def submit(i):
+        futures[i] = tiny.submit(Spec(choice=("yes", "no")))
+
+    submitters = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
+    for thread in submitters:
+        thread.start()
+    for thread in submitters:
+        thread.join()
+    assert all(future is futures[0] for future in futures)
+    assert not futures[0].done()  # the callers did not wait for the compile
+    release.set()
+    assert futures[0].result(timeout=60) is not None
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (Spec(json={"type": "objectx"}), 'Invalid JSON schema: Unsupported type "objectx"'),
+        (Spec(json="{not json"), "Invalid JSON schema: Expecting property name"),
+        (Spec(json={"type": "integer", "minimum": 5, "maximum": 1}), "Invalid JSON schema: "),
+        (Spec(regex="a(b"), "Invalid regex: Regex parsing error at position 4"),
+        (
+            Spec(grammar="root ::= foo"),
+            'Invalid grammar: EBNF parser error at line 1, column 10: Rule "foo" is not defined',
+        ),
+        (Spec(grammar='rule ::= "a"'), 'The root rule with name "root" is not found'),
+        (Spec(grammar='root ::= "a'), "Invalid grammar: EBNF lexer error"),
+    ],
+)
+def test_invalid_spec_raises_a_clear_value_error(tiny, spec, message):
+    with pytest.raises(ValueError) as info:
+        tiny.submit(spec).result(timeout=60)
+    assert message in str(info.value)
+    assert not re.search(r"\.cc:\d+|\[\d\d:\d\d", str(info.value))  # no C++ file, no clock
+
+
+def test_a_failed_compile_is_not_cached(tiny):
+    bad = Spec(regex="a(b")
+    first = tiny.submit(bad)
+    with pytest.raises(ValueError):
+        first.result(timeout=60)
+    second = tiny.submit(bad)
+    assert second is not first
+    with pytest.raises(ValueError, match="Invalid regex"):
+        second.result(timeout=60)
+
+
+# ---- masks ----
+
+
+def test_mask_logits_mixed_batch(tiny):
+    """Rows 0 and 2 constrained, 1 and 3 not: constrained rows are -inf exactly where the
+    matcher rejects the token (checked for every id), the others unchanged bit for bit."""
+    tiny.start(10, compiled(tiny, Spec(choice=("yes", "no"))))
+    tiny.start(12, compiled(tiny, Spec(regex=r"[0-9]{2}-[a-c]+")))
+    assert tiny.accept(12, build_tokenizer().convert_tokens_to_ids("4"))
+    logits = torch.randn(4, TINY_VOCAB)
+    original = logits.clone()
+    tiny.mask_logits(logits, [10, 11, 12, 13])
+    assert torch.equal(logits[1], original[1]) and torch.equal(logits[3], original[3])
+    for row, seq_id in ((0, 10), (2, 12)):
+        allowed = allowed_by_matcher(tiny, seq_id, TINY_VOCAB)
+        assert allowed and finite(logits[row]) == allowed
+        assert torch.equal(logits[row][sorted(allowed)], original[row][sorted(allowed)])
+        assert torch.isneginf(logits[row]).sum() == TINY_VOCAB - len(allowed)
+    assert TINY_EOS not in finite(logits[0])  # nothing chosen yet: EOS is not allowed
+
+
+def choice_prefix_tokens(tokenizer, choices):
+    """Token ids whose text is a non-empty prefix of one of the choices."""
+    vocab = len(tokenizer)
+    texts = [tokenizer.decode([t]) for t in range(vocab)]
+    return {t for t, s in enumerate(texts) if s and any(c.startswith(s) for c in choices)}
+
+
+def test_choice_mask_allows_only_prefixes_tiny(tiny):
+    tiny.start(0, compiled(tiny, Spec(choice=("yes", "no"))))
+    logits = torch.randn(1, TINY_VOCAB, generator=torch.Generator().manual_seed(1))
+    tiny.mask_logits(logits, [0])
+    assert finite(logits[0]) == choice_prefix_tokens(build_tokenizer(), ("yes", "no"))
+
+
+@pytest.mark.slow
+def test_choice_mask_allows_only_prefixes_default_model(smol):
+    tokenizer, manager = smol
+    manager.start(0, compiled(manager, Spec(choice=("yes", "no"))))
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(2))
+    original = logits.clone()
+    manager.mask_logits(logits, [0, 1])
+    expected = choice_prefix_tokens(tokenizer, ("yes", "no"))
+    assert {tokenizer.decode([t]) for t in expected} >= {"yes", "no", "y", "n"}
+    assert finite(logits[0]) == expected
+    assert torch.equal(logits[1], original[1])
+    manager.free(0)
+
+
+def test_after_completion_only_eos_is_allowed(tiny):
+    tokenizer = build_tokenizer()
+    tiny.start(0, compiled(tiny, Spec(choice=("yes", "no"))))
+    for token_id in tokenizer.encode("yes"):
+        assert tiny.accept(0, token_id)
+    logits = torch.randn(1, TINY_VOCAB, generator=torch.Generator().manual_seed(3))
+    tiny.mask_logits(logits, [0])
+    assert finite(logits[0]) == {TINY_EOS}
+    assert not tiny.is_terminated(0)
+    assert tiny.accept(0, TINY_EOS) and tiny.is_terminated(0)
+    logits = torch.randn(1, TINY_VOCAB)
+    original = logits.clone()
+    tiny.mask_logits(logits, [0])  # a terminated sequence is left alone
+    assert torch.equal(logits, original)
+
+
+def test_accept_rejects_a_disallowed_token(tiny):
+    tokenizer = build_tokenizer()
+    tiny.start(0, compiled(tiny, Spec(regex="[0-9]+")))
+    assert not tiny.accept(0, tokenizer.convert_tokens_to_ids("a"))
+    assert not tiny.accept(0, TINY_EOS)  # nothing matched yet
+    assert tiny.accept(0, tokenizer.convert_tokens_to_ids("7"))
+
+
+def test_mask_logits_checks_the_shape(tiny):
+    tiny.start(0, compiled(tiny, Spec(regex="a")))
+    with pytest.raises(ValueError, match="one row per seq_id"):
+        tiny.mask_logits(torch.zeros(2, TINY_VOCAB), [0])
+    with pytest.raises(ValueError, match="one row per seq_id"):
+        tiny.mask_logits(torch.zeros(1, VOCAB_SIZE), [0])
+
+
+def test_bitmask_buffer_grows_with_the_batch(tiny):
+    compiled_regex = compiled(tiny, Spec(regex="[a-c]"))
+    for num_rows in (1, 20, 3):
+        for seq_id in range(num_rows):
+            tiny.start(seq_id, compiled_regex)
+        logits = torch.randn(num_rows, TINY_VOCAB)
+        tiny.mask_logits(logits, list(range(num_rows)))
+        allowed = allowed_by_matcher(tiny, 0, TINY_VOCAB)
+        assert all(finite(row) == allowed for row in logits)
+    assert tiny._bitmask.shape[0] == 20
+
+
+# ---- fork and free ----
+
+
+def test_fork_is_an_independent_copy(tiny):
+    tokenizer = build_tokenizer()
+    a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
+    tiny.start(0, compiled(tiny, Spec(regex="a(b|c)d")))
+    assert tiny.accept(0, a)
+    tiny.fork(0, 1)
+    assert tiny.accept(0, b)
+    assert tiny.accept(1, c)  # the parent's b did not reach the child
+    assert not tiny.accept(0, c)
+    tiny.fork(1, 2)
+    tiny.free(1)
+    assert not tiny.has(1) and tiny.has(2)
+    d = tokenizer.convert_tokens_to_ids("d")
+    assert tiny.accept(2, d) and tiny.accept(2, TINY_EOS) and tiny.is_terminated(2)
+    assert not tiny.is_terminated(0)
+
+
+def test_free_drops_the_state(tiny):
+    tiny.start(5, compiled(tiny, Spec(regex="x")))
+    tiny.free(5)
+    tiny.free(5)  # idempotent
+    assert not tiny.has(5)
+    logits = torch.randn(1, TINY_VOCAB)
+    original = logits.clone()
+    tiny.mask_logits(logits, [5])
+    assert torch.equal(logits, original)
+    with pytest.raises(KeyError):
+        tiny.accept(5, 0)
+
+
+# ---- greedy decoding over random logits always yields valid output ----
+
+CHOICES = ("yes", "no", 'say "hi"', "back\\slash", "new\nline", "café", "😀", "")
+
+
+def test_choice_literals_are_escaped(tiny):
+    tokenizer = build_tokenizer()
+    grammar = compiled(tiny, Spec(choice=CHOICES))
+    for seq_id, choice in enumerate(CHOICES):
+        tiny.start(seq_id, grammar)
+        for token_id in tokenizer.encode(choice):
+            assert tiny.accept(seq_id, token_id), choice
+        assert tiny.accept(seq_id, TINY_EOS) and tiny.is_terminated(seq_id), choice
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_greedy_tiny(tiny, seed):
+    tokenizer = build_tokenizer()
+    specs = [
+        Spec(choice=CHOICES),
+        None,
+        Spec(regex=r"[0-9]{3}-[a-z]{1,4}"),
+        Spec(json=NESTED_SCHEMA),
+    ]
+    choice, regex, obj = drive(tiny, specs, TINY_VOCAB, TINY_EOS, seed)
+    assert tokenizer.decode(choice[:-1]) in CHOICES
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{1,4}", tokenizer.decode(regex[:-1]))
+    instance = json.loads(tokenizer.decode(obj[:-1]))
+    jsonschema.validate(instance, NESTED_SCHEMA)
+    assert list(instance) == [key for key in NESTED_SCHEMA["properties"] if key in instance]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_random_greedy_default_model(smol, seed):
+    tokenizer, manager = smol
+    eos = tokenizer.eos_token_id
+    regex = r"(\+1 )?[0-9]{3}-[0-9]{4}"
+    specs = [Spec(json=NESTED_SCHEMA), Spec(regex=regex), None, Spec(choice=CHOICES)]
+    obj, phone, choice = drive(manager, specs, 49152, eos, seed)
+    text = tokenizer.decode(obj[:-1])
+    jsonschema.validate(json.loads(text), NESTED_SCHEMA)
+    assert "\n" not in text and ",  " not in text  # any_whitespace=False: json.dumps layout
+    assert re.fullmatch(regex, tokenizer.decode(phone[:-1]))
+    assert tokenizer.decode(choice[:-1]) in CHOICES
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 6}, {"minLength": 1}, {}])
+def test_json_strings_hold_no_control_characters_nor_special_tokens(tiny, bounds):
+    """xgrammar 0.2.8 lets length-bounded strings hold raw control characters, and any
+    string hold special tokens as text (which the detokenizer drops); ours hold neither."""
+    tokenizer = build_tokenizer()
+    tiny.start(0, compiled(tiny, Spec(json={"type": "string", **bounds})))
+    assert tiny.accept(0, tokenizer.convert_tokens_to_ids('"'))
+    logits = torch.randn(1, TINY_VOCAB)
+    tiny.mask_logits(logits, [0])
+    allowed = finite(logits[0])
+    texts = [tokenizer.decode([t]) for t in allowed]
+    assert "a" in texts and " the" in texts
+    assert not [text for text in texts if any(ord(char) < 0x20 for char in text)]
+    assert not allowed & set(tokenizer.all_special_ids)
+
+
+def test_json_object_allows_any_object_only(tiny):
+    grammar = compiled(tiny, Spec(json_object=True))
+    for seq_id, text in enumerate(('{"a": [1, {"b": null}], "c": "d"}', "{}")):
+        tiny.start(seq_id, grammar)
+        assert tiny._matchers[seq_id].accept_string(text), text
+        assert tiny.accept(seq_id, TINY_EOS) and tiny.is_terminated(seq_id), text
+    tiny.start(0, grammar)
+    assert not tiny._matchers[0].accept_string("[1]")
+    logits = torch.randn(1, TINY_VOCAB)
+    tiny.mask_logits(logits, [0])
+    assert {build_tokenizer().decode([t])[0] for t in finite(logits[0])} == {"{"}
+
+
+# ---- GPU ----
+
+
+@pytest.mark.gpu
+def test_mask_on_cuda_equals_mask_on_cpu(tiny):
+    tiny.start(0, compiled(tiny, Spec(json=NESTED_SCHEMA)))
+    tiny.start(2, compiled(tiny, Spec(choice=("yes", "no"))))
+    logits = torch.randn(3, TINY_VOCAB, generator=torch.Generator().manual_seed(4))
+    on_gpu = logits.cuda()
+    tiny.mask_logits(logits, [0, 1, 2])
+    tiny.mask_logits(on_gpu, [0, 1, 2])
+    assert torch.equal(on_gpu.cpu(), logits)
