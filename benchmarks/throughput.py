@@ -7,6 +7,11 @@ length are wasted, which is what continuous batching is meant to win back.
 
     python benchmarks/throughput.py --num-requests 64
     python benchmarks/throughput.py --skip-serve --num-requests 8 --max-output 16
+    python benchmarks/throughput.py --skip-hf --decoding-mix   # plain vs mixed controls
+
+`--decoding-mix` runs serve twice on the same requests in one process: all greedy, then a
+mix where half the requests use penalties with top-p sampling and a quarter follow a JSON
+schema (the rest stay greedy), and reports the mix's output tokens/s relative to plain.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", default="8,16,32,64", help="comma-separated sweep")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-serve", action="store_true")
+    p.add_argument(
+        "--decoding-mix",
+        action="store_true",
+        help="also run serve with penalties, top-p and JSON schemas mixed in",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args()
 
@@ -81,25 +91,86 @@ def make_requests(args: argparse.Namespace, tokenizer) -> list[Request]:
     return workload.make_requests(WorkloadSpec.from_args(args), vocab)
 
 
-def run_serve(model: str | None, dtype: str, requests: list[Request]) -> Result:
+# The schema of the mix's structured requests: a long list, so that (like every other
+# request) they run to their own output length rather than end early.
+ITEMS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 1000,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string", "maxLength": 12},
+                    "kind": {"type": "string", "enum": ["a", "b", "c"]},
+                },
+                "required": ["id", "name", "kind"],
+            },
+        }
+    },
+    "required": ["items"],
+}
+
+
+def plain_params(requests: list[Request]) -> list:
+    from serve import SamplingParams
+
+    return [
+        SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
+        for r in requests
+    ]
+
+
+def mixed_params(requests: list[Request]) -> list:
+    """Per four requests: two with penalties and top-p sampling, one JSON schema, one
+    greedy."""
+    from serve import SamplingParams
+    from serve.sampling_params import StructuredOutputsParams
+
+    params = []
+    for i, r in enumerate(requests):
+        common = {"max_tokens": r.num_output_tokens, "ignore_eos": True}
+        if i % 4 in (0, 1):
+            params.append(
+                SamplingParams(
+                    temperature=0.8,
+                    top_p=0.9,
+                    seed=i,
+                    presence_penalty=0.5,
+                    frequency_penalty=0.5,
+                    repetition_penalty=1.1,
+                    **common,
+                )
+            )
+        elif i % 4 == 2:
+            schema = StructuredOutputsParams(json=ITEMS_SCHEMA)
+            params.append(SamplingParams(temperature=0.0, structured_outputs=schema, **common))
+        else:
+            params.append(SamplingParams(temperature=0.0, **common))
+    return params
+
+
+def load_serve(model: str | None, dtype: str, requests: list[Request]):
     from serve import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype)
     warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}], [warmup], use_tqdm=False)
+    return llm
 
+
+def run_serve(llm, requests: list[Request], params: list, name: str = "serve") -> Result:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
-        for r in requests
-    ]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     num_output = sum(len(out.outputs[0].token_ids) for out in outputs)
     expected = sum(r.num_output_tokens for r in requests)
-    assert num_output == expected, f"serve produced {num_output} tokens, expected {expected}"
-    return Result.of("serve", elapsed, requests, num_output)
+    if num_output != expected:
+        print(f"  {name}: {num_output} output tokens of {expected} asked for")
+    return Result.of(name, elapsed, requests, num_output)
 
 
 def hf_generate(model, batch: list[Request], pad_token_id: int) -> None:
@@ -192,20 +263,29 @@ def main() -> None:
         f"output_tokens={num_output}"
     )
 
-    serve = None if args.skip_serve else run_serve(args.model, args.dtype, requests)
+    serve = mixed = None
+    if not args.skip_serve:
+        llm = load_serve(args.model, args.dtype, requests)
+        serve = run_serve(llm, requests, plain_params(requests))
+        if args.decoding_mix:
+            mixed = run_serve(llm, requests, mixed_params(requests), "serve (mix)")
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     hf = None if args.skip_hf else run_hf_sweep(model_dir, args.dtype, requests, tokenizer, sizes)
-    results = [r for r in (serve, hf) if r is not None]
+    results = [r for r in (serve, mixed, hf) if r is not None]
     print_table(results)
     ratio = serve.output_tokens_per_s / hf.output_tokens_per_s if serve and hf else None
     if ratio is not None:
         print(f"serve / HF output tokens/s: {ratio:.2f}x")
+    mix_ratio = mixed.output_tokens_per_s / serve.output_tokens_per_s if mixed else None
+    if mix_ratio is not None:
+        print(f"mixed decoding controls / plain output tokens/s: {mix_ratio:.2f}x")
     if args.json:
         payload = {
             "machine": info,
             "args": vars(args),
             "results": [r.as_dict() for r in results],
             "serve_over_hf_output_tokens_per_s": ratio,
+            "mix_over_plain_output_tokens_per_s": mix_ratio,
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")

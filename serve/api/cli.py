@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from serve.api.tool_parsers import TOOL_PARSERS
 from serve.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_SWAP_SPACE_BYTES,
@@ -64,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="Jinja chat template file, for models whose tokenizer has none",
     )
     model.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
+    model.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help='how to read tool calls from the output for tool_choice "auto" (the default '
+        "when a request gives tools): hermes (Qwen, Hermes: <tool_call> blocks) or "
+        "llama3_json (Llama 3.x JSON calls); without it such requests get a 400",
+    )
+    model.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="most logprobs / top_logprobs / prompt_logprobs alternatives a request may ask for",
+    )
 
     cache = p.add_argument_group("KV cache and scheduling")
     cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -160,6 +175,7 @@ def _load(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         seed=args.seed,
         load_format=args.load_format,
+        max_logprobs=args.max_logprobs,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -174,7 +190,9 @@ def _load(args: argparse.Namespace):
     engine = AsyncEngine.from_config(config)
     model_path = str(engine.core.model_path)
     name = args.served_model_name or (args.model or Path(model_path).name)
-    settings = ServerSettings(name, model_path, args.api_key, chat_template)
+    settings = ServerSettings(
+        name, model_path, args.api_key, chat_template, tool_call_parser=args.tool_call_parser
+    )
     return build_app(engine, settings), settings
 
 

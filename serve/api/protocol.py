@@ -10,11 +10,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from serve.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20
+from serve.api.tool_parsers.base import load_json
+from serve.api.tool_parsers.forced import named_function_schema, required_tool_calls_schema
+from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
 
 def random_id(prefix: str) -> str:
@@ -31,6 +38,24 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with a schema')
+        return self
 
 
 class SamplingRequest(OpenAIModel):
@@ -54,9 +79,65 @@ class SamplingRequest(OpenAIModel):
     seed: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    min_tokens: int = Field(default=0, ge=0)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    response_format: ResponseFormat | None = None
+    # vLLM's structured-output extras; at most one of these and response_format.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> SamplingRequest:
+        self.structured_outputs_params()  # raises on a conflict or an empty choice list
+        return self
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The grammar the output must follow, from `response_format` or a `guided_*` field."""
+        given: dict[str, StructuredOutputsParams] = {}
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given["response_format"] = StructuredOutputsParams(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.schema_ if fmt.json_schema else None
+            given["response_format"] = StructuredOutputsParams(json=schema or {})
+        if self.guided_json is not None:
+            given["guided_json"] = StructuredOutputsParams(json=self.guided_json)
+        if self.guided_regex is not None:
+            given["guided_regex"] = StructuredOutputsParams(regex=self.guided_regex)
+        if self.guided_choice is not None:
+            given["guided_choice"] = StructuredOutputsParams(choice=tuple(self.guided_choice))
+        if self.guided_grammar is not None:
+            given["guided_grammar"] = StructuredOutputsParams(grammar=self.guided_grammar)
+        if len(given) > 1:
+            raise ValueError(
+                f"give at most one of response_format and the guided_* fields; got {sorted(given)}"
+            )
+        return next(iter(given.values()), None)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -94,6 +175,15 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             logprobs=num_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            min_tokens=self.min_tokens,
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.num_prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
         )
 
 
@@ -102,10 +192,70 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type "object"
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type") != "object":
+            raise ValueError('must be a JSON schema of type "object" (arguments are named)')
+        return v
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON object, as text ("" for none)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        if v.strip() and not isinstance(load_json(v), dict):
+            raise ValueError("must be a JSON object, as text")
+        return v
+
+    @property
+    def arguments_object(self) -> dict[str, Any]:
+        return load_json(self.arguments) if self.arguments.strip() else {}
+
+
+class MessageToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError('a "tool" message needs the tool_call_id of the call it answers')
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -119,15 +269,68 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[ChatTool] | None = None
+    # Default: "auto" when tools are given, else "none" (see `effective_tool_choice`).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [tool.function.name for tool in tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"function names must be unique; repeated: {repeated}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:
+            return choice  # the tools are invalid, and reported as such
+        names = [tool.function.name for tool in info.data["tools"] or []]
+        if choice not in (None, "none") and not names:
+            raise ValueError("is only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"names the function {choice.function.name!r}, which is not among the tools "
+                f"({', '.join(names)})"
+            )
+        return choice
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """Tool choice "required" or a named function constrains the output to a JSON
+        schema (see tool_parsers/forced.py), as vLLM does; else what the parent finds."""
+        given = super().structured_outputs_params()
+        choice = self.effective_tool_choice
+        if choice in ("none", "auto"):
+            return given
+        if given is not None:
+            raise ValueError(
+                'tool_choice "required" or a named function sets the output\'s format itself; '
+                "it cannot be combined with response_format or the guided_* fields"
+            )
+        functions = {tool.function.name: tool.function.parameters for tool in self.tools or []}
+        if choice == "required":
+            schema = required_tool_calls_schema(functions, self.parallel_tool_calls)
+        else:
+            schema = named_function_schema(functions[choice.function.name])
+        return StructuredOutputsParams(json=schema)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -141,7 +344,7 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -158,6 +361,13 @@ class CompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` reports the prompt's tokens too, as OpenAI's legacy API did."""
+        if self.echo and self.logprobs is not None:
+            return max(self.prompt_logprobs or 0, self.logprobs)
+        return self.prompt_logprobs
 
 
 class TokenizeRequest(OpenAIModel):

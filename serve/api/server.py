@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serve
+from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response
 from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog
 from serve.api.protocol import (
@@ -23,8 +24,8 @@ from serve.api.protocol import (
     TokenizeRequest,
     now,
 )
-from serve.api.serving_base import ServerSettings, check_model
-from serve.api.serving_chat import ChatHandler, render_chat
+from serve.api.serving_base import ServerSettings, check_model, check_structured_output
+from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
 from serve.engine.async_engine import AsyncEngine, EngineDeadError
 
@@ -109,6 +110,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     async def respond(handler: ChatHandler | CompletionHandler, body: Any, request: Request):
         _log_unknown(body)
+        await check_structured_output(engine, body)
         if body.stream:
             events = handler.stream(body, _usage_recorder(request))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -132,9 +134,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             check_model(body.model, settings)
         tokenizer = engine.tokenizer
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             _, ids = render_chat(
-                tokenizer, messages, body.add_generation_prompt, settings.chat_template
+                tokenizer,
+                template_messages(body.messages),
+                body.add_generation_prompt,
+                settings.chat_template,
             )
         else:
             ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids

@@ -22,6 +22,7 @@ class ServerSettings:
     model_path: str
     api_key: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
@@ -198,8 +199,23 @@ async def guard_stream() -> AsyncIterator[StreamFailure]:
 
 
 # (index, completion, new text, first new token, end of new tokens, chars sent before)
-# -> the choice's fields in a content chunk.
-ContentFields = Callable[[int, CompletionOutput, str, int, int, int], dict[str, Any]]
+# -> the choice's fields in each content chunk to send (none, one or several).
+ContentFields = Callable[[int, CompletionOutput, str, int, int, int], list[dict[str, Any]]]
+# (index, finished completion) -> the choice's fields in each last chunk: anything held
+# back, then the finish chunk (`finish_chunk`).
+FinishFields = Callable[[int, CompletionOutput], list[dict[str, Any]]]
+
+
+def finish_chunk(
+    completion: CompletionOutput, finish_reason: str | None = None, **fields: Any
+) -> dict[str, Any]:
+    """A choice's finish-chunk fields; `finish_reason` overrides the engine's."""
+    return {
+        **fields,
+        "logprobs": None,
+        "finish_reason": finish_reason or completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
 
 
 async def choice_outputs(
@@ -212,13 +228,17 @@ async def choice_outputs(
             yield stream_index * n + completion.index, completion
 
 
-async def final_choices(
-    streams: list[AsyncGenerator[RequestOutput, None]], n: int
-) -> list[CompletionOutput]:
-    finals: dict[int, CompletionOutput] = {}
-    async for index, completion in choice_outputs(streams, n):
-        finals[index] = completion
-    return [finals[i] for i in range(len(finals))]
+async def final_outputs(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+) -> list[RequestOutput]:
+    """Each request's last (complete) output, in the order of `streams`."""
+    last: dict[int, RequestOutput] = {}
+    try:
+        async for stream_index, out in merge_streams(streams):
+            last[stream_index] = out
+    except ValueError as e:  # the engine refused the request
+        raise APIError(400, str(e)) from None
+    return [last[i] for i in range(len(streams))]
 
 
 async def stream_choices(
@@ -228,7 +248,7 @@ async def stream_choices(
     stop: str | list[str] | None,
     num_prompt_tokens: int,
     content_fields: ContentFields,
-    finish_fields: dict[str, Any],
+    finish_fields: FinishFields,
     on_usage: UsageCallback | None,
 ) -> AsyncIterator[str]:
     """The content, finish and usage chunks of a streamed response, then [DONE]. Chat and
@@ -241,16 +261,11 @@ async def stream_choices(
             sent_chars = state.choices[index].num_chars
             text, start, end = state.delta(index, completion)
             if text or (completion.logprobs is not None and end > start):
-                fields = content_fields(index, completion, text, start, end, sent_chars)
-                yield writer.chunk(index, **fields, finish_reason=None)
+                for fields in content_fields(index, completion, text, start, end, sent_chars):
+                    yield writer.chunk(index, **fields, finish_reason=None)
             if completion.finished:
-                yield writer.chunk(
-                    index,
-                    **finish_fields,
-                    logprobs=None,
-                    finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason,
-                )
+                for fields in finish_fields(index, completion):
+                    yield writer.chunk(index, **fields)
     counts = usage(num_prompt_tokens, state.completion_tokens)
     if on_usage is not None:
         on_usage(counts)
@@ -270,6 +285,29 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def prompt_logprobs_json(
+    tokenizer: Any, out: RequestOutput, num_top: int
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, null for the first, else
+    {token id: {logprob, decoded_token}} for the prompt token and the `num_top` best."""
+    if out.prompt_logprobs is None:
+        return None
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, top in zip(out.prompt_token_ids, out.prompt_logprobs):
+        if top is None:
+            result.append(None)
+            continue
+        entries = dict(ranked_alternatives(top, num_top))
+        entries[token_id] = top[token_id]
+        result.append(
+            {
+                str(t): {"logprob": lp, "decoded_token": token_text(tokenizer, t)}
+                for t, lp in entries.items()
+            }
+        )
+    return result
+
+
 def open_stream(
     engine: AsyncEngine,
     request: SamplingRequest,
@@ -282,6 +320,40 @@ def open_stream(
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs)
+        engine.core.check_params(params)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=_param_named(str(e), request)) from None
     return engine.generate(request_id, prompt_token_ids, params, prompt)
+
+
+def _param_named(message: str, request: SamplingRequest) -> str | None:
+    """The request field an engine-side message starts with (they all do), if it is one."""
+    first = message.split(" ", 1)[0]
+    fields = type(request).model_fields
+    if first == "logprobs" and "top_logprobs" in fields:
+        return "top_logprobs"  # chat's count of alternatives; its `logprobs` is a switch
+    return first if first in fields else None
+
+
+async def check_structured_output(engine: AsyncEngine, request: SamplingRequest) -> None:
+    """Compile the request's grammar before it starts: an invalid schema, regex or grammar
+    is a 400 naming the problem, and never reaches the engine loop."""
+    try:
+        spec = request.structured_outputs_params()
+        if spec is not None:
+            await engine.compile_grammar(spec)
+    except ValueError as e:
+        param = next(
+            (f for f in STRUCTURED_OUTPUT_FIELDS if getattr(request, f, None) is not None), None
+        )
+        raise APIError(400, str(e), param=param) from None
+
+
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tool_choice",
+)

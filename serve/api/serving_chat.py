@@ -1,70 +1,132 @@
-"""POST /v1/chat/completions."""
+"""POST /v1/chat/completions, with tool calls read from the output as tool_choice says:
+"auto" through the server's `--tool-call-parser`, "required" and named functions from the
+JSON their schema forces (tool_parsers/forced.py), "none" not at all."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError
-from serve.api.protocol import ChatCompletionRequest, now, random_id
+from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
 from serve.api.serving_base import (
     ChunkWriter,
     ServerSettings,
     UsageCallback,
     check_model,
-    final_choices,
+    final_outputs,
+    finish_chunk,
     open_stream,
+    prompt_logprobs_json,
     ranked_alternatives,
     resolve_max_tokens,
     stream_choices,
     token_text,
     usage,
 )
+from serve.api.tool_parsers import (
+    TOOL_PARSERS,
+    NamedFunctionParser,
+    OutputParser,
+    RequiredParser,
+    StreamEvent,
+    ToolParser,
+    get_tool_parser,
+)
 from serve.engine.async_engine import AsyncEngine
 from serve.outputs import CompletionOutput, RequestOutput
 
 
-def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, str]],
-    add_generation_prompt: bool,
-    chat_template: str | None,
-) -> tuple[str, list[int]]:
-    """The prompt text and ids for a conversation, through the tokenizer's chat template."""
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise APIError(
-            400,
-            "This model has no chat template, so chat completions cannot be rendered. Start "
-            "the server with --chat-template FILE (a Jinja template), or use /v1/completions.",
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
-    except Exception as e:  # a template may raise on roles it does not support
-        raise APIError(400, f"The chat template cannot render these messages: {e}") from None
-    return text, tokenizer(text, add_special_tokens=False).input_ids
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    token_ids: list[int]
+    max_tokens: int
+    output_parser: OutputParser | None  # None: the output is all content
+
+
+def tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended with calls; one cut short by its
+    token budget stays "length"."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any]]:
+    """A chunk's choice fields per streamed event; the first carries the new tokens'
+    logprobs (an empty delta carries them when everything is held back)."""
+    chunks = []
+    for event in events:
+        if isinstance(event, str):
+            delta: dict[str, Any] = {"content": event}
+        else:
+            delta = {"tool_calls": [event.to_openai()]}
+        chunks.append({"delta": delta, "logprobs": None})
+    if logprobs is not None:
+        if not chunks:
+            chunks.append({"delta": {}})
+        chunks[0]["logprobs"] = logprobs
+    return chunks
 
 
 class ChatHandler:
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
+        name = settings.tool_call_parser
+        self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
 
-    def prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], int]:
+    def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         check_model(request.model, self.settings)
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-        template = request.chat_template or self.settings.chat_template
+        output_parser = self._output_parser(request)
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         text, prompt_ids = render_chat(
-            self.tokenizer, messages, request.add_generation_prompt, template
+            self.tokenizer,
+            template_messages(request.messages),
+            request.add_generation_prompt,
+            request.chat_template or self.settings.chat_template,
+            tools,
+            self.tool_parser,
         )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, self.engine.max_model_len
         )
-        return text, prompt_ids, max_tokens
+        return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
+
+    def _output_parser(self, request: ChatCompletionRequest) -> OutputParser | None:
+        choice = request.effective_tool_choice
+        if choice == "none":
+            return None
+        if choice == "required":
+            return RequiredParser()
+        if isinstance(choice, NamedToolChoice):
+            return NamedFunctionParser(choice.function.name)
+        if self.tool_parser is None:
+            raise APIError(
+                400,
+                'tool_choice "auto" (the default when tools are given) needs a tool-call '
+                f"parser: start the server with --tool-call-parser {'|'.join(TOOL_PARSERS)}, "
+                'or ask for tool_choice "required", a named function, or "none".',
+                param="tool_choice",
+            )
+        return self.tool_parser
+
+    def _message(
+        self, parser: OutputParser | None, completion: CompletionOutput
+    ) -> tuple[dict[str, Any], str | None]:
+        """The choice's message and finish reason."""
+        if parser is None:
+            message = {"role": "assistant", "content": completion.text}
+            return message, completion.finish_reason
+        parsed = parser.parse(completion.text)
+        message = {"role": "assistant", "content": parsed.content}
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        elif parsed.content is None:
+            message["content"] = ""
+        return message, tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls))
 
     def _logprobs(self, completion: CompletionOutput, start: int, end: int, num_top: int):
         if completion.logprobs is None:
@@ -91,78 +153,102 @@ class ChatHandler:
         return {"content": content}
 
     async def create(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        text, prompt_ids, max_tokens = self.prepare(request)
+        prompt = self.prepare(request)
         request_id = random_id("chatcmpl")
-        stream = open_stream(
-            self.engine, request, request_id, prompt_ids, text, max_tokens, request.num_logprobs
-        )
-        finals = await final_choices([stream], request.n)
+        (out,) = await final_outputs([self._open(request, request_id, prompt)])
+        finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
         for index, completion in enumerate(finals):
+            message, finish_reason = self._message(prompt.output_parser, completion)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": completion.text},
+                    "message": message,
                     "logprobs": self._logprobs(
                         completion, 0, len(completion.token_ids), request.top_logprobs or 0
                     ),
-                    "finish_reason": completion.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
             )
-        num_completion = sum(len(c.token_ids) for c in finals)
-        return {
+        body = {
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
             "model": self.settings.served_model_name,
             "choices": choices,
-            "usage": usage(len(prompt_ids), num_completion),
+            "usage": usage(len(prompt.token_ids), out.num_output_tokens),
         }
+        if request.prompt_logprobs is not None:  # vLLM's extra, beside the choices
+            body["prompt_logprobs"] = prompt_logprobs_json(
+                self.tokenizer, out, request.prompt_logprobs
+            )
+        return body
 
     def stream(
         self, request: ChatCompletionRequest, on_usage: UsageCallback | None = None
     ) -> AsyncIterator[str]:
-        """SSE chunks as OpenAI sends them: a role chunk per choice, content deltas, a finish
-        chunk per choice, the usage chunk if asked for, then [DONE]. Bad requests raise here,
-        before the response starts."""
-        text, prompt_ids, max_tokens = self.prepare(request)
+        """SSE chunks as OpenAI sends them: a role chunk per choice, content and tool-call
+        deltas, a finish chunk per choice, the usage chunk if asked for, then [DONE]. Bad
+        requests raise here, before the response starts."""
+        prompt = self.prepare(request)
         writer = ChunkWriter(
             random_id("chatcmpl"),
             "chat.completion.chunk",
             self.settings.served_model_name,
             bool(request.stream_options and request.stream_options.include_usage),
         )
-        stream = open_stream(
-            self.engine, request, writer.id, prompt_ids, text, max_tokens, request.num_logprobs
+        stream = self._open(request, writer.id, prompt)
+        return self._events(request, [stream], writer, prompt, on_usage)
+
+    def _open(self, request: ChatCompletionRequest, request_id: str, prompt: ChatPrompt):
+        return open_stream(
+            self.engine,
+            request,
+            request_id,
+            prompt.token_ids,
+            prompt.text,
+            prompt.max_tokens,
+            request.num_logprobs,
         )
-        return self._events(request, [stream], writer, len(prompt_ids), on_usage)
 
     async def _events(
         self,
         request: ChatCompletionRequest,
         streams: list[AsyncIterator[RequestOutput]],
         writer: ChunkWriter,
-        num_prompt_tokens: int,
+        prompt: ChatPrompt,
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[str]:
         for index in range(request.n):
             role = {"role": "assistant", "content": ""}
             yield writer.chunk(index, delta=role, logprobs=None, finish_reason=None)
         num_top = request.top_logprobs or 0
+        parser = prompt.output_parser
+        readers = defaultdict(parser.stream) if parser is not None else None  # per choice
 
         def content(index, completion, text, start, end, sent_chars):
             logprobs = self._logprobs(completion, start, end, num_top)
-            return {"delta": {"content": text}, "logprobs": logprobs}
+            if readers is None:
+                return [{"delta": {"content": text}, "logprobs": logprobs}]
+            return event_fields(readers[index].feed(text), logprobs)
+
+        def finish(index, completion):
+            if readers is None:
+                return [finish_chunk(completion, delta={})]
+            reader = readers[index]
+            held_back = [{**f, "finish_reason": None} for f in event_fields(reader.finish(), None)]
+            reason = tool_finish_reason(completion.finish_reason, reader.num_calls > 0)
+            return [*held_back, finish_chunk(completion, reason, delta={})]
 
         async for event in stream_choices(
             streams,
             request.n,
             writer,
             request.stop,
-            num_prompt_tokens,
+            len(prompt.token_ids),
             content,
-            {"delta": {}},
+            finish,
             on_usage,
         ):
             yield event

@@ -12,8 +12,10 @@ from serve.api.serving_base import (
     ServerSettings,
     UsageCallback,
     check_model,
-    final_choices,
+    final_outputs,
+    finish_chunk,
     open_stream,
+    prompt_logprobs_json,
     ranked_alternatives,
     resolve_max_tokens,
     stream_choices,
@@ -57,9 +59,12 @@ class CompletionHandler:
         check_model(request.model, self.settings)
         if request.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix")
-        if request.echo and request.logprobs is not None:
+        if request.echo and request.logprobs is not None and request.stream:
             raise APIError(
-                400, "echo with logprobs (prompt logprobs) is not supported yet.", param="echo"
+                400,
+                "echo with logprobs is not supported when streaming; set stream to false, or "
+                "ask for prompt_logprobs.",
+                param="echo",
             )
         return [
             (
@@ -92,20 +97,36 @@ class CompletionHandler:
     ) -> dict[str, Any] | None:
         if completion.logprobs is None:
             return None
+        return self._token_logprobs(
+            completion.token_ids[start:end], completion.logprobs[start:end], text_offset, num_top
+        )
+
+    def _token_logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        text_offset: int,
+        num_top: int,
+    ) -> dict[str, Any]:
+        """The legacy completions shape; a position with no logprobs (the first prompt
+        token, under echo) has null ones."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token_id, top in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+        for token_id, top in zip(token_ids, logprobs):
             token = token_text(self.tokenizer, token_id)
-            ranked = ranked_alternatives(top, num_top)
             tokens.append(token)
+            offsets.append(text_offset)
+            text_offset += len(token)
+            if top is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
             token_logprobs.append(top[token_id])
             # Keyed by text: ids that decode alike (e.g. partial UTF-8, "\ufffd") share a
             # key, which keeps its best logprob, as `ranked` is sorted best first.
             by_text: dict[str, float] = {}
-            for t, lp in ranked:
+            for t, lp in ranked_alternatives(top, num_top):
                 by_text.setdefault(token_text(self.tokenizer, t), lp)
             top_logprobs.append(by_text)
-            offsets.append(text_offset)
-            text_offset += len(token)
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -113,27 +134,40 @@ class CompletionHandler:
             "text_offset": offsets,
         }
 
+    def _choice(
+        self, request: CompletionRequest, index: int, prompt_text: str, out: RequestOutput
+    ) -> dict[str, Any]:
+        completion = out.outputs[index % request.n]
+        prefix = prompt_text if request.echo else ""
+        num_top = request.logprobs or 0
+        logprobs = self._logprobs(completion, 0, len(completion.token_ids), len(prefix), num_top)
+        if request.echo and logprobs is not None and out.prompt_logprobs is not None:
+            echoed = self._token_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, num_top)
+            logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+        choice = {
+            "index": index,
+            "text": prefix + completion.text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(
+                self.tokenizer, out, request.prompt_logprobs
+            )
+        return choice
+
     async def create(self, request: CompletionRequest) -> dict[str, Any]:
         prompts = self.prepare(request)
         request_id = random_id("cmpl")
-        finals = await final_choices(self._open(request, request_id, prompts), request.n)
+        outs = await final_outputs(self._open(request, request_id, prompts))
         choices = []
-        for index, completion in enumerate(finals):
-            prompt_text = prompts[index // request.n][0]
-            prefix = prompt_text if request.echo else ""
-            choices.append(
-                {
-                    "index": index,
-                    "text": prefix + completion.text,
-                    "logprobs": self._logprobs(
-                        completion, 0, len(completion.token_ids), len(prefix), request.logprobs or 0
-                    ),
-                    "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason,
-                }
-            )
+        for i, out in enumerate(outs):
+            out.outputs.sort(key=lambda c: c.index)
+            for j in range(request.n):
+                choices.append(self._choice(request, i * request.n + j, prompts[i][0], out))
         num_prompt = sum(len(ids) for _, ids, _ in prompts)
-        num_completion = sum(len(c.token_ids) for c in finals)
+        num_completion = sum(out.num_output_tokens for out in outs)
         return {
             "id": request_id,
             "object": "text_completion",
@@ -172,10 +206,13 @@ class CompletionHandler:
 
         def content(index, completion, text, start, end, sent_chars):
             logprobs = self._logprobs(completion, start, end, sent_chars, num_top)
-            return {"text": text, "logprobs": logprobs}
+            return [{"text": text, "logprobs": logprobs}]
+
+        def finish(index, completion):
+            return [finish_chunk(completion, text="")]
 
         num_prompt = sum(len(ids) for _, ids, _ in prompts)
         async for event in stream_choices(
-            streams, request.n, writer, request.stop, num_prompt, content, {"text": ""}, on_usage
+            streams, request.n, writer, request.stop, num_prompt, content, finish, on_usage
         ):
             yield event

@@ -8,24 +8,10 @@ import shutil
 import httpx
 import openai
 import pytest
+from api.openai_errors import assert_openai_error
 from tiny_models import CHATML_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "Hello!"}]
-
-
-def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
-    """The status, and exactly OpenAI's body: no FastAPI `{"detail": ...}`."""
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith("application/json")
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    error = body["error"]
-    assert set(error) == {"message", "type", "param", "code"}, error
-    assert isinstance(error["message"], str) and error["message"]
-    assert isinstance(error["type"], str) and error["type"]
-    if param is not None:
-        assert error["param"] == param, error
-    return error
 
 
 def chat(server, **fields) -> dict:
@@ -63,7 +49,7 @@ def test_chat_bad_values_are_400(http, server, fields, param):
         {"prompt": [10**6]},
         {"prompt": 5},
         {"logprobs": 50},
-        {"echo": True, "logprobs": 1},
+        {"echo": True, "logprobs": 1, "stream": True},
         {"suffix": "x"},
         {"n": 3, "best_of": 2},
         {"best_of": 3, "stream": True},  # the best cannot be known until the end

@@ -1,0 +1,41 @@
+"""Tool-call parsers by name (`--tool-call-parser NAME`), and the forced-choice readers."""
+
+from __future__ import annotations
+
+from serve.api.tool_parsers.base import (
+    OutputParser,
+    ParsedOutput,
+    StreamEvent,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    ToolParser,
+)
+from serve.api.tool_parsers.forced import NamedFunctionParser, RequiredParser
+from serve.api.tool_parsers.hermes import HermesToolParser
+from serve.api.tool_parsers.llama3_json import Llama3JsonToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"Unknown tool-call parser {name!r}; choose from {sorted(TOOL_PARSERS)}.")
+    return TOOL_PARSERS[name]()
+
+
+__all__ = [
+    "TOOL_PARSERS",
+    "NamedFunctionParser",
+    "OutputParser",
+    "ParsedOutput",
+    "RequiredParser",
+    "StreamEvent",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolCallStream",
+    "ToolParser",
+    "get_tool_parser",
+]
