@@ -155,7 +155,8 @@ def mixed_params(requests: list[Request]) -> list:
 def load_serve(model: str | None, dtype: str, requests: list[Request]):
     from serve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype)
+    # Passes repeat the same prompts: a later pass must not find them in the prefix cache.
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False)
     warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}], [warmup], use_tqdm=False)
     return llm

@@ -59,3 +59,29 @@ class EngineStats:
         return (
             self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
         )
+
+
+@dataclass
+class StepTimes:
+    """Seconds the engine has spent in each phase of its steps, summed since start.
+
+    `forward_s` is the model's forward pass (with the KV block moves and the logits);
+    `busy_fraction` of a window is its forward time over the window's wall time. On CUDA
+    the forward is timed on the host, up to the sampler's read of the logits.
+    """
+
+    num_steps: int = 0
+    schedule_s: float = 0.0  # scheduling, admission of compiled grammars
+    prepare_s: float = 0.0  # building the batch's input tensors
+    forward_s: float = 0.0
+    sample_s: float = 0.0  # logits processing and sampling
+    output_s: float = 0.0  # appending tokens, detokenizing, stop checks, RequestOutputs
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        return StepTimes(
+            *(getattr(self, f) - getattr(earlier, f) for f in self.__dataclass_fields__)
+        )
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s + self.output_s

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
@@ -204,21 +204,32 @@ class _Stats:
     def start_window(self, core: EngineCore) -> None:
         self.last_log = time.monotonic()
         self.tokens_at_start = core.num_generated_tokens
+        self.times_at_start = replace(core.step_times)
 
     def record(self, core: EngineCore) -> None:
         now = time.monotonic()
         if now - self.last_log < STATS_INTERVAL_S:
             return
         stats = core.stats()
+        elapsed = now - self.last_log
+        times = core.step_times.since(self.times_at_start)
+        per_step_ms = 1000 / max(times.num_steps, 1)
         logger.info(
             "running %d, waiting %d, swapped %d requests; KV cache %.1f%% used, prefix cache "
-            "hit rate %.1f%%; %d preemptions; generation %.1f tokens/s",
+            "hit rate %.1f%%; %d preemptions; generation %.1f tokens/s; forward busy %.0f%%; "
+            "per step (ms): schedule %.1f, prepare %.1f, forward %.1f, sample %.1f, output %.1f",
             stats.num_running,
             stats.num_waiting,
             stats.num_swapped,
             100 * stats.num_blocks_used / stats.num_blocks_total,
             100 * stats.prefix_cache_hit_rate,
             stats.num_preemptions,
-            (core.num_generated_tokens - self.tokens_at_start) / (now - self.last_log),
+            (core.num_generated_tokens - self.tokens_at_start) / elapsed,
+            100 * times.forward_s / elapsed,
+            times.schedule_s * per_step_ms,
+            times.prepare_s * per_step_ms,
+            times.forward_s * per_step_ms,
+            times.sample_s * per_step_ms,
+            times.output_s * per_step_ms,
         )
         self.start_window(core)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,7 +19,7 @@ from serve.engine.sampler import Sampler
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
-from serve.outputs import CompletionOutput, EngineStats, RequestOutput
+from serve.outputs import CompletionOutput, EngineStats, RequestOutput, StepTimes
 from serve.sampling_params import SamplingParams
 from serve.scheduler.scheduler import Scheduler
 from serve.sequence import FinishReason, Sequence, SequenceGroup
@@ -106,6 +107,8 @@ class EngineCore:
         self._beam_searches: dict[str, BeamSearch] = {}
         self._next_seq_id = 0
         self.num_generated_tokens = 0  # sampled tokens, beams included, since start
+        self.step_times = StepTimes()
+        self._sample_s = 0.0  # the current step's sampling time
         logger.info(
             "Model %s (%s) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), "
             "swap space %d blocks; prefix caching %s; max_model_len %d",
@@ -241,9 +244,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, run the batch, sample, update. Returns the requests that
         made progress this step (cumulative outputs)."""
+        start = time.perf_counter()
         ended = self._admit_compiled()
         sched = self.scheduler.schedule()
         ended += [self._end_cannot_fit(group) for group in sched.cannot_fit]
+        scheduled = time.perf_counter()
         if sched.is_empty and not sched.has_block_moves:
             if self._awaiting_grammar and not ended:
                 # Nothing to run but grammars compiling: wait for one, not a busy spin.
@@ -253,9 +258,20 @@ class EngineCore:
                 )
             return ended
         model_out = self.model_runner.execute(sched)
+        executed = time.perf_counter()
         self.scheduler.update(sched)
         self._record_prompt_logprobs(model_out)
-        return ended + self._process(model_out.logits, model_out.sampled_seqs)
+        outputs = ended + self._process(model_out.logits, model_out.sampled_seqs)
+        times = self.step_times
+        times.num_steps += 1
+        times.schedule_s += scheduled - start
+        times.prepare_s += model_out.prepare_s
+        times.forward_s += model_out.forward_s
+        # What execute spent outside prepare and forward (small) counts as output work.
+        unaccounted = (executed - scheduled) - model_out.prepare_s - model_out.forward_s
+        times.output_s += time.perf_counter() - executed - self._sample_s + unaccounted
+        times.sample_s += self._sample_s
+        return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand requests whose grammar has compiled to the scheduler; end those whose
@@ -322,12 +338,15 @@ class EngineCore:
             seqs += siblings
 
         touched: dict[str, SequenceGroup] = {}
+        self._sample_s = 0.0
         self.num_generated_tokens += len(seqs) + sum(len(r) for r in beam_rows.values())
         if seqs:
+            sample_start = time.perf_counter()
             row_index = torch.tensor(rows, device=logits.device)
             sampled = self.sampler(
                 logits.index_select(0, row_index), seqs, self._grammar_mask(seqs)
             )
+            self._sample_s = time.perf_counter() - sample_start
             for i, seq in enumerate(seqs):
                 token = sampled.token_ids[i]
                 seq.append_token(token, sampled.logprobs[i], sampled.top_logprobs[i])

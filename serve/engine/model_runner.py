@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ class ModelOutput:
     sampled_seqs: list[Sequence]
     prompt_logits: torch.Tensor | None = None  # [sum of span counts, vocab] float32
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    prepare_s: float = 0.0  # host time building the inputs
+    forward_s: float = 0.0  # block moves, the forward pass and the logits
 
 
 @dataclass
@@ -204,17 +207,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        start = time.perf_counter()
         self._move_blocks(sched)
         if sched.is_empty:
-            return ModelOutput(torch.empty(0, 0), [])
+            return ModelOutput(torch.empty(0, 0), [], forward_s=time.perf_counter() - start)
+        moved = time.perf_counter()
         inputs = self.prepare_inputs(sched)
+        prepared = time.perf_counter()
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logits = None
         if inputs.prompt_logits_indices is not None:
             prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices]).float()
-        return ModelOutput(logits.float(), inputs.sampled_seqs, prompt_logits, inputs.prompt_spans)
+        logits = logits.float()
+        done = time.perf_counter()
+        return ModelOutput(
+            logits,
+            inputs.sampled_seqs,
+            prompt_logits,
+            inputs.prompt_spans,
+            prepare_s=prepared - moved,
+            forward_s=(moved - start) + (done - prepared),
+        )
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:
         """Swap out, swap in, then copy on write: swap-outs read blocks that the scheduler
