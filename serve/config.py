@@ -89,6 +89,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     # None: swap groups with several sequences, recompute single ones (vLLM's rule).
     preemption_mode: str | None = None
+    # On: a prompt longer than what is left of a step's token budget is computed in chunks
+    # over several steps. Off: a prompt is only ever computed whole, in one step.
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
@@ -131,6 +134,7 @@ class EngineConfig:
         swap_space: float = DEFAULT_SWAP_SPACE_BYTES / GiB,
         enable_prefix_caching: bool = True,
         preemption_mode: str | None = None,
+        enable_chunked_prefill: bool = True,
         device: str = "auto",
     ) -> EngineConfig:
         """The flat keyword form that `LLM(...)` and the CLI share. `swap_space` is in GiB,
@@ -148,7 +152,9 @@ class EngineConfig:
                 int(swap_space * GiB),
                 enable_prefix_caching,
             ),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, preemption_mode),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_num_batched_tokens, preemption_mode, enable_chunked_prefill
+            ),
             device=device,
         )
 

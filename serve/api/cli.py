@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="reuse the KV blocks of prompts' shared prefixes (default on)",
     )
+    cache.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts into chunks that share each step with running decodes "
+        "(off: a prompt runs whole in one step, so --max-num-batched-tokens "
+        "must be at least --max-model-len, and defaults to it)",
+    )
     cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 
     server = p.add_argument_group("server")
@@ -185,6 +193,7 @@ def _load(args: argparse.Namespace):
         swap_space=args.swap_space,
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         device=args.device,
     )
     engine = AsyncEngine.from_config(config)

@@ -87,6 +87,18 @@ class EngineCore:
             config.scheduler.max_num_batched_tokens
             or DEFAULT_MAX_NUM_BATCHED_TOKENS[self.device.type]
         )
+        if not config.scheduler.enable_chunked_prefill:
+            # Unchunked, a prompt runs whole in one step: a step must hold the longest one.
+            if config.scheduler.max_num_batched_tokens is None:
+                self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+            elif self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is less than "
+                    f"max_model_len={self.max_model_len}: with chunked prefill off a prompt is "
+                    "computed whole in one step, so a long one could never run. Raise "
+                    f"--max-num-batched-tokens to at least {self.max_model_len}, lower "
+                    "--max-model-len, or turn chunked prefill on (--enable-chunked-prefill)."
+                )
         self.block_manager = BlockManager(
             num_blocks,
             block_size,

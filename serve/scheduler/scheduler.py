@@ -5,14 +5,28 @@ step decides how many of its remaining tokens to compute — a whole prompt, a p
 chunk, one decode token, or a recompute after preemption — within the step's budgets.
 
 The unit is the request (`SequenceGroup`): its sequences are scheduled together, so the
-beams of a beam search all get their logits in the same step. Each step, in order:
+beams of a beam search all get their logits in the same step. Each step fills the token
+budget (max_num_batched_tokens) in this order:
 
-1. running groups, oldest first; when blocks run out the latest arrivals are preempted —
-   swapped to the CPU when they have several sequences (recomputing all of them would
-   cost more than the copy), recomputed otherwise, unless `preemption_mode` says;
-2. swapped groups come back when their blocks fit, before any new work is admitted;
-3. waiting groups are admitted FCFS, each taking the longest prefix already in the
-   prefix cache, with what is left of the budgets.
+1. running decodes: every running group whose live sequences each need exactly one token,
+   oldest first — so a long prompt never holds up the token streams of others;
+2. running prefills (prompt chunks, recomputes catching up), oldest first, with what the
+   decodes left;
+3. swapped groups coming back, when their blocks fit, before any new work is admitted;
+4. waiting groups admitted FCFS, each taking the longest prefix already in the prefix
+   cache, with what is left of the budgets.
+
+Blocks are another matter: running groups take theirs in arrival order, and when blocks
+run out the latest arrivals are preempted — swapped to the CPU when they have several
+sequences (recomputing all of them would cost more than the copy), recomputed otherwise,
+unless `preemption_mode` says. A step that preempts admits nothing and swaps nothing in.
+
+Chunked prefill (`enable_chunked_prefill`, on by default) lets a prompt or a recompute
+take whatever budget is left, however little, and finish in later steps. Off, a sequence's
+remaining prompt (or catch-up) is scheduled whole or not at all: a running prefill is not
+split, and a waiting group that does not fit what is left of the budget waits for a later
+step, holding up the groups behind it (FCFS). The engine then requires
+max_num_batched_tokens >= max_model_len, so every prompt fits an empty step.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ class Scheduler:
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.preemption_mode = config.preemption_mode
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
@@ -86,16 +101,20 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-
+        plans = self._plan_running()
+        # Blocks in arrival order, so that preemption takes the latest arrivals: those after
+        # `i`, which have allocated nothing yet this step.
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             group = self.running[i]
-            plan = self._plan(group, budget)
-            if not plan or not self._allocate_or_preempt(group, plan, out):
-                break  # out of budget, or `group` itself was preempted (and all after it)
-            budget -= self._schedule(plan, out)
+            if group in plans and not self._allocate_or_preempt(group, plans[group], out):
+                break  # `group` itself was preempted (and all after it)
             i += 1
+        gone = set(out.preempted) | set(out.cannot_fit)
+        for group, plan in plans.items():  # decodes first, then prefills
+            if group not in gone:
+                self._schedule(plan, out)
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
         seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
@@ -134,6 +153,33 @@ class Scheduler:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
         return out
 
+    def _plan_running(self) -> dict[SequenceGroup, Plan]:
+        """The running groups' share of the token budget: every decode that fits (a group
+        of several sequences may not, when older decodes took the budget), then prefills
+        FCFS, up to the first that does not fit."""
+        plans: dict[SequenceGroup, Plan] = {}
+        budget = self.max_num_batched_tokens
+        for group in self.running:
+            if _is_decoding(group) and (plan := self._plan(group, budget)):
+                plans[group] = plan
+                budget -= len(plan)
+        for group in self.running:
+            if _is_decoding(group):
+                continue
+            plan = self._plan(group, budget)
+            if not plan:
+                break
+            plans[group] = plan
+            budget -= sum(n for _, n in plan)
+        return plans
+
+    def _fit(self, num_tokens: int, budget: int) -> int:
+        """How many of a sequence's `num_tokens` remaining tokens this step computes: as
+        many as `budget` allows, or with chunked prefill off all of them or none."""
+        if self.enable_chunked_prefill:
+            return min(num_tokens, budget)
+        return num_tokens if num_tokens <= budget else 0
+
     def _plan(
         self, group: SequenceGroup, budget: int, cached: dict[int, int] | None = None
     ) -> Plan:
@@ -145,14 +191,14 @@ class Scheduler:
             for seq in live
         ]
         if len(live) == 1:
-            n = min(remaining[0], budget)
+            n = self._fit(remaining[0], budget)
             return [(live[0], n)] if n > 0 else []
         if any(r > 1 for r in remaining):
             # Catching up after a recompute: compute all but each sequence's last token, so
             # that every sequence samples in the same later step (beams need that).
             plan = []
             for seq, r in zip(live, remaining):
-                n = min(r - 1, budget)
+                n = self._fit(r - 1, budget)
                 if n > 0:
                     plan.append((seq, n))
                     budget -= n
@@ -276,3 +322,8 @@ class Scheduler:
         for seq in group.seqs:
             if not seq.is_finished:
                 self.finish_seq(seq)
+
+
+def _is_decoding(group: SequenceGroup) -> bool:
+    """Each live sequence needs exactly one token: the one it sampled last step."""
+    return all(seq.num_uncomputed_tokens == 1 for seq in group.live_seqs)

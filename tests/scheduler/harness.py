@@ -6,7 +6,8 @@ advances `num_computed_tokens`), update, fork groups that sample for the first t
 `best_of` sequences, append a fake token to each sampled sequence, finish the ones that
 reached `max_tokens` or the context window, end the groups the scheduler found too big
 for the cache; then checks every invariant, the fake KV included: each sequence's blocks
-must hold exactly its computed tokens.
+must hold exactly its computed tokens. Every step must also carry the running decodes
+before other work, and with chunked prefill off never split a prompt.
 """
 
 from __future__ import annotations
@@ -39,12 +40,19 @@ def make_scheduler(
     num_cpu_blocks: int = 0,
     preemption_mode: str | None = None,
     enable_prefix_caching: bool = True,
+    enable_chunked_prefill: bool = True,
 ) -> Scheduler:
     block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
-    # As the engine does: one sequence of max_model_len always fits in the cache.
+    # As the engine does: one sequence of max_model_len always fits in the cache, and
+    # without chunks it fits one step.
     max_model_len = max_model_len or num_blocks * block_size
     assert max_model_len <= num_blocks * block_size
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, preemption_mode=preemption_mode)
+    assert enable_chunked_prefill or max_num_batched_tokens >= max_model_len
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        preemption_mode=preemption_mode,
+        enable_chunked_prefill=enable_chunked_prefill,
+    )
     sched = Scheduler(config, max_num_batched_tokens, max_model_len, block_manager)
     _KV[sched] = FakeKV(num_blocks, num_cpu_blocks, block_size)
     return sched
@@ -173,6 +181,7 @@ def check_state(sched: Scheduler) -> None:
 def run_step(sched: Scheduler, on_sample: OnSample | None = None) -> SchedulerOutput:
     bm = sched.block_manager
     num_unfinished = sched.num_unfinished
+    decoding = [g for g in sched.running if is_decoding(g)]
     out = sched.schedule()
     # A group that cannot grow holding the whole cache: the engine ends it at once.
     for group in out.cannot_fit:
@@ -192,10 +201,17 @@ def run_step(sched: Scheduler, on_sample: OnSample | None = None) -> SchedulerOu
     for s in out.scheduled:
         assert s.seq.status is SequenceStatus.RUNNING
         assert 1 <= s.num_new_tokens <= s.seq.num_uncomputed_tokens
+        if not sched.enable_chunked_prefill:
+            # Whole or not at all: a prompt, a recompute, or a catch-up (all but the last).
+            whole = {s.seq.num_uncomputed_tokens}
+            if _group_of(sched, s.seq).num_live_seqs > 1:
+                whole.add(s.seq.num_uncomputed_tokens - 1)
+            assert s.num_new_tokens in whole, "a prompt was split with chunked prefill off"
         assert s.block_table == bm.get_block_table(s.seq.seq_id)
         assert len(s.block_table) == bm.num_required_blocks(
             s.seq.num_computed_tokens + s.num_new_tokens
         )
+    check_decodes_first(sched, decoding, out)
     # Copy-on-write copies only a partly filled block, the one a sequence writes first.
     bs = bm.block_size
     first_written = {
@@ -248,6 +264,28 @@ def run_step(sched: Scheduler, on_sample: OnSample | None = None) -> SchedulerOu
             assert s.seq.num_uncomputed_tokens >= 1
     check_state(sched)
     return out
+
+
+def is_decoding(group: SequenceGroup) -> bool:
+    return all(seq.num_uncomputed_tokens == 1 for seq in group.live_seqs)
+
+
+def check_decodes_first(
+    sched: Scheduler, decoding: list[SequenceGroup], out: SchedulerOutput
+) -> None:
+    """Decodes take the budget first: `decoding` (the running groups that needed one token
+    a sequence before the step) are all scheduled, unless preempted or too wide for what
+    older decodes left; and the step lists them before any other work."""
+    scheduled_ids = {s.seq.seq_id for s in out.scheduled}
+    if out.preempted or out.cannot_fit:
+        return  # victims' planned tokens are left unused: the sums below don't hold
+    decode_tokens = sum(g.num_live_seqs for g in decoding if g.live_seqs[0].seq_id in scheduled_ids)
+    for group in decoding:
+        if not {s.seq_id for s in group.live_seqs} <= scheduled_ids:
+            assert group.num_live_seqs > sched.max_num_batched_tokens - decode_tokens
+    decode_ids = {s.seq_id for g in decoding for s in g.live_seqs}
+    kinds = [s.seq.seq_id in decode_ids for s in out.scheduled]
+    assert kinds == sorted(kinds, reverse=True), "other work listed before a decode"
 
 
 def _group_of(sched: Scheduler, seq: Sequence) -> SequenceGroup:

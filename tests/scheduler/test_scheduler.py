@@ -377,14 +377,22 @@ def test_random_workload_with_a_tiny_cache(seed):
     num_blocks=st.integers(2, 24),
     max_num_seqs=st.integers(1, 6),
     max_num_batched_tokens=st.integers(1, 24),
+    chunked=st.booleans(),
     data=st.data(),
 )
 def test_random_arrivals_and_aborts(
-    block_size, num_blocks, max_num_seqs, max_num_batched_tokens, data
+    block_size, num_blocks, max_num_seqs, max_num_batched_tokens, chunked, data
 ):
     max_model_len = data.draw(st.integers(2, num_blocks * block_size), label="max_model_len")
+    if not chunked:  # as the engine requires
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     sched = make_scheduler(
-        num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len
+        num_blocks,
+        block_size,
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        enable_chunked_prefill=chunked,
     )
     groups: list[SequenceGroup] = []
     aborted: set[int] = set()

@@ -147,8 +147,12 @@ def test_a_multi_sequence_group_is_swapped_out_and_back_before_new_work():
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("enable_chunked_prefill", [True, False])
 @pytest.mark.parametrize("enable_prefix_caching", [False, True])
-def test_recompute_mode_catches_up_then_samples_all_sequences_together(enable_prefix_caching):
+def test_recompute_mode_catches_up_then_samples_all_sequences_together(
+    enable_prefix_caching, enable_chunked_prefill
+):
+    # With chunking off, each sequence's catch-up is scheduled whole (the harness checks).
     sched = make_scheduler(
         num_blocks=8,
         block_size=4,
@@ -156,6 +160,7 @@ def test_recompute_mode_catches_up_then_samples_all_sequences_together(enable_pr
         num_cpu_blocks=8,
         preemption_mode="recompute",
         enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
     )
     _, group = squeeze(sched)
     outs = run_until(sched, lambda: sched.num_preemptions)
@@ -358,8 +363,9 @@ def beam_like(rng: random.Random):
     return on_sample
 
 
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
 @pytest.mark.parametrize("seed", range(20))
-def test_random_workload_with_forks_tiny_cache_and_swap_space(seed):
+def test_random_workload_with_forks_tiny_cache_and_swap_space(seed, chunked):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     max_best_of = 4
@@ -367,15 +373,19 @@ def test_random_workload_with_forks_tiny_cache_and_swap_space(seed):
     # Any one group fits with its sequences unshared (as a recompute without prefix hits
     # prefills them), plus two blocks a sequence of headroom.
     num_blocks = max_best_of * (-(-max_model_len // block_size) + 2) + rng.randint(0, 4)
+    max_num_batched_tokens = rng.randint(max_best_of, 64)
+    if not chunked:  # every prompt, recompute and catch-up must fit one step
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     sched = make_scheduler(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_seqs=rng.randint(max_best_of, 24),
-        max_num_batched_tokens=rng.randint(max_best_of, 64),
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         num_cpu_blocks=rng.choice([0, 2, num_blocks // 2, 2 * num_blocks]),
         preemption_mode=rng.choice([None, "swap", "recompute"]),
         enable_prefix_caching=rng.random() < 0.8,
+        enable_chunked_prefill=chunked,
     )
     on_sample = beam_like(rng)
     groups = []
