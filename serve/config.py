@@ -92,6 +92,9 @@ class SchedulerConfig:
     # On: a prompt longer than what is left of a step's token budget is computed in chunks
     # over several steps. Off: a prompt is only ever computed whole, in one step.
     enable_chunked_prefill: bool = True
+    # On: the forward pass runs on a worker thread while the engine samples, detokenizes
+    # and schedules around it (steps overlap). Off: one step at a time, start to end.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in (None, *PREEMPTION_MODES):
@@ -135,6 +138,7 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         preemption_mode: str | None = None,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = True,
         device: str = "auto",
     ) -> EngineConfig:
         """The flat keyword form that `LLM(...)` and the CLI share. `swap_space` is in GiB,
@@ -153,7 +157,11 @@ class EngineConfig:
                 enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs, max_num_batched_tokens, preemption_mode, enable_chunked_prefill
+                max_num_seqs,
+                max_num_batched_tokens,
+                preemption_mode,
+                enable_chunked_prefill,
+                async_scheduling,
             ),
             device=device,
         )

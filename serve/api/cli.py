@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from serve.api.tool_parsers import TOOL_PARSERS
@@ -129,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(off: a prompt runs whole in one step, so --max-num-batched-tokens "
         "must be at least --max-model-len, and defaults to it)",
     )
+    cache.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="overlap each step's forward pass (on a worker thread) with sampling, "
+        "detokenizing and scheduling around it",
+    )
     cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 
     server = p.add_argument_group("server")
@@ -145,6 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="log verbosity",
     )
+    server.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="run the engine core on a thread of the API process, not in its own process",
+    )
     return p
 
 
@@ -153,16 +166,28 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # SIGTERM is a normal way to stop a server: exit 0 once stopped. uvicorn takes the
+    # signal while it serves, shuts down (the engine with it), then raises it again here.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        app, settings = _load(args)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"serve: error: {e}", file=sys.stderr)
-        sys.exit(1)
+        try:
+            app, settings = _load(args)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            print(f"serve: error: {e}", file=sys.stderr)
+            sys.exit(1)
 
-    import uvicorn
+        import uvicorn
 
-    logger.info("Serving %s at http://%s:%d/v1", settings.served_model_name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        logger.info(
+            "Serving %s at http://%s:%d/v1", settings.served_model_name, args.host, args.port
+        )
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    except KeyboardInterrupt:
+        sys.exit(130)  # Ctrl-C: stopped as asked, no traceback
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    sys.exit(0)
 
 
 def _load(args: argparse.Namespace):
@@ -171,7 +196,6 @@ def _load(args: argparse.Namespace):
     from serve.api.server import build_app
     from serve.api.serving_base import ServerSettings
     from serve.config import EngineConfig
-    from serve.engine.async_engine import AsyncEngine
 
     chat_template = None
     if args.chat_template:
@@ -194,10 +218,18 @@ def _load(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         preemption_mode=args.preemption_mode,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        async_scheduling=args.async_scheduling,
         device=args.device,
     )
-    engine = AsyncEngine.from_config(config)
-    model_path = str(engine.core.model_path)
+    if args.disable_frontend_multiprocessing:
+        from serve.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_config(config)
+    else:
+        from serve.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(config)
+    model_path = str(engine.model_path)
     name = args.served_model_name or (args.model or Path(model_path).name)
     settings = ServerSettings(
         name, model_path, args.api_key, chat_template, tool_call_parser=args.tool_call_parser

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,7 +28,7 @@ from serve.api.protocol import (
 from serve.api.serving_base import ServerSettings, check_model, check_structured_output
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
-from serve.engine.async_engine import AsyncEngine, EngineDeadError
+from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
 
@@ -47,8 +48,22 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="serve", version=serve.__version__, docs_url=None, redoc_url=None)
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The app serving `engine`, which it shuts down when the server stops (SIGTERM,
+    Ctrl-C): a core process is stopped, never left behind."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(
+        title="serve",
+        version=serve.__version__,
+        docs_url=None,
+        redoc_url=None,
+        lifespan=lifespan,
+    )
     app.state.engine, app.state.settings = engine, settings
     chat = ChatHandler(engine, settings)
     completions = CompletionHandler(engine, settings)
@@ -90,7 +105,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     async def health() -> Response:
         if engine.is_alive:
             return Response(status_code=200)
-        return JSONResponse(error_body(503, "The engine is not running."), status_code=503)
+        message = str(engine.dead_error or "The engine is not running.")
+        return JSONResponse(error_body(503, message), status_code=503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -149,7 +165,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if body.model is not None:
             check_model(body.model, settings)
         try:
-            engine.core.check_token_ids(body.tokens)
+            engine.check_token_ids(body.tokens)
         except ValueError as e:
             raise APIError(400, str(e), param="tokens") from None
         return {"prompt": engine.tokenizer.decode(body.tokens)}

@@ -12,7 +12,7 @@ from typing import Any
 
 from serve.api.errors import APIError, error_body
 from serve.api.protocol import SamplingRequest, now
-from serve.engine.async_engine import AsyncEngine, EngineDeadError
+from serve.engine.protocol import EngineClient, EngineDeadError
 from serve.outputs import CompletionOutput, RequestOutput
 
 
@@ -309,7 +309,7 @@ def prompt_logprobs_json(
 
 
 def open_stream(
-    engine: AsyncEngine,
+    engine: EngineClient,
     request: SamplingRequest,
     request_id: str,
     prompt_token_ids: list[int],
@@ -320,7 +320,7 @@ def open_stream(
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs)
-        engine.core.check_params(params)
+        engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
     return engine.generate(request_id, prompt_token_ids, params, prompt)
@@ -335,7 +335,7 @@ def _param_named(message: str, request: SamplingRequest) -> str | None:
     return first if first in fields else None
 
 
-async def check_structured_output(engine: AsyncEngine, request: SamplingRequest) -> None:
+async def check_structured_output(engine: EngineClient, request: SamplingRequest) -> None:
     """Compile the request's grammar before it starts: an invalid schema, regex or grammar
     is a 400 naming the problem, and never reaches the engine loop."""
     try:

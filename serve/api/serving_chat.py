@@ -36,7 +36,7 @@ from serve.api.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
-from serve.engine.async_engine import AsyncEngine
+from serve.engine.protocol import EngineClient
 from serve.outputs import CompletionOutput, RequestOutput
 
 
@@ -72,7 +72,7 @@ def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any
 
 
 class ChatHandler:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
         name = settings.tool_call_parser

@@ -22,12 +22,12 @@ from serve.api.serving_base import (
     token_text,
     usage,
 )
-from serve.engine.async_engine import AsyncEngine
+from serve.engine.protocol import EngineClient
 from serve.outputs import CompletionOutput, RequestOutput
 
 
 class CompletionHandler:
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
 
@@ -47,7 +47,7 @@ class CompletionHandler:
             if not item:
                 raise APIError(400, "A prompt of token ids must not be empty.", param="prompt")
             try:
-                self.engine.core.check_token_ids(item, "Prompt token ids")
+                self.engine.check_token_ids(item, "Prompt token ids")
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from None
             prompts.append((self.tokenizer.decode(item), list(item)))

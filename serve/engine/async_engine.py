@@ -1,8 +1,9 @@
-"""AsyncEngine: the EngineCore loop on a background thread, one output stream per request.
+"""AsyncEngine: the EngineCore loop on a background thread of this process.
 
-The boundary is two queues of plain messages — commands in (add / abort), RequestOutputs
-out — so the loop can later move to its own process without changing the asyncio side.
-The loop blocks on the command queue when idle and wakes the moment a request arrives.
+The in-process engine (`--disable-frontend-multiprocessing`, and the "before" of the
+benchmarks); `EngineCoreClient` runs the same loop in its own process behind the same
+interface (`EngineClient`). The boundary is the same plain messages either way: commands
+in through a queue, each step's RequestOutputs out to the requests' streams.
 """
 
 from __future__ import annotations
@@ -11,58 +12,51 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
+from serve.engine.core_loop import run_core_loop
+from serve.engine.messages import AddRequest, Command, Stop
+from serve.engine.output_streams import OutputStreams
+from serve.engine.protocol import EngineDeadError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
+__all__ = ["AsyncEngine", "EngineDeadError"]
+
 logger = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 5.0
+
+class _QueueCommands:
+    def __init__(self, commands: queue.SimpleQueue[Command]) -> None:
+        self.commands = commands
+
+    def get(self, block: bool) -> Command | None:
+        try:
+            return self.commands.get(block=block)
+        except queue.Empty:
+            return None
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped; no request can be served until a restart."""
+class _StreamReplies:
+    def __init__(self, streams: OutputStreams) -> None:
+        self.streams = streams
 
+    def put_step(self, outputs: list[RequestOutput]) -> None:
+        self.streams.put_step(outputs)
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-_STOP = object()
-
-
-class _Stream:
-    """One request's outputs, filled from the engine thread, drained on the event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def request_failed(self, request_id: str, error: ValueError) -> None:
+        self.streams.put(request_id, error)
 
 
 class AsyncEngine:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()  # guards _streams between the loop and the thread
-        self.dead_error: BaseException | None = None
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._streams = OutputStreams()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -70,19 +64,31 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(EngineCore(config))
 
-    # -- asyncio side --------------------------------------------------------------------
-
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
 
     @property
-    def tokenizer(self):
+    def dead_error(self) -> EngineDeadError | None:
+        return self._streams.dead_error
+
+    @property
+    def tokenizer(self) -> Any:
         return self.core.tokenizer
 
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def model_path(self) -> Path:
+        return self.core.model_path
+
+    def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
+        self.core.check_token_ids(token_ids, what)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.core.check_params(params)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar (or find it compiled) off the event loop, so that an
@@ -90,7 +96,7 @@ class AsyncEngine:
         finds it in its cache."""
         await asyncio.wrap_future(self.core.structured_output.submit(spec))
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -99,137 +105,18 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing or cancelling the
         iterator early aborts the request in the engine and frees its blocks."""
-        if not self.is_alive:
-            raise EngineDeadError(f"The engine is not running: {self.dead_error!r}")
-        stream = _Stream(asyncio.get_running_loop())
-        with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"A request with id {request_id!r} is already running.")
-            self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, prompt))
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self._commands.put(_Abort(request_id))
-            with self._lock:
-                self._streams.pop(request_id, None)
+        add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
+        return self._streams.generate(add, self._commands.put)
 
     def shutdown(self) -> None:
-        self._commands.put(_STOP)
+        self._commands.put(Stop())
         self._thread.join(timeout=10)
-
-    # -- engine thread -------------------------------------------------------------------
+        if self._streams.dead_error is None:
+            self._streams.fail_all(EngineDeadError("The engine was shut down."))
 
     def _run(self) -> None:
-        core = self.core
-        stats = _Stats(core)
         try:
-            while True:
-                # Idle: block until a command arrives. Busy: take whatever is queued.
-                block = not core.has_unfinished_requests()
-                while True:
-                    try:
-                        command = self._commands.get(block=block)
-                    except queue.Empty:
-                        break
-                    if block:
-                        stats.start_window(core)  # idle time is not throughput
-                    if command is _STOP:
-                        return
-                    self._apply(command)
-                    block = False
-                if not core.has_unfinished_requests():
-                    continue
-                outputs = core.step()
-                stats.record(core)
-                self._deliver_step(outputs)
+            run_core_loop(self.core, _QueueCommands(self._commands), _StreamReplies(self._streams))
         except BaseException as e:  # a fault here ends the engine: fail everyone, loudly
             logger.exception("Engine loop died")
-            self.dead_error = e
-            with self._lock:
-                streams = list(self._streams.values())
-            for stream in streams:
-                stream.put(EngineDeadError(f"The engine failed: {e!r}"))
-
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Abort):
-            self.core.abort_request(command.request_id)
-            return
-        try:
-            self.core.add_request(
-                command.request_id, command.prompt_token_ids, command.params, command.prompt
-            )
-        except ValueError as e:
-            self._deliver(command.request_id, e)
-
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs over in one wake-up per event loop, not one per request."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
-
-
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    for stream, out in items:
-        stream.queue.put_nowait(out)
-
-
-class _Stats:
-    """The periodic stats line while the engine is busy."""
-
-    def __init__(self, core: EngineCore) -> None:
-        self.start_window(core)
-
-    def start_window(self, core: EngineCore) -> None:
-        self.last_log = time.monotonic()
-        self.tokens_at_start = core.num_generated_tokens
-        self.times_at_start = replace(core.step_times)
-
-    def record(self, core: EngineCore) -> None:
-        now = time.monotonic()
-        if now - self.last_log < STATS_INTERVAL_S:
-            return
-        stats = core.stats()
-        elapsed = now - self.last_log
-        times = core.step_times.since(self.times_at_start)
-        per_step_ms = 1000 / max(times.num_steps, 1)
-        logger.info(
-            "running %d, waiting %d, swapped %d requests; KV cache %.1f%% used, prefix cache "
-            "hit rate %.1f%%; %d preemptions; generation %.1f tokens/s; forward busy %.0f%%; "
-            "per step (ms): schedule %.1f, prepare %.1f, forward %.1f, sample %.1f, output %.1f",
-            stats.num_running,
-            stats.num_waiting,
-            stats.num_swapped,
-            100 * stats.num_blocks_used / stats.num_blocks_total,
-            100 * stats.prefix_cache_hit_rate,
-            stats.num_preemptions,
-            (core.num_generated_tokens - self.tokens_at_start) / elapsed,
-            100 * times.forward_s / elapsed,
-            times.schedule_s * per_step_ms,
-            times.prepare_s * per_step_ms,
-            times.forward_s * per_step_ms,
-            times.sample_s * per_step_ms,
-            times.output_s * per_step_ms,
-        )
-        self.start_window(core)
+            self._streams.fail_all(EngineDeadError(f"The engine failed: {e!r}"))

@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +22,7 @@ from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
 from serve.outputs import CompletionOutput, EngineStats, RequestOutput, StepTimes
 from serve.sampling_params import SamplingParams
+from serve.scheduler.output import SchedulerOutput
 from serve.scheduler.scheduler import Scheduler
 from serve.sequence import FinishReason, Sequence, SequenceGroup
 
@@ -30,6 +32,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.05  # an idle engine's longest wait on a compiling grammar
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its schedule and its forward pass (done, or on the worker)."""
+
+    sched: SchedulerOutput
+    future: concurrent.futures.Future[ModelOutput]
+
+
+@dataclass
+class _Sampled:
+    """A step whose tokens are sampled and appended, their text not yet decoded."""
+
+    seqs: list[Sequence]  # the sampled sequences (beams are decoded at the end)
+    groups: list[SequenceGroup]  # the requests the step moved
 
 
 def resolve_device(device: str) -> torch.device:
@@ -65,6 +83,30 @@ def fit_max_model_len(requested: int | None, model_limit: int, cache_tokens: int
         )
         return cache_tokens
     return model_limit
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str = "Token ids") -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} must be in [0, {vocab_size}); got {bad[:5]}.")
+
+
+def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+    """What SamplingParams cannot check alone: token ids against the vocabulary and logprob
+    counts against --max-logprobs. Each message starts with the field's name. The engine
+    checks every request; an API process runs the same checks before sending one."""
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        ids = getattr(params, name) or []
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} must name token ids in [0, {vocab_size}); got {bad[:5]}.")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(
+                f"{name} asks for {value} alternatives; this server returns at most "
+                f"{max_logprobs} (--max-logprobs)."
+            )
 
 
 class EngineCore:
@@ -121,6 +163,11 @@ class EngineCore:
         self.num_generated_tokens = 0  # sampled tokens, beams included, since start
         self.step_times = StepTimes()
         self._sample_s = 0.0  # the current step's sampling time
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: _InFlight | None = None  # the step whose forward is running
+        self._forward_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="forward"
+        )
         logger.info(
             "Model %s (%s) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), "
             "swap space %d blocks; prefix caching %s; max_model_len %d",
@@ -178,28 +225,10 @@ class EngineCore:
         return self._next_seq_id - 1
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{what} must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary and
-        logprob counts against --max-logprobs. Each message starts with the field's name."""
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-            ids = getattr(params, name) or []
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"{name} must name token ids in [0, {self.vocab_size}); got {bad[:5]}."
-                )
-        limit = self.config.model.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > limit:
-                raise ValueError(
-                    f"{name} asks for {value} alternatives; this server returns at most "
-                    f"{limit} (--max-logprobs)."
-                )
+        check_params(params, self.vocab_size, self.config.model.max_logprobs)
 
     @property
     def structured_output(self) -> StructuredOutputManager:
@@ -225,7 +254,7 @@ class EngineCore:
         return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._in_flight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -254,36 +283,65 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, run the batch, sample, update. Returns the requests that
-        made progress this step (cumulative outputs)."""
+        """One iteration; returns the requests that made progress (cumulative outputs).
+
+        With async scheduling (the default) the forward pass runs on a worker thread and
+        the steps overlap: this call samples the step in flight, schedules the next one
+        and starts its forward, and then, while that runs, detokenizes the tokens just
+        sampled and builds their outputs. Without it, each call runs one step start to
+        end. The tokens are the same either way."""
+        if self.async_scheduling:
+            sampled = self._collect()
+            ended = self._launch()
+        else:
+            ended = self._launch()
+            sampled = self._collect()
+        return ended + self._emit(sampled)
+
+    def _launch(self) -> list[RequestOutput]:
+        """Schedule the next step and start its forward pass. Returns the requests that
+        ended without running (grammar failed, cannot fit)."""
         start = time.perf_counter()
         ended = self._admit_compiled()
         sched = self.scheduler.schedule()
         ended += [self._end_cannot_fit(group) for group in sched.cannot_fit]
-        scheduled = time.perf_counter()
+        self.step_times.schedule_s += time.perf_counter() - start
         if sched.is_empty and not sched.has_block_moves:
-            if self._awaiting_grammar and not ended:
+            if self._awaiting_grammar and not ended and self._in_flight is None:
                 # Nothing to run but grammars compiling: wait for one, not a busy spin.
                 futures = [future for _, future in self._awaiting_grammar.values()]
                 concurrent.futures.wait(
                     futures, timeout=GRAMMAR_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
                 )
             return ended
-        model_out = self.model_runner.execute(sched)
-        executed = time.perf_counter()
-        self.scheduler.update(sched)
+        inputs = self.model_runner.prepare(sched)
+        if self.async_scheduling:
+            future = self._forward_thread.submit(self.model_runner.run, sched, inputs)
+        else:
+            future = concurrent.futures.Future()
+            future.set_result(self.model_runner.run(sched, inputs))
+        self._in_flight = _InFlight(sched, future)
+        return ended
+
+    def _collect(self) -> _Sampled | None:
+        """Wait for the step in flight, then sample: its tokens are appended and the stops
+        that need no text (EOS, stop ids, lengths, grammars) applied, so the next step is
+        scheduled knowing them."""
+        if self._in_flight is None:
+            return None
+        in_flight, self._in_flight = self._in_flight, None
+        model_out = in_flight.future.result()
+        start = time.perf_counter()
+        self.scheduler.update(in_flight.sched)
         self._record_prompt_logprobs(model_out)
-        outputs = ended + self._process(model_out.logits, model_out.sampled_seqs)
+        sampled = self._sample(model_out.logits, model_out.sampled_seqs)
         times = self.step_times
         times.num_steps += 1
-        times.schedule_s += scheduled - start
         times.prepare_s += model_out.prepare_s
         times.forward_s += model_out.forward_s
-        # What execute spent outside prepare and forward (small) counts as output work.
-        unaccounted = (executed - scheduled) - model_out.prepare_s - model_out.forward_s
-        times.output_s += time.perf_counter() - executed - self._sample_s + unaccounted
         times.sample_s += self._sample_s
-        return outputs
+        times.output_s += time.perf_counter() - start - self._sample_s
+        return sampled
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand requests whose grammar has compiled to the scheduler; end those whose
@@ -312,7 +370,9 @@ class EngineCore:
     def _record_prompt_logprobs(self, model_out: ModelOutput) -> None:
         for span in model_out.prompt_spans:
             seq = span.seq
-            group = self._groups[seq.request_id]
+            group = self._groups.get(seq.request_id)
+            if group is None:
+                continue  # aborted while its step ran
             recorded = group.prompt_logprobs
             if recorded is None or len(recorded) >= span.start + span.count + 1:
                 continue  # recomputed after a preemption: already known
@@ -336,11 +396,13 @@ class EngineCore:
         self._finish(group)
         return self._output(group)
 
-    def _process(self, logits: torch.Tensor, sampled_seqs: list[Sequence]) -> list[RequestOutput]:
+    def _sample(self, logits: torch.Tensor, sampled_seqs: list[Sequence]) -> _Sampled:
         rows: list[int] = []  # logits row of each sequence to sample
         seqs: list[Sequence] = []
         beam_rows: dict[str, list[int]] = {}
         for row, seq in enumerate(sampled_seqs):
+            if seq.is_finished:
+                continue  # aborted, or stopped by a stop string, while its step ran
             group = self._groups[seq.request_id]
             if group.sampling_params.use_beam_search:
                 beam_rows.setdefault(group.request_id, []).append(row)
@@ -362,8 +424,7 @@ class EngineCore:
             for i, seq in enumerate(seqs):
                 token = sampled.token_ids[i]
                 seq.append_token(token, sampled.logprobs[i], sampled.top_logprobs[i])
-                delta = self.detokenizer.update(seq)
-                seq.finish_reason = self._check_stop(seq, token, len(delta))
+                seq.finish_reason = self._check_stop_token(seq, token)
                 if seq.finish_reason is not None:
                     self.scheduler.finish_seq(seq)
                     self._free_seq_state(seq.seq_id)
@@ -372,14 +433,31 @@ class EngineCore:
             group = self._groups[request_id]
             self._beam_step(group, logits[group_rows])
             touched[request_id] = group
+        return _Sampled(seqs, list(touched.values()))
 
+    def _emit(self, sampled: _Sampled | None) -> list[RequestOutput]:
+        """Detokenize a sampled step's new tokens, apply stop strings, and build the
+        outputs of the requests it moved."""
+        if sampled is None:
+            return []
+        start = time.perf_counter()
+        for seq in sampled.seqs:
+            num_new_chars = len(self.detokenizer.update(seq))
+            if self._check_stop_string(seq, num_new_chars):
+                if not seq.is_finished:
+                    self.scheduler.finish_seq(seq)  # its next step, if running, is dropped
+                    self._free_seq_state(seq.seq_id)
+                seq.finish_reason = FinishReason.STOP
         outputs = []
-        for group in touched.values():
+        for group in sampled.groups:
+            if group.request_id not in self._groups:
+                continue  # ended meanwhile (aborted); its final output went out then
             if group.is_finished:
                 self._finish(group)
                 outputs.append(self._output(group))
             elif self._streams(group):
                 outputs.append(self._output(group))
+        self.step_times.output_s += time.perf_counter() - start
         return outputs
 
     def _grammar_mask(self, seqs: list[Sequence]) -> Any:
@@ -441,7 +519,8 @@ class EngineCore:
         params = group.sampling_params
         return not params.use_beam_search and params.best_of == params.n
 
-    def _check_stop(self, seq: Sequence, token: int, num_new_chars: int) -> FinishReason | None:
+    def _check_stop_token(self, seq: Sequence, token: int) -> FinishReason | None:
+        """The stops that a sampled token decides alone (stop strings need its text)."""
         params = seq.sampling_params
         if params.structured_outputs is not None and self._grammar_ended(seq, token):
             return FinishReason.STOP
@@ -451,13 +530,21 @@ class EngineCore:
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FinishReason.STOP
-            if find_stop_string(seq, num_new_chars):
-                return FinishReason.STOP
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def _check_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
+        """Whether the newest text completes a stop string (the text is cut there). Also
+        checked for a sequence that reached its length with this token: the stop string
+        wins, as in vLLM."""
+        if seq.finish_reason not in (None, FinishReason.LENGTH):
+            return False
+        if seq.num_output_tokens < seq.sampling_params.min_tokens:
+            return False
+        return bool(find_stop_string(seq, num_new_chars))
 
     def _grammar_ended(self, seq: Sequence, token: int) -> bool:
         """Advance the sequence's grammar by `token`: True once the grammar is complete

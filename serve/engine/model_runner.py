@@ -52,6 +52,7 @@ class ModelInputs:
     sampled_seqs: list[Sequence]
     prompt_logits_indices: torch.Tensor | None = None  # rows for prompt logprobs
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    prepare_s: float = 0.0
 
 
 class ModelRunner:
@@ -205,15 +206,28 @@ class ModelRunner:
             prompt_spans,
         )
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """Prepare the batch's inputs and run it: `run(sched, prepare(sched))`."""
+        return self.run(sched, self.prepare(sched))
+
+    def prepare(self, sched: SchedulerOutput) -> ModelInputs | None:
+        """The step's input tensors (None for a step that only moves blocks), built from
+        the sequences as they are now: call it before they change again."""
+        if sched.is_empty:
+            return None
+        start = time.perf_counter()
+        inputs = self.prepare_inputs(sched)
+        inputs.prepare_s = time.perf_counter() - start
+        return inputs
+
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput, inputs: ModelInputs | None) -> ModelOutput:
+        """The KV block moves, then the forward pass and the logits. Reads only `inputs`
+        and the KV cache, so it may run on a worker thread while the engine goes on."""
         start = time.perf_counter()
         self._move_blocks(sched)
-        if sched.is_empty:
+        if inputs is None:
             return ModelOutput(torch.empty(0, 0), [], forward_s=time.perf_counter() - start)
-        moved = time.perf_counter()
-        inputs = self.prepare_inputs(sched)
-        prepared = time.perf_counter()
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -221,14 +235,13 @@ class ModelRunner:
         if inputs.prompt_logits_indices is not None:
             prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices]).float()
         logits = logits.float()
-        done = time.perf_counter()
         return ModelOutput(
             logits,
             inputs.sampled_seqs,
             prompt_logits,
             inputs.prompt_spans,
-            prepare_s=prepared - moved,
-            forward_s=(moved - start) + (done - prepared),
+            prepare_s=inputs.prepare_s,
+            forward_s=time.perf_counter() - start,
         )
 
     def _move_blocks(self, sched: SchedulerOutput) -> None:

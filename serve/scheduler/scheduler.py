@@ -299,6 +299,8 @@ class Scheduler:
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens' K/V are now in the cache."""
         for s in out.scheduled:
+            if s.seq.is_finished:
+                continue  # ended (aborted, stopped) while the step ran: its blocks are gone
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.mark_computed(s.seq)
 

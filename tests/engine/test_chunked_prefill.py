@@ -148,6 +148,7 @@ def test_a_long_prompt_never_holds_up_sixteen_decodes(tiny_llama, monkeypatch):
                 finished[out.request_id] = out.outputs[0].token_ids
 
     chunk = budget - 16
+    steps = [step for step in steps if step]  # async scheduling's last look finds nothing
     prefill = [step for step in steps if step[-1].request_id == "long" and step[-1].start < 300]
     assert [step[-1].start for step in prefill] == list(range(0, 300, chunk))
     assert prefill == steps[: len(prefill)]  # from its arrival on, one chunk a step

@@ -123,7 +123,7 @@ def _record_schedules(llm: LLM, monkeypatch) -> list:
 def test_fork_shares_blocks_and_copies_the_partial_last_one(
     tiny_llama, prompt, separate_samples, monkeypatch
 ):
-    llm = _llm(tiny_llama)
+    llm = _llm(tiny_llama, async_scheduling=False)  # each step() runs one whole step
     engine, manager = llm.engine, llm.engine.block_manager
     schedules = _record_schedules(llm, monkeypatch)
     engine.add_request("n4", prompt, _sampling(n=4, seed=SEED))

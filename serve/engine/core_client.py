@@ -1,0 +1,263 @@
+"""EngineCoreClient: the API process's engine, with the engine core in its own process.
+
+The API process keeps the tokenizer and what validation needs (vocab size, max_model_len,
+max logprobs, a grammar compiler); the core process (core_process.py) keeps the model,
+the KV cache, the scheduler and detokenization. Two daemon threads carry the messages so
+that the event loop never blocks on a pipe:
+
+    generate() ─▶ commands queue ─▶ [sender thread] ─▶ pipe ─▶ core process
+    streams   ◀── [receiver thread] ◀── pipe ◀── one list[RequestOutput] per step
+
+The receiver waits on the pipe and the process's sentinel together, so a core that dies
+(killed, crashed) is noticed at once: every running request fails with EngineDeadError,
+`is_alive` turns False, and the cause is logged once. `shutdown()` sends Stop, waits, then
+terminates; a core whose parent dies exits by itself (its pipes close).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from collections.abc import AsyncIterator
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from serve.config import EngineConfig
+from serve.engine.core import check_params, check_token_ids
+from serve.engine.core_process import run_core_process
+from serve.engine.messages import (
+    AddRequest,
+    Command,
+    CoreFailed,
+    CoreReady,
+    RequestFailed,
+    Stop,
+)
+from serve.engine.output_streams import OutputStreams
+from serve.engine.protocol import EngineDeadError
+from serve.engine.tokenizer import load_tokenizer
+from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from serve.engine.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0  # for the core to finish its step and exit after Stop
+KILL_TIMEOUT_S = 5.0  # after terminate, before kill
+
+# Start-up errors the parent re-raises as they were raised in the core (the CLI shows
+# these as `serve: error: ...`); any other kind becomes a RuntimeError.
+_STARTUP_ERRORS: dict[str, type[Exception]] = {
+    "FileNotFoundError": FileNotFoundError,
+    "OSError": OSError,
+    "ValueError": ValueError,
+}
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self._streams = OutputStreams()
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []  # the receiver and the sender, once ready
+        self._core_error: str | None = None  # the cause a dying core sent, if it could
+        self._is_stopping = False
+        context = multiprocessing.get_context("spawn")  # never fork a process with torch
+        command_reader, self._command_writer = context.Pipe(duplex=False)
+        self._output_reader, output_writer = context.Pipe(duplex=False)
+        self._process = context.Process(
+            target=run_core_process,
+            args=(config, command_reader, output_writer, *_logging_setup()),
+            name="serve-engine-core",
+        )
+        self._process.start()
+        # Only the child holds these ends now, so its exit reads as EOF here, and ours as
+        # EOF there.
+        command_reader.close()
+        output_writer.close()
+        atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the child
+        try:
+            _import_tokenizer_code()  # seconds, spent while the core loads
+            ready = self._wait_ready()
+            self.tokenizer: Any = load_tokenizer(config.model.tokenizer or ready.model_path)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.model_path: Path = ready.model_path
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.max_logprobs = ready.max_logprobs
+        self.eos_token_ids = ready.eos_token_ids
+        self._structured_output: StructuredOutputManager | None = None
+        self._structured_output_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._receive_replies, name="engine-core-receive", daemon=True),
+            threading.Thread(target=self._send_commands, name="engine-core-send", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- the engine interface ------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._streams.dead_error
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. Closing or cancelling the
+        iterator early aborts the request in the core and frees its blocks."""
+        add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
+        return self._streams.generate(add, self._commands.put)
+
+    def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
+        check_token_ids(token_ids, self.vocab_size, what)
+
+    def check_params(self, params: SamplingParams) -> None:
+        check_params(params, self.vocab_size, self.max_logprobs)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """Compile a request's grammar here, off the event loop, so that an invalid one is
+        refused (ValueError) before the request starts. The core compiles it again, from
+        its own cache."""
+        manager = self._structured_output or await asyncio.to_thread(self._grammar_compiler)
+        await asyncio.wrap_future(manager.submit(spec))
+
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the core: Stop, then terminate, then kill. Running requests fail with
+        EngineDeadError. Idempotent."""
+        if self._is_stopping:
+            return
+        self._is_stopping = True
+        atexit.unregister(self.shutdown)
+        if self._threads:  # Stop queues behind the commands sent before it
+            self._commands.put(Stop())
+        else:
+            _send_quietly(self._command_writer, Stop())
+        self._process.join(timeout_s)
+        if self._process.exitcode is None:
+            logger.warning("The engine core did not stop in %.0f s; terminating it.", timeout_s)
+            self._process.terminate()
+            self._process.join(KILL_TIMEOUT_S)
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join()
+        if self._threads:
+            receiver, sender = self._threads
+            receiver.join()  # ends at the pipe's EOF: the core has exited
+            self._commands.put(None)
+            sender.join()
+        self._command_writer.close()
+        self._output_reader.close()
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def _wait_ready(self) -> CoreReady:
+        """The core's ready message, or its start-up error raised here."""
+        message = self._next_message()
+        if isinstance(message, CoreReady):
+            return message
+        self._process.join(KILL_TIMEOUT_S)
+        if isinstance(message, CoreFailed):
+            kind = _STARTUP_ERRORS.get(message.error_type)
+            if kind is not None:
+                raise kind(message.message)
+            raise RuntimeError(
+                f"The engine core failed to start: {message.error_type}: {message.message}"
+            )
+        raise RuntimeError(
+            f"The engine core process exited while starting ({_exit_cause(self._process)})."
+        )
+
+    def _grammar_compiler(self) -> StructuredOutputManager:
+        """Built on first use: importing xgrammar and indexing the vocabulary take seconds
+        that servers without grammars should not pay at start-up."""
+        with self._structured_output_lock:
+            if self._structured_output is None:
+                from serve.engine.structured_output import StructuredOutputManager
+
+                self._structured_output = StructuredOutputManager(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids
+                )
+        return self._structured_output
+
+    # -- the threads ---------------------------------------------------------------------
+
+    def _next_message(self) -> object | None:
+        """The core's next message; None once it has exited and said everything."""
+        if self._output_reader not in wait([self._output_reader, self._process.sentinel]):
+            return None
+        try:
+            return self._output_reader.recv()
+        except (EOFError, OSError):
+            return None
+
+    def _receive_replies(self) -> None:
+        while (message := self._next_message()) is not None:
+            if isinstance(message, list):
+                self._streams.put_step(message)
+            elif isinstance(message, RequestFailed):
+                self._streams.put(message.request_id, ValueError(message.message))
+            elif isinstance(message, CoreFailed):
+                self._core_error = message.message
+        if self._is_stopping:
+            self._streams.fail_all(EngineDeadError("The engine was shut down."))
+            return
+        self._process.join(KILL_TIMEOUT_S)
+        cause = self._core_error or _exit_cause(self._process)
+        logger.error("The engine core process died: %s", cause)
+        self._streams.fail_all(EngineDeadError(f"The engine core process died: {cause}"))
+
+    def _send_commands(self) -> None:
+        while (command := self._commands.get()) is not None:
+            try:
+                self._command_writer.send(command)
+            except OSError:
+                return  # the core is gone; the receiver reports it
+            except Exception as e:  # cannot be pickled: a bug; fail that request alone
+                logger.exception("Cannot send %s to the engine core", type(command).__name__)
+                if isinstance(command, AddRequest):
+                    self._streams.put(command.request_id, RuntimeError(str(e)))
+
+
+def _exit_cause(process: multiprocessing.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is None:
+        return "its output pipe closed"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _import_tokenizer_code() -> None:
+    from transformers import AutoTokenizer  # noqa: F401
+
+
+def _logging_setup() -> tuple[int, str | None]:
+    """The root logger's level and format, for the core process to log as this one does."""
+    root = logging.getLogger()
+    formats = [h.formatter._fmt for h in root.handlers if h.formatter is not None]
+    return root.level, (formats[0] if formats else None)
+
+
+def _send_quietly(conn: Any, message: object) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass

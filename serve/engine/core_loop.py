@@ -1,0 +1,109 @@
+"""The core's busy loop: apply commands, step while requests run, reply, log stats.
+
+The same loop runs on the in-process engine's thread and in a core process; only the
+ends differ (a queue or a pipe for commands, stream delivery or a pipe for replies).
+It blocks on the command source while idle, so an idle engine costs nothing and wakes
+the moment a request arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Protocol
+
+from serve.engine.core import EngineCore
+from serve.engine.messages import AbortRequest, Command, Stop
+from serve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 5.0
+
+
+class CommandSource(Protocol):
+    def get(self, block: bool) -> Command | None:
+        """The next command; None when there is none and `block` is False."""
+
+
+class ReplySink(Protocol):
+    def put_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs (the requests that made progress)."""
+
+    def request_failed(self, request_id: str, error: ValueError) -> None:
+        """The core refused the request when it was added."""
+
+
+def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink) -> None:
+    """Run until a Stop command. Whatever `core.step()` or the ends raise propagates: the
+    caller decides how the engine dies."""
+    stats = StatsLogger(core)
+    while True:
+        # Idle: block until a command arrives. Busy: take whatever is queued.
+        block = not core.has_unfinished_requests()
+        while (command := commands.get(block)) is not None:
+            if block:
+                stats.start_window(core)  # idle time is not throughput
+            if isinstance(command, Stop):
+                return
+            _apply(core, command, replies)
+            block = False
+        if not core.has_unfinished_requests():
+            continue
+        outputs = core.step()
+        stats.record(core)
+        if outputs:
+            replies.put_step(outputs)
+
+
+def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
+    if isinstance(command, AbortRequest):
+        core.abort_request(command.request_id)
+        return
+    try:
+        core.add_request(
+            command.request_id, command.prompt_token_ids, command.params, command.prompt
+        )
+    except ValueError as e:
+        replies.request_failed(command.request_id, e)
+
+
+class StatsLogger:
+    """The periodic stats line while the engine is busy."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.start_window(core)
+
+    def start_window(self, core: EngineCore) -> None:
+        self.last_log = time.monotonic()
+        self.tokens_at_start = core.num_generated_tokens
+        self.times_at_start = replace(core.step_times)
+
+    def record(self, core: EngineCore) -> None:
+        now = time.monotonic()
+        if now - self.last_log < STATS_INTERVAL_S:
+            return
+        stats = core.stats()
+        elapsed = now - self.last_log
+        times = core.step_times.since(self.times_at_start)
+        per_step_ms = 1000 / max(times.num_steps, 1)
+        logger.info(
+            "running %d, waiting %d, swapped %d requests; KV cache %.1f%% used, prefix cache "
+            "hit rate %.1f%%; %d preemptions; generation %.1f tokens/s; forward busy %.0f%%; "
+            "per step (ms): schedule %.1f, prepare %.1f, forward %.1f, sample %.1f, output %.1f",
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_swapped,
+            100 * stats.num_blocks_used / stats.num_blocks_total,
+            100 * stats.prefix_cache_hit_rate,
+            stats.num_preemptions,
+            (core.num_generated_tokens - self.tokens_at_start) / elapsed,
+            100 * times.forward_s / elapsed,
+            times.schedule_s * per_step_ms,
+            times.prepare_s * per_step_ms,
+            times.forward_s * per_step_ms,
+            times.sample_s * per_step_ms,
+            times.output_s * per_step_ms,
+        )
+        self.start_window(core)

@@ -1,0 +1,100 @@
+"""The engine core's own process: the child side of `EngineCoreClient`.
+
+    parent (API process)                         child (this module)
+    commands ── AddRequest / AbortRequest / Stop ──▶ run_core_loop → EngineCore.step()
+    outputs  ◀── CoreReady | CoreFailed ──────────── once, after building EngineCore
+             ◀── list[RequestOutput] ─────────────── one message per step
+             ◀── RequestFailed ───────────────────── a request refused when added
+             ◀── CoreFailed ──────────────────────── the loop died (then exit 1)
+
+Both are one-way `multiprocessing` pipes of pickled plain dataclasses. The child leaves
+each output's prompt out (the parent has it) and ignores SIGINT: Ctrl-C reaches the whole
+process group, and the parent decides when the core stops (Stop, or terminate). When the
+parent dies, its pipe ends close: the child's next read or write fails and it exits.
+Nothing here imports FastAPI or the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+from serve.config import EngineConfig
+from serve.engine.core import EngineCore
+from serve.engine.core_loop import run_core_loop
+from serve.engine.messages import Command, CoreFailed, CoreReady, RequestFailed
+from serve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# What a start-up error may be, as the parent re-raises it: its most specific class here.
+STARTUP_ERROR_TYPES = (FileNotFoundError, OSError, ValueError)
+
+
+class _PipeCommands:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def get(self, block: bool) -> Command | None:
+        if block or self.conn.poll():
+            return self.conn.recv()  # EOFError once the parent is gone
+        return None
+
+
+class _PipeReplies:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def put_step(self, outputs: list[RequestOutput]) -> None:
+        self.conn.send([replace(out, prompt=None, prompt_token_ids=[]) for out in outputs])
+
+    def request_failed(self, request_id: str, error: ValueError) -> None:
+        self.conn.send(RequestFailed(request_id, str(error)))
+
+
+def run_core_process(
+    config: EngineConfig,
+    commands: Connection,
+    outputs: Connection,
+    log_level: int,
+    log_format: str | None,
+) -> None:
+    """The child's entry point (a `spawn` target). Exits 0 after Stop or when the parent
+    is gone, 1 when the engine could not start or its loop died."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, **({"format": log_format} if log_format else {}))
+
+    try:
+        core = EngineCore(config)
+    except BaseException as e:
+        kind = next((t for t in STARTUP_ERROR_TYPES if isinstance(e, t)), None)
+        if kind is None:  # not a user's mistake: show where it happened
+            logger.exception("The engine core failed to start")
+        _send_quietly(outputs, CoreFailed((kind or type(e)).__name__, str(e)))
+        sys.exit(1)
+    ready = CoreReady(
+        core.model_path,
+        core.max_model_len,
+        core.vocab_size,
+        config.model.max_logprobs,
+        frozenset(core.eos_token_ids),
+    )
+    try:
+        outputs.send(ready)
+        run_core_loop(core, _PipeCommands(commands), _PipeReplies(outputs))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent is gone: nobody to serve
+    except BaseException as e:
+        logger.exception("The engine core loop died")
+        _send_quietly(outputs, CoreFailed(type(e).__name__, repr(e)))
+        sys.exit(1)
+
+
+def _send_quietly(conn: Connection, message: object) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass  # the parent is gone

@@ -1,0 +1,68 @@
+"""The plain messages between an engine front end and the core loop.
+
+Commands go to the core (add / abort / stop); replies come back (a step's outputs, a
+refused request, and, from a core process, ready or failed). All are plain dataclasses of
+plain fields, so the same messages cross a thread's queue or a process's pipe (pickled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from serve.sampling_params import SamplingParams
+
+# -- commands: front end → core ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the loop; requests still running are dropped (the front end fails them)."""
+
+
+Command = AddRequest | AbortRequest | Stop
+
+# -- replies: core → front end ----------------------------------------------------------
+# A step's outputs travel as a bare list[RequestOutput], the one message per step.
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The core refused a request when it arrived (a ValueError): it fails alone."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """A core process has loaded the model: what the API process needs to validate and
+    answer requests without it."""
+
+    model_path: Path
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class CoreFailed:
+    """A core process could not start, or its loop died: the cause, to raise or log in
+    the API process. `error_type` is the exception's class name (ValueError, OSError, …)."""
+
+    error_type: str
+    message: str

@@ -1,0 +1,108 @@
+"""OutputStreams: each running request's outputs, handed from the core's side (a thread)
+to the asyncio side, and the engine's death certificate.
+
+Both engine front ends (the in-process `AsyncEngine`, the `EngineCoreClient` of a core
+process) keep one of these: `generate` registers a stream and sends the add command; a
+thread that receives the core's replies calls `put_step` / `put` / `fail_all`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from serve.engine.messages import AbortRequest, AddRequest, Command
+from serve.engine.protocol import EngineDeadError
+from serve.outputs import RequestOutput
+
+
+class _Stream:
+    """One request's outputs, filled from the receiving thread, drained on its event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, add: AddRequest) -> None:
+        self.loop = loop
+        self.add = add
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        _call_soon(self.loop, self.queue.put_nowait, item)
+
+
+class OutputStreams:
+    def __init__(self) -> None:
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams and dead_error between threads
+        self.dead_error: EngineDeadError | None = None  # set once, by fail_all
+
+    async def generate(
+        self, add: AddRequest, send: Callable[[Command], None]
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. Closing or cancelling the
+        iterator early sends an abort, which frees the request's blocks in the core."""
+        request_id = add.request_id
+        stream = _Stream(asyncio.get_running_loop(), add)
+        with self._lock:  # a stream registered here is failed by any later fail_all
+            if self.dead_error is not None:
+                raise EngineDeadError(str(self.dead_error))  # a fresh one: its own traceback
+            if request_id in self._streams:
+                raise ValueError(f"A request with id {request_id!r} is already running.")
+            self._streams[request_id] = stream
+        send(add)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                send(AbortRequest(request_id))
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def put_step(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs over in one wake-up per event loop, not one per request.
+        Each output gets its request's prompt from the stream: a core process leaves the
+        prompt out of its messages (it never changes, and the front end has it)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    out.prompt = stream.add.prompt
+                    out.prompt_token_ids = stream.add.prompt_token_ids
+                    by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            _call_soon(loop, _put_all, items)
+
+    def put(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(item)
+
+    def fail_all(self, error: EngineDeadError) -> None:
+        """The engine is gone: every running request and every later one fails with `error`."""
+        with self._lock:
+            self.dead_error = error
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.put(EngineDeadError(str(error)))
+
+
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream.queue.put_nowait(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> None:
+    """Schedule on `loop` from another thread; a loop already closed has nobody to tell
+    (its streams ended with it), and must not break the thread that delivers."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass

@@ -1,0 +1,61 @@
+"""EngineClient: what the API uses of an engine, and the error it raises once dead.
+
+Two engines meet it: `EngineCoreClient` (core_client.py, the default: the core in its own
+process) and `AsyncEngine` (async_engine.py, the core on a thread of this process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine has stopped; no request can be served until a restart."""
+
+
+class EngineClient(Protocol):
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model_path(self) -> Path: ...
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine has died or been shut down (`/health` reads it)."""
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine is dead; None while it runs."""
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. Closing the iterator early
+        aborts the request. Raises ValueError for a request the engine refuses, and
+        EngineDeadError (also mid-stream) when the engine is gone."""
+
+    def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
+        """ValueError unless every id is in the model's vocabulary."""
+
+    def check_params(self, params: SamplingParams) -> None:
+        """ValueError (starting with the field's name) for what SamplingParams cannot check
+        alone: token ids against the vocabulary, logprob counts against --max-logprobs."""
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """ValueError for an invalid grammar, before the request that carries it starts."""
+
+    def shutdown(self) -> None:
+        """Stop the engine; running requests fail with EngineDeadError. Idempotent."""
