@@ -13,9 +13,10 @@ import torch
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.beam_search import BeamSearch
+from serve.engine.cpu_malloc import keep_freed_memory
 from serve.engine.detokenizer import Detokenizer, find_stop_string
 from serve.engine.logprobs import token_logprobs
-from serve.engine.model_runner import ModelOutput, ModelRunner
+from serve.engine.model_runner import ModelInputs, ModelOutput, ModelRunner
 from serve.engine.sampler import Sampler
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
@@ -32,14 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.05  # an idle engine's longest wait on a compiling grammar
-
-
-@dataclass
-class _InFlight:
-    """A launched step: its schedule and its forward pass (done, or on the worker)."""
-
-    sched: SchedulerOutput
-    future: concurrent.futures.Future[ModelOutput]
 
 
 @dataclass
@@ -113,6 +106,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.model_path = resolve_model_path(config.model.model, config.model.load_format)
         hf_config = load_hf_config(self.model_path)
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
@@ -164,9 +159,9 @@ class EngineCore:
         self.step_times = StepTimes()
         self._sample_s = 0.0  # the current step's sampling time
         self.async_scheduling = config.scheduler.async_scheduling
-        self._in_flight: _InFlight | None = None  # the step whose forward is running
-        self._forward_thread = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="forward"
+        self._unemitted: _Sampled | None = None  # sampled; text decoded during the next step
+        self._output_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine-output"
         )
         logger.info(
             "Model %s (%s) on %s in %s; KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), "
@@ -254,7 +249,7 @@ class EngineCore:
         return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self._in_flight is not None
+        return bool(self._groups) or self._unemitted is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -285,54 +280,53 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that made progress (cumulative outputs).
 
-        With async scheduling (the default) the forward pass runs on a worker thread and
-        the steps overlap: this call samples the step in flight, schedules the next one
-        and starts its forward, and then, while that runs, detokenizes the tokens just
-        sampled and builds their outputs. Without it, each call runs one step start to
-        end. The tokens are the same either way."""
-        if self.async_scheduling:
-            sampled = self._collect()
-            ended = self._launch()
+        With async scheduling (the default), the text of the previous step's tokens is
+        decoded on a helper thread while this step's forward pass runs here: detokenizing,
+        stop strings and building outputs overlap the forward, and a step's outputs come
+        out with the next step. Without it, each call runs one step start to end. The
+        tokens are the same either way. The forward stays on the calling thread: on CPU,
+        glibc reuses freed activations only in the main thread's heap (a worker thread's
+        arena maps large tensors afresh each step, ~20% slower prefill)."""
+        ended, sched, inputs = self._schedule()
+        previous, self._unemitted = self._unemitted, None
+        if sched is None:
+            return ended + self._emit(previous)
+        if previous is not None:  # only with async scheduling
+            emitting = self._output_thread.submit(self._emit, previous)
+            model_out = self.model_runner.run(sched, inputs)
+            ended += emitting.result()
         else:
-            ended = self._launch()
-            sampled = self._collect()
+            model_out = self.model_runner.run(sched, inputs)
+        sampled = self._collect(sched, model_out)
+        if self.async_scheduling:
+            self._unemitted = sampled
+            return ended
         return ended + self._emit(sampled)
 
-    def _launch(self) -> list[RequestOutput]:
-        """Schedule the next step and start its forward pass. Returns the requests that
-        ended without running (grammar failed, cannot fit)."""
+    def _schedule(self) -> tuple[list[RequestOutput], SchedulerOutput | None, ModelInputs | None]:
+        """The next step and its input tensors (None: nothing to run), and the requests
+        that ended without running (grammar failed, cannot fit)."""
         start = time.perf_counter()
         ended = self._admit_compiled()
         sched = self.scheduler.schedule()
         ended += [self._end_cannot_fit(group) for group in sched.cannot_fit]
         self.step_times.schedule_s += time.perf_counter() - start
         if sched.is_empty and not sched.has_block_moves:
-            if self._awaiting_grammar and not ended and self._in_flight is None:
+            if self._awaiting_grammar and not ended and self._unemitted is None:
                 # Nothing to run but grammars compiling: wait for one, not a busy spin.
                 futures = [future for _, future in self._awaiting_grammar.values()]
                 concurrent.futures.wait(
                     futures, timeout=GRAMMAR_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
                 )
-            return ended
-        inputs = self.model_runner.prepare(sched)
-        if self.async_scheduling:
-            future = self._forward_thread.submit(self.model_runner.run, sched, inputs)
-        else:
-            future = concurrent.futures.Future()
-            future.set_result(self.model_runner.run(sched, inputs))
-        self._in_flight = _InFlight(sched, future)
-        return ended
+            return ended, None, None
+        return ended, sched, self.model_runner.prepare(sched)
 
-    def _collect(self) -> _Sampled | None:
-        """Wait for the step in flight, then sample: its tokens are appended and the stops
-        that need no text (EOS, stop ids, lengths, grammars) applied, so the next step is
-        scheduled knowing them."""
-        if self._in_flight is None:
-            return None
-        in_flight, self._in_flight = self._in_flight, None
-        model_out = in_flight.future.result()
+    def _collect(self, sched: SchedulerOutput, model_out: ModelOutput) -> _Sampled:
+        """Sample a step that has run: its tokens are appended and the stops that need no
+        text (EOS, stop ids, lengths, grammars) applied, so the next step is scheduled
+        knowing them."""
         start = time.perf_counter()
-        self.scheduler.update(in_flight.sched)
+        self.scheduler.update(sched)
         self._record_prompt_logprobs(model_out)
         sampled = self._sample(model_out.logits, model_out.sampled_seqs)
         times = self.step_times
@@ -442,6 +436,8 @@ class EngineCore:
             return []
         start = time.perf_counter()
         for seq in sampled.seqs:
+            if seq.request_id not in self._groups:
+                continue  # aborted since it was sampled
             num_new_chars = len(self.detokenizer.update(seq))
             if self._check_stop_string(seq, num_new_chars):
                 if not seq.is_finished:

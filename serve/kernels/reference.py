@@ -58,8 +58,10 @@ def swap_blocks(
     dst_cache.index_copy_(0, dst_ids, staged.to(dst_cache.dtype))
 
 
-# Queries per tile in prefill, bounding the [heads, tile, context] score matrix.
-_QUERY_TILE = 1024
+# Bytes of one prefill tile's [heads, tile, context] score matrix: a tile holds as many
+# queries as fit, so a long context's temporaries stay under glibc's mmap threshold and
+# are reused from the heap step after step (serve/engine/cpu_malloc.py).
+_SCORES_BYTES = 16 << 20
 # Decodes run in groups of this many, sorted by length, so padding to the group's longest
 # context wastes little while the whole group is one batched matmul.
 _DECODE_GROUP = 16
@@ -104,8 +106,9 @@ def paged_attention(
         table = meta.block_tables[b, : -(-seq_len // block_size)]
         k = _gather(k_cache, table)[:, :seq_len].to(query.dtype)  # [kv_heads, seq_len, D]
         v = _gather(v_cache, table)[:, :seq_len].to(query.dtype)
-        for tile in range(0, q_len, _QUERY_TILE):
-            tile_len = min(_QUERY_TILE, q_len - tile)
+        query_tile = max(1, _SCORES_BYTES // (query.shape[1] * seq_len * query.element_size()))
+        for tile in range(0, q_len, query_tile):
+            tile_len = min(query_tile, q_len - tile)
             context = seq_len - q_len + tile + tile_len  # keys visible to the tile's last query
             rows = slice(start + tile, start + tile + tile_len)
             out[rows] = _attend_causal(query[rows], k[:, :context], v[:, :context], scale)

@@ -1,5 +1,5 @@
-"""Async scheduling overlaps each forward pass with the work around it, and changes no
-token: the same outputs as one step at a time, whatever ends the requests."""
+"""Async scheduling decodes each step's text while the next forward pass runs, and
+changes no token: the same outputs as one step at a time, whatever ends the requests."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_same_outputs_as_serial_steps(tiny_model_factory, arch):
     assert any(r[0][2] == "stop" for r in serial)  # the stop strings did end some
 
 
-def test_abort_while_a_step_is_in_flight(tiny_llama):
+def test_abort_between_sampling_and_decoding(tiny_llama):
     llm = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", swap_space=0.001)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -54,7 +54,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama):
         engine.add_request(f"r{i}", prompt, params)
     engine.step()
     engine.step()
-    assert engine._in_flight is not None  # the next step's forward is running
+    assert engine._unemitted is not None  # sampled; its text is decoded next step
     engine.abort_request("r1")
     finished = {}
     while engine.has_unfinished_requests():

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from serve.kernels import reference
 from serve.kernels.metadata import AttentionMetadata
 from serve.kernels.reference import (
     paged_attention,
@@ -178,9 +179,13 @@ def test_paged_attention_matches_dense_causal_attention(case, heads, block_size,
         assert err < ATOL, f"seq {b} (seq_len {seq_lens[b]}, query_len {query_lens[b]}): {err}"
 
 
+@pytest.mark.parametrize("scores_bytes", [None, 200_000], ids=["default-tiles", "tiny-tiles"])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
-def test_paged_attention_long_prefill_and_extend(heads):
-    """Query chunks longer than 1024 tokens, a size past which an implementation may tile."""
+def test_paged_attention_long_prefill_and_extend(heads, scores_bytes, monkeypatch):
+    """Query chunks over 1000 tokens: the reference computes their scores in tiles of
+    queries (bounded in bytes), and the tiles' causal masks must line up."""
+    if scores_bytes is not None:
+        monkeypatch.setattr(reference, "_SCORES_BYTES", scores_bytes)
     num_heads, num_kv_heads = heads
     head_dim, block_size = 16, 16
     gen = torch.Generator().manual_seed(num_heads)

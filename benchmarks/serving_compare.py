@@ -1,0 +1,191 @@
+"""Before and after, in one run: the same server started in two configurations, each
+measured on two loads.
+
+    python benchmarks/serving_compare.py
+
+Configurations (extra `serve` flags, `--before` / `--after` to change them):
+  before  API and engine core in one process (the core on a thread sharing the GIL with
+          the event loop), one step at a time (`--no-async-scheduling`), prompts
+          prefilled whole (`--no-enable-chunked-prefill`);
+  after   the defaults: the core in its own process, each step's text decoded while
+          the next forward runs, chunked prefill.
+
+Loads:
+  throughput   the seeded synthetic workload (serving.py's), all requests at once: output
+               tokens/s, and the forward's busy fraction from the server's stats lines;
+  long-prompt  `--decoders` requests decoding while `--long-prompts` long prompts arrive
+               one by one: the decoders' inter-token latency (p50/p99), which a whole-prompt
+               prefill stalls and a chunked one does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import serving
+import workload
+from workload import Request, WorkloadSpec
+
+BEFORE = "--disable-frontend-multiprocessing --no-enable-chunked-prefill --no-async-scheduling"
+AFTER = ""
+BUSY_LINE = re.compile(r"forward busy (\d+)%")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: serve's default model")
+    p.add_argument("--before", default=BEFORE, help="serve flags of the 'before' server")
+    p.add_argument("--after", default=AFTER, help="serve flags of the 'after' server")
+    p.add_argument(
+        "--common",
+        default="--max-model-len 2048",
+        help="serve flags of both",
+    )
+    workload.add_workload_args(p)
+    p.set_defaults(num_requests=32, max_output=128)
+    p.add_argument("--decoders", type=int, default=16)
+    p.add_argument("--decode-tokens", type=int, default=96)
+    p.add_argument("--long-prompts", type=int, default=3)
+    p.add_argument("--long-prompt-tokens", type=int, default=1800)
+    p.add_argument("--long-prompt-every-s", type=float, default=4.0)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(
+    flags: str, args: argparse.Namespace, name: str
+) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "serve.api.cli", "--port", str(port)]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += shlex.split(args.common) + shlex.split(flags)
+    log_path = args.log_dir / f"serve-compare-{name}-{port}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            sys.exit(f"{name} server exited:\n{log_path.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url, log_path
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    process.kill()
+    sys.exit(f"{name} server did not start:\n{log_path.read_text()}")
+
+
+def busy_fraction(log_text: str) -> float | None:
+    """The mean of the stats lines' forward busy fractions (logged every 5 s under load)."""
+    values = [int(v) / 100 for v in BUSY_LINE.findall(log_text)]
+    return sum(values) / len(values) if values else None
+
+
+async def throughput_load(url: str, requests: list[Request], args) -> dict:
+    limits = httpx.Limits(max_connections=len(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        model, _ = await serving.get_model(client, None)
+        await serving.send(client, model, Request(requests[0].prompt_token_ids[:8], 2), 0.0)
+        replay_args = argparse.Namespace(
+            seed=args.seed, max_concurrency=None, request_rate=float("inf"), temperature=0.0
+        )
+        results, duration = await serving.replay(client, model, requests, replay_args)
+    return serving.summarize(results, duration)
+
+
+async def long_prompt_load(url: str, token_ids: range, args) -> dict:
+    """The decoders start together; the long prompts arrive while they decode."""
+    spec = WorkloadSpec(args.decoders, 32, 64, args.decode_tokens, args.decode_tokens, args.seed)
+    decoders = workload.make_requests(spec, token_ids)
+    long_spec = WorkloadSpec(
+        args.long_prompts, args.long_prompt_tokens, args.long_prompt_tokens, 4, 4, args.seed + 7
+    )
+    long_prompts = workload.make_requests(long_spec, token_ids)
+    limits = httpx.Limits(max_connections=args.decoders + args.long_prompts)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        model, _ = await serving.get_model(client, None)
+        decoding = [asyncio.create_task(serving.send(client, model, r, 0.0)) for r in decoders]
+        long_tasks = []
+        for r in long_prompts:
+            await asyncio.sleep(args.long_prompt_every_s)
+            long_tasks.append(asyncio.create_task(serving.send(client, model, r, 0.0)))
+        results = await asyncio.gather(*decoding)
+        long_results = await asyncio.gather(*long_tasks)
+    ok = [r for r in results if r.is_success]
+    return {
+        "decoders_ok": len(ok),
+        "long_prompts_ok": sum(r.is_success for r in long_results),
+        "itl_ms": serving.latency_stats([gap for r in ok for gap in r.itl_s]),
+        "long_prompt_ttft_ms": serving.latency_stats(
+            [r.ttft_s for r in long_results if r.is_success]
+        ),
+    }
+
+
+def measure(name: str, flags: str, args, requests, token_ids) -> dict:
+    process, url, log_path = start_server(flags, args, name)
+    try:
+        start = len(log_path.read_text())
+        throughput = asyncio.run(throughput_load(url, requests, args))
+        busy = busy_fraction(log_path.read_text()[start:])
+        long_prompt = asyncio.run(long_prompt_load(url, token_ids, args))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    result = {"flags": flags, "throughput": throughput, "busy": busy, "long_prompt": long_prompt}
+    itl = long_prompt["itl_ms"]
+    print(
+        f"{name:<7} output {throughput['output_tokens_per_s']:6.1f} tok/s "
+        f"({throughput['num_successful']}/{len(requests)} ok), forward busy "
+        f"{'-' if busy is None else f'{busy:.0%}'}; with long prompts arriving: ITL p50 "
+        f"{itl['p50']:.0f} ms, p99 {itl['p99']:.0f} ms",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    token_ids = range(17, 49152)  # SmolLM2's ids past its 17 special tokens
+    requests = workload.make_requests(WorkloadSpec.from_args(args), token_ids)
+    before = measure("before", args.before, args, requests, token_ids)
+    after = measure("after", args.after, args, requests, token_ids)
+    speedup = (
+        after["throughput"]["output_tokens_per_s"] / before["throughput"]["output_tokens_per_s"]
+    )
+    itl_ratio = after["long_prompt"]["itl_ms"]["p99"] / before["long_prompt"]["itl_ms"]["p99"]
+    print(
+        f"after / before output tok/s: {speedup:.2f}x; p99 ITL under long prompts: {itl_ratio:.2f}x"
+    )
+    if args.json:
+        payload = {"args": vars(args), "before": before, "after": after}
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
