@@ -12,15 +12,14 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
-from serve.engine.messages import AddRequest, Command, Stop
-from serve.engine.output_streams import OutputStreams
+from serve.engine.messages import Command, Stop
+from serve.engine.output_streams import EngineFrontEnd, OutputStreams
 from serve.engine.protocol import EngineDeadError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -31,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class _QueueCommands:
-    def __init__(self, commands: queue.SimpleQueue[Command]) -> None:
+    def __init__(self, commands: queue.SimpleQueue[Command | None]) -> None:
         self.commands = commands
 
     def get(self, block: bool) -> Command | None:
@@ -52,11 +51,10 @@ class _StreamReplies:
         self.streams.put(request_id, error)
 
 
-class AsyncEngine:
+class AsyncEngine(EngineFrontEnd):
     def __init__(self, core: EngineCore) -> None:
+        super().__init__()
         self.core = core
-        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self._streams = OutputStreams()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -67,10 +65,6 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None and self._thread.is_alive()
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self._streams.dead_error
 
     @property
     def tokenizer(self) -> Any:
@@ -95,18 +89,6 @@ class AsyncEngine:
         invalid one is refused (ValueError) before the request starts. The engine then
         finds it in its cache."""
         await asyncio.wrap_future(self.core.structured_output.submit(spec))
-
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes. Closing or cancelling the
-        iterator early aborts the request in the engine and frees its blocks."""
-        add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
-        return self._streams.generate(add, self._commands.put)
 
     def shutdown(self) -> None:
         self._commands.put(Stop())

@@ -20,10 +20,8 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
-import queue
 import signal
 import threading
-from collections.abc import AsyncIterator
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,16 +31,14 @@ from serve.engine.core import check_params, check_token_ids
 from serve.engine.core_process import run_core_process
 from serve.engine.messages import (
     AddRequest,
-    Command,
     CoreFailed,
     CoreReady,
     RequestFailed,
     Stop,
 )
-from serve.engine.output_streams import OutputStreams
+from serve.engine.output_streams import EngineFrontEnd
 from serve.engine.protocol import EngineDeadError
 from serve.engine.tokenizer import load_tokenizer
-from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -62,10 +58,9 @@ _STARTUP_ERRORS: dict[str, type[Exception]] = {
 }
 
 
-class EngineCoreClient:
+class EngineCoreClient(EngineFrontEnd):
     def __init__(self, config: EngineConfig) -> None:
-        self._streams = OutputStreams()
-        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        super().__init__()
         self._threads: list[threading.Thread] = []  # the receiver and the sender, once ready
         self._core_error: str | None = None  # the cause a dying core sent, if it could
         self._is_stopping = False
@@ -109,22 +104,6 @@ class EngineCoreClient:
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self._streams.dead_error
-
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes. Closing or cancelling the
-        iterator early aborts the request in the core and frees its blocks."""
-        add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
-        return self._streams.generate(add, self._commands.put)
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         check_token_ids(token_ids, self.vocab_size, what)

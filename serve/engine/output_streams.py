@@ -2,19 +2,21 @@
 to the asyncio side, and the engine's death certificate.
 
 Both engine front ends (the in-process `AsyncEngine`, the `EngineCoreClient` of a core
-process) keep one of these: `generate` registers a stream and sends the add command; a
-thread that receives the core's replies calls `put_step` / `put` / `fail_all`.
+process) are `EngineFrontEnd`s: `generate` registers a stream and queues the add command;
+a thread that receives the core's replies calls `put_step` / `put` / `fail_all`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
 from serve.engine.messages import AbortRequest, AddRequest, Command
 from serve.engine.protocol import EngineDeadError
 from serve.outputs import RequestOutput
+from serve.sampling_params import SamplingParams
 
 
 class _Stream:
@@ -106,3 +108,28 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args) -> No
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
         pass
+
+
+class EngineFrontEnd:
+    """What both front ends share: requests go to the core as commands on a queue, and
+    their outputs come back through OutputStreams."""
+
+    def __init__(self) -> None:
+        self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
+        self._streams = OutputStreams()
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._streams.dead_error
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request until it finishes. Closing or cancelling the
+        iterator early aborts the request in the core and frees its blocks."""
+        add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
+        return self._streams.generate(add, self._commands.put)
