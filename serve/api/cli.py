@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity",
     )
     server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C, seconds to let running requests finish (new ones get "
+        "503) before the rest end with an error",
+    )
+    server.add_argument(
         "--disable-frontend-multiprocessing",
         action="store_true",
         help="run the engine core on a thread of the API process, not in its own process",
@@ -167,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # SIGTERM is a normal way to stop a server: exit 0 once stopped. uvicorn takes the
-    # signal while it serves, shuts down (the engine with it), then raises it again here.
+    # signal while it serves, drains and shuts down (the engine with it), then raises it
+    # again here.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         try:
@@ -178,10 +186,16 @@ def main(argv: list[str] | None = None) -> None:
 
         import uvicorn
 
+        from serve.api.shutdown import GracefulServer
+
         logger.info(
             "Serving %s at http://%s:%d/v1", settings.served_model_name, args.host, args.port
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", access_log=False
+        )
+        engine, draining = app.state.engine, app.state.draining
+        GracefulServer(config, engine, draining, args.shutdown_timeout).run()
     except KeyboardInterrupt:
         sys.exit(130)  # Ctrl-C: stopped as asked, no traceback
 

@@ -28,6 +28,7 @@ from serve.api.protocol import (
 from serve.api.serving_base import ServerSettings, check_model, check_structured_output
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
+from serve.api.shutdown import Draining, DrainingGate
 from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
@@ -95,7 +96,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         message = f"Internal server error (request {request_id}); the server log has details."
         return JSONResponse(error_body(500, message), status_code=500)
 
-    app.add_middleware(AuthAndAccessLog, api_key=settings.api_key)
+    app.state.draining = Draining()
+    app.add_middleware(DrainingGate, draining=app.state.draining)
+    app.add_middleware(AuthAndAccessLog, api_key=settings.api_key)  # outermost: logs all
 
     def _log_unknown(body: OpenAIModel) -> None:
         if body.unknown_fields:
