@@ -154,6 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity",
     )
     server.add_argument(
+        "--max-num-queued-requests",
+        type=_non_negative_int,
+        default=1024,
+        help="generation requests that may wait beyond --max-num-seqs; past them new ones "
+        "get 503 with Retry-After",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=16 * 1024 * 1024,
+        help="larger request bodies get 413",
+    )
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -166,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine core on a thread of the API process, not in its own process",
     )
     return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", access_log=False
         )
-        engine, draining = app.state.engine, app.state.draining
-        GracefulServer(config, engine, draining, args.shutdown_timeout).run()
+        engine, admission = app.state.engine, app.state.admission
+        GracefulServer(config, engine, admission, args.shutdown_timeout).run()
     except KeyboardInterrupt:
         sys.exit(130)  # Ctrl-C: stopped as asked, no traceback
 
@@ -246,7 +273,13 @@ def _load(args: argparse.Namespace):
     model_path = str(engine.model_path)
     name = args.served_model_name or (args.model or Path(model_path).name)
     settings = ServerSettings(
-        name, model_path, args.api_key, chat_template, tool_call_parser=args.tool_call_parser
+        name,
+        model_path,
+        args.api_key,
+        chat_template,
+        tool_call_parser=args.tool_call_parser,
+        max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,
+        max_body_bytes=args.max_request_body_bytes,
     )
     return build_app(engine, settings), settings
 

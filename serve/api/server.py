@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import serve
+from serve.api.admission import Admission, AdmissionGate
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response
 from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog
@@ -28,7 +29,6 @@ from serve.api.protocol import (
 from serve.api.serving_base import ServerSettings, check_model, check_structured_output
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
-from serve.api.shutdown import Draining, DrainingGate
 from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
@@ -96,8 +96,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         message = f"Internal server error (request {request_id}); the server log has details."
         return JSONResponse(error_body(500, message), status_code=500)
 
-    app.state.draining = Draining()
-    app.add_middleware(DrainingGate, draining=app.state.draining)
+    app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
+    app.add_middleware(AdmissionGate, admission=app.state.admission)
     app.add_middleware(AuthAndAccessLog, api_key=settings.api_key)  # outermost: logs all
 
     def _log_unknown(body: OpenAIModel) -> None:
@@ -122,7 +122,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             "object": "model",
             "created": now(),
             "owned_by": "serve",
-            "root": settings.model_path,
+            "root": settings.served_model_name,  # never the path on this machine
             "max_model_len": engine.max_model_len,
         }
         return {"object": "list", "data": [card]}

@@ -23,6 +23,8 @@ class ServerSettings:
     api_key: str | None = None
     chat_template: str | None = None
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
+    max_generating_requests: int | None = None  # in flight, running or queued; None: no cap
+    max_body_bytes: int | None = None
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:

@@ -31,10 +31,10 @@ def _stream(server, max_tokens: int, events: list[str], started: threading.Event
     }
     url = f"{server.v1}/completions"
     with httpx.stream("POST", url, json=body, timeout=120) as response:
+        started.set()  # headers: admitted (a random model's text may come late)
         for line in response.iter_lines():
             if line.startswith("data: "):
                 events.append(line.removeprefix("data: "))
-                started.set()
 
 
 def _start_streams(server, count: int, max_tokens: int) -> list[tuple[threading.Thread, list]]:
@@ -57,9 +57,10 @@ def _exits_cleanly(server) -> None:
 
 
 def test_sigterm_lets_running_requests_finish(long_context_model, tmp_path):
-    server = start_server(long_context_model, ("--max-model-len", "4096"), {}, tmp_path)
+    args = ("--max-model-len", "4096", "--shutdown-timeout", "120")  # a loaded CI machine
+    server = start_server(long_context_model, args, {}, tmp_path)
     try:
-        streams = _start_streams(server, 4, max_tokens=1500)
+        streams = _start_streams(server, 4, max_tokens=500)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         refused = httpx.post(
@@ -69,7 +70,7 @@ def test_sigterm_lets_running_requests_finish(long_context_model, tmp_path):
         )
         health = httpx.get(f"{server.url}/health", timeout=10)
         for thread, _ in streams:
-            thread.join(120)
+            thread.join(180)
         _exits_cleanly(server)
     finally:
         stop_process(server.process)
@@ -80,7 +81,7 @@ def test_sigterm_lets_running_requests_finish(long_context_model, tmp_path):
     for _, events in streams:
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
-        assert usage["completion_tokens"] == 1500  # every stream ran to its end
+        assert usage["completion_tokens"] == 500  # every stream ran to its end
 
 
 def test_requests_past_the_shutdown_timeout_end_with_an_error(long_context_model, tmp_path):
