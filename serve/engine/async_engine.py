@@ -50,6 +50,9 @@ class _StreamReplies:
     def request_failed(self, request_id: str, error: ValueError) -> None:
         self.streams.put(request_id, error)
 
+    def request_aborted(self, request_id: str) -> None:
+        pass  # its stream is already closed
+
 
 class AsyncEngine(EngineFrontEnd):
     def __init__(self, core: EngineCore) -> None:

@@ -34,6 +34,9 @@ class ReplySink(Protocol):
     def request_failed(self, request_id: str, error: ValueError) -> None:
         """The core refused the request when it was added."""
 
+    def request_aborted(self, request_id: str) -> None:
+        """The front end aborted the request: no more outputs of it will be sent."""
+
 
 def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink) -> None:
     """Run until a Stop command. Whatever `core.step()` or the ends raise propagates: the
@@ -60,6 +63,7 @@ def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink)
 def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
     if isinstance(command, AbortRequest):
         core.abort_request(command.request_id)
+        replies.request_aborted(command.request_id)
         return
     try:
         core.add_request(

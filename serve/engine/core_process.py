@@ -3,12 +3,13 @@
     parent (API process)                         child (this module)
     commands ── AddRequest / AbortRequest / Stop ──▶ run_core_loop → EngineCore.step()
     outputs  ◀── CoreReady | CoreFailed ──────────── once, after building EngineCore
-             ◀── list[RequestOutput] ─────────────── one message per step
+             ◀── list[OutputDelta] ───────────────── one message per step
              ◀── RequestFailed ───────────────────── a request refused when added
              ◀── CoreFailed ──────────────────────── the loop died (then exit 1)
 
-Both are one-way `multiprocessing` pipes of pickled plain dataclasses. The child leaves
-each output's prompt out (the parent has it) and ignores SIGINT: Ctrl-C reaches the whole
+Both are one-way `multiprocessing` pipes of pickled plain dataclasses. The child sends
+what changed in each output since its last message (output_deltas.py; the parent has the
+prompt) and ignores SIGINT: Ctrl-C reaches the whole
 process group, and the parent decides when the core stops (Stop, or terminate). When the
 parent dies, its pipe ends close: the child's next read or write fails and it exits.
 Nothing here imports FastAPI or the API.
@@ -19,13 +20,13 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreFailed, CoreReady, RequestFailed
+from serve.engine.output_deltas import DeltaEncoder
 from serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -47,12 +48,16 @@ class _PipeCommands:
 class _PipeReplies:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.deltas = DeltaEncoder()
 
     def put_step(self, outputs: list[RequestOutput]) -> None:
-        self.conn.send([replace(out, prompt=None, prompt_token_ids=[]) for out in outputs])
+        self.conn.send([self.deltas.encode(out) for out in outputs])
 
     def request_failed(self, request_id: str, error: ValueError) -> None:
         self.conn.send(RequestFailed(request_id, str(error)))
+
+    def request_aborted(self, request_id: str) -> None:
+        self.deltas.forget(request_id)
 
 
 def run_core_process(

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from serve.engine.messages import AbortRequest, AddRequest, Command
+from serve.engine.output_deltas import OutputDelta, apply_delta
 from serve.engine.protocol import EngineDeadError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class _Stream:
         self.loop = loop
         self.add = add
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.last: RequestOutput | None = None  # the newest output, for deltas to apply to
 
     def put(self, item: RequestOutput | BaseException) -> None:
         _call_soon(self.loop, self.queue.put_nowait, item)
@@ -66,18 +68,22 @@ class OutputStreams:
             with self._lock:
                 self._streams.pop(request_id, None)
 
-    def put_step(self, outputs: list[RequestOutput]) -> None:
+    def put_step(self, outputs: list[RequestOutput] | list[OutputDelta]) -> None:
         """Hand a step's outputs over in one wake-up per event loop, not one per request.
-        Each output gets its request's prompt from the stream: a core process leaves the
-        prompt out of its messages (it never changes, and the front end has it)."""
+        A core process sends deltas (output_deltas.py): each is applied to its stream's
+        last output, with the prompt the stream holds."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         with self._lock:
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    out.prompt = stream.add.prompt
-                    out.prompt_token_ids = stream.add.prompt_token_ids
-                    by_loop.setdefault(stream.loop, []).append((stream, out))
+            for item in outputs:
+                stream = self._streams.get(item.request_id)
+                if stream is None:
+                    continue
+                out = item
+                if isinstance(item, OutputDelta):
+                    add = stream.add
+                    out = apply_delta(stream.last, item, add.prompt, add.prompt_token_ids)
+                stream.last = out
+                by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
