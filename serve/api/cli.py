@@ -222,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
             app, host=args.host, port=args.port, log_level="warning", access_log=False
         )
         engine, admission = app.state.engine, app.state.admission
-        GracefulServer(config, engine, admission, args.shutdown_timeout).run()
+        server = GracefulServer(config, engine, admission, args.shutdown_timeout)
+        server.run()
+        if server.engine_died:
+            sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)  # Ctrl-C: stopped as asked, no traceback
 

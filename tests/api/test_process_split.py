@@ -1,7 +1,7 @@
 """The server with its engine core in a child process: killed, stopped, and under load.
 
 A killed core turns /health to 503 and ends pending requests with an error within 2 s
-(streamed or not); SIGTERM stops the server with exit 0 and no child left behind; 64
+(streamed or not), and then the server exits 1; SIGTERM stops the server with exit 0 and no child left behind; 64
 concurrent streams through the split equal their non-streamed answers.
 `--disable-frontend-multiprocessing` keeps the core on a thread of the API process.
 """
@@ -120,6 +120,8 @@ def test_a_killed_core_fails_pending_requests_and_health(long_context_model, tmp
         assert response.json()["error"]["type"] == "service_unavailable_error"
         assert streamed_s < DEATH_NOTICE_S and answered - killed < DEATH_NOTICE_S
         assert httpx.get(f"{server.url}/health").status_code == 503
+        # Then it exits non-zero, for a supervisor (Docker, Kubernetes) to restart it.
+        assert server.process.wait(timeout=30) == 1
         assert server.log().count("The engine core process died: killed by SIGKILL") == 1
     finally:
         stop_process(server.process)
