@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="overlap each step's forward pass (on a worker thread) with sampling, "
-        "detokenizing and scheduling around it",
+        help="decode the previous step's text, apply its stop strings and send its outputs "
+        "on a helper thread while this step's forward pass runs",
     )
     cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 

@@ -223,7 +223,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, inputs: ModelInputs | None) -> ModelOutput:
         """The KV block moves, then the forward pass and the logits. Reads only `inputs`
-        and the KV cache, so it may run on a worker thread while the engine goes on."""
+        and the KV cache, so the engine's helper thread may finish the previous step's
+        outputs meanwhile."""
         start = time.perf_counter()
         self._move_blocks(sched)
         if inputs is None:
