@@ -6,6 +6,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ class _Sampled:
 
     seqs: list[Sequence]  # the sampled sequences (beams are decoded at the end)
     groups: list[SequenceGroup]  # the requests the step moved
+    sample_s: float  # time in the sampler
 
 
 def resolve_device(device: str) -> torch.device:
@@ -78,8 +80,12 @@ def fit_max_model_len(requested: int | None, model_limit: int, cache_tokens: int
     return model_limit
 
 
+def _out_of_vocab(token_ids: Iterable[int], vocab_size: int) -> list[int]:
+    return [t for t in token_ids if not 0 <= t < vocab_size]
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, what: str = "Token ids") -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    bad = _out_of_vocab(token_ids, vocab_size)
     if bad:
         raise ValueError(f"{what} must be in [0, {vocab_size}); got {bad[:5]}.")
 
@@ -89,8 +95,7 @@ def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> 
     counts against --max-logprobs. Each message starts with the field's name. The engine
     checks every request; an API process runs the same checks before sending one."""
     for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
-        ids = getattr(params, name) or []
-        bad = [t for t in ids if not 0 <= t < vocab_size]
+        bad = _out_of_vocab(getattr(params, name) or [], vocab_size)
         if bad:
             raise ValueError(f"{name} must name token ids in [0, {vocab_size}); got {bad[:5]}.")
     for name in ("logprobs", "prompt_logprobs"):
@@ -100,6 +105,25 @@ def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> 
                 f"{name} asks for {value} alternatives; this server returns at most "
                 f"{max_logprobs} (--max-logprobs)."
             )
+
+
+class LazyStructuredOutput:
+    """The StructuredOutputManager, built on first use: importing xgrammar and indexing the
+    vocabulary take seconds that servers without grammars should not pay at start-up.
+    Thread-safe: the engine loop and the API's thread may both be first."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._args = (tokenizer, vocab_size, eos_token_ids)
+        self._lock = threading.Lock()
+        self.built: StructuredOutputManager | None = None  # None until first use
+
+    def get(self) -> StructuredOutputManager:
+        with self._lock:
+            if self.built is None:
+                from serve.engine.structured_output import StructuredOutputManager
+
+                self.built = StructuredOutputManager(*self._args)
+        return self.built
 
 
 class EngineCore:
@@ -147,8 +171,7 @@ class EngineCore:
         )
         self.sampler = Sampler(config.model.seed, self.eos_token_ids)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self._structured_output: StructuredOutputManager | None = None
-        self._structured_output_lock = threading.Lock()  # the API thread may build it too
+        self._grammars = LazyStructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, SequenceGroup] = {}
         # Requests whose grammar is still compiling, in arrival order: they join the
         # scheduler when it is ready, so a slow compile never holds up the loop.
@@ -157,7 +180,6 @@ class EngineCore:
         self._next_seq_id = 0
         self.num_generated_tokens = 0  # sampled tokens, beams included, since start
         self.step_times = StepTimes()
-        self._sample_s = 0.0  # the current step's sampling time
         self.async_scheduling = config.scheduler.async_scheduling
         self._unemitted: _Sampled | None = None  # sampled; text decoded during the next step
         self._output_thread = concurrent.futures.ThreadPoolExecutor(
@@ -227,16 +249,7 @@ class EngineCore:
 
     @property
     def structured_output(self) -> StructuredOutputManager:
-        """Built on first use: importing xgrammar and indexing the vocabulary take seconds
-        that requests without a grammar should not pay at start-up."""
-        with self._structured_output_lock:
-            if self._structured_output is None:
-                from serve.engine.structured_output import StructuredOutputManager
-
-                self._structured_output = StructuredOutputManager(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-        return self._structured_output
+        return self._grammars.get()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         group = self._groups.get(request_id)
@@ -333,8 +346,8 @@ class EngineCore:
         times.num_steps += 1
         times.prepare_s += model_out.prepare_s
         times.forward_s += model_out.forward_s
-        times.sample_s += self._sample_s
-        times.output_s += time.perf_counter() - start - self._sample_s
+        times.sample_s += sampled.sample_s
+        times.output_s += time.perf_counter() - start - sampled.sample_s
         return sampled
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -406,7 +419,7 @@ class EngineCore:
             seqs += siblings
 
         touched: dict[str, SequenceGroup] = {}
-        self._sample_s = 0.0
+        sample_s = 0.0
         self.num_generated_tokens += len(seqs) + sum(len(r) for r in beam_rows.values())
         if seqs:
             sample_start = time.perf_counter()
@@ -414,7 +427,7 @@ class EngineCore:
             sampled = self.sampler(
                 logits.index_select(0, row_index), seqs, self._grammar_mask(seqs)
             )
-            self._sample_s = time.perf_counter() - sample_start
+            sample_s = time.perf_counter() - sample_start
             for i, seq in enumerate(seqs):
                 token = sampled.token_ids[i]
                 seq.append_token(token, sampled.logprobs[i], sampled.top_logprobs[i])
@@ -427,7 +440,7 @@ class EngineCore:
             group = self._groups[request_id]
             self._beam_step(group, logits[group_rows])
             touched[request_id] = group
-        return _Sampled(seqs, list(touched.values()))
+        return _Sampled(seqs, list(touched.values()), sample_s)
 
     def _emit(self, sampled: _Sampled | None) -> list[RequestOutput]:
         """Detokenize a sampled step's new tokens, apply stop strings, and build the
@@ -459,7 +472,7 @@ class EngineCore:
     def _grammar_mask(self, seqs: list[Sequence]) -> Any:
         """The sampler's hook that masks what each constrained sequence's grammar forbids;
         None when no sequence in the batch has a grammar."""
-        manager = self._structured_output
+        manager = self._grammars.built
         if manager is None or not any(manager.has(seq.seq_id) for seq in seqs):
             return None
         seq_ids = [seq.seq_id for seq in seqs]
@@ -467,8 +480,8 @@ class EngineCore:
 
     def _free_seq_state(self, seq_id: int) -> None:
         self.sampler.free(seq_id)
-        if self._structured_output is not None:
-            self._structured_output.free(seq_id)
+        if self._grammars.built is not None:
+            self._grammars.built.free(seq_id)
 
     def _fork_samples(self, group: SequenceGroup) -> list[Sequence]:
         """Fork the prompt sequence, just prefilled, into `best_of` samples that share its

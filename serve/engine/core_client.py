@@ -24,11 +24,11 @@ import signal
 import threading
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serve.config import EngineConfig
-from serve.engine.core import check_params, check_token_ids
-from serve.engine.core_process import run_core_process
+from serve.engine.core import LazyStructuredOutput, check_params, check_token_ids
+from serve.engine.core_process import STARTUP_ERROR_TYPES, run_core_process, send_quietly
 from serve.engine.messages import (
     AddRequest,
     CoreFailed,
@@ -41,9 +41,6 @@ from serve.engine.protocol import EngineDeadError
 from serve.engine.tokenizer import load_tokenizer
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from serve.engine.structured_output import StructuredOutputManager
-
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0  # for the core to finish its step and exit after Stop
@@ -51,11 +48,7 @@ KILL_TIMEOUT_S = 5.0  # after terminate, before kill
 
 # Start-up errors the parent re-raises as they were raised in the core (the CLI shows
 # these as `serve: error: ...`); any other kind becomes a RuntimeError.
-_STARTUP_ERRORS: dict[str, type[Exception]] = {
-    "FileNotFoundError": FileNotFoundError,
-    "OSError": OSError,
-    "ValueError": ValueError,
-}
+_STARTUP_ERRORS = {kind.__name__: kind for kind in STARTUP_ERROR_TYPES}
 
 
 class EngineCoreClient(EngineFrontEnd):
@@ -90,8 +83,7 @@ class EngineCoreClient(EngineFrontEnd):
         self.vocab_size = ready.vocab_size
         self.max_logprobs = ready.max_logprobs
         self.eos_token_ids = ready.eos_token_ids
-        self._structured_output: StructuredOutputManager | None = None
-        self._structured_output_lock = threading.Lock()
+        self._grammars = LazyStructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._threads = [
             threading.Thread(target=self._receive_replies, name="engine-core-receive", daemon=True),
             threading.Thread(target=self._send_commands, name="engine-core-send", daemon=True),
@@ -115,7 +107,7 @@ class EngineCoreClient(EngineFrontEnd):
         """Compile a request's grammar here, off the event loop, so that an invalid one is
         refused (ValueError) before the request starts. The core compiles it again, from
         its own cache."""
-        manager = self._structured_output or await asyncio.to_thread(self._grammar_compiler)
+        manager = self._grammars.built or await asyncio.to_thread(self._grammars.get)
         await asyncio.wrap_future(manager.submit(spec))
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
@@ -128,7 +120,7 @@ class EngineCoreClient(EngineFrontEnd):
         if self._threads:  # Stop queues behind the commands sent before it
             self._commands.put(Stop())
         else:
-            _send_quietly(self._command_writer, Stop())
+            send_quietly(self._command_writer, Stop())
         self._process.join(timeout_s)
         if self._process.exitcode is None:
             logger.warning("The engine core did not stop in %.0f s; terminating it.", timeout_s)
@@ -163,18 +155,6 @@ class EngineCoreClient(EngineFrontEnd):
         raise RuntimeError(
             f"The engine core process exited while starting ({_exit_cause(self._process)})."
         )
-
-    def _grammar_compiler(self) -> StructuredOutputManager:
-        """Built on first use: importing xgrammar and indexing the vocabulary take seconds
-        that servers without grammars should not pay at start-up."""
-        with self._structured_output_lock:
-            if self._structured_output is None:
-                from serve.engine.structured_output import StructuredOutputManager
-
-                self._structured_output = StructuredOutputManager(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids
-                )
-        return self._structured_output
 
     # -- the threads ---------------------------------------------------------------------
 
@@ -233,10 +213,3 @@ def _logging_setup() -> tuple[int, str | None]:
     root = logging.getLogger()
     formats = [h.formatter._fmt for h in root.handlers if h.formatter is not None]
     return root.level, (formats[0] if formats else None)
-
-
-def _send_quietly(conn: Any, message: object) -> None:
-    try:
-        conn.send(message)
-    except OSError:
-        pass

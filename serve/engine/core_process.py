@@ -78,7 +78,7 @@ def run_core_process(
         kind = next((t for t in STARTUP_ERROR_TYPES if isinstance(e, t)), None)
         if kind is None:  # not a user's mistake: show where it happened
             logger.exception("The engine core failed to start")
-        _send_quietly(outputs, CoreFailed((kind or type(e)).__name__, str(e)))
+        send_quietly(outputs, CoreFailed((kind or type(e)).__name__, str(e)))
         sys.exit(1)
     ready = CoreReady(
         core.model_path,
@@ -94,12 +94,13 @@ def run_core_process(
         return  # the parent is gone: nobody to serve
     except BaseException as e:
         logger.exception("The engine core loop died")
-        _send_quietly(outputs, CoreFailed(type(e).__name__, repr(e)))
+        send_quietly(outputs, CoreFailed(type(e).__name__, repr(e)))
         sys.exit(1)
 
 
-def _send_quietly(conn: Connection, message: object) -> None:
+def send_quietly(conn: Connection, message: object) -> None:
+    """Send unless the other end is gone (then there is nobody to tell)."""
     try:
         conn.send(message)
     except OSError:
-        pass  # the parent is gone
+        pass

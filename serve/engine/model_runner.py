@@ -206,10 +206,6 @@ class ModelRunner:
             prompt_spans,
         )
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """Prepare the batch's inputs and run it: `run(sched, prepare(sched))`."""
-        return self.run(sched, self.prepare(sched))
-
     def prepare(self, sched: SchedulerOutput) -> ModelInputs | None:
         """The step's input tensors (None for a step that only moves blocks), built from
         the sequences as they are now: call it before they change again."""
