@@ -31,6 +31,9 @@ class RequestOutput:
     # With `prompt_logprobs`: None for the first prompt token (nothing predicts it), then
     # {token_id: logprob} with the prompt token and the top alternatives, per position.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set when the engine failed this request alone (its other requests ran on): why.
+    # The request is finished, its blocks freed; `outputs` may be cut short or empty.
+    error: str | None = None
 
     @property
     def num_output_tokens(self) -> int:

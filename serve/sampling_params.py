@@ -114,8 +114,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+        ):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}.")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or s == "" for s in stops):
             raise ValueError(

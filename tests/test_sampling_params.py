@@ -28,6 +28,8 @@ from serve.sampling_params import SamplingParams
         ({"use_beam_search": True, "best_of": 2, "temperature": 0, "stop": "x"}, "stop"),
         ({"logprobs": -1}, "logprobs"),
         ({"seed": "7"}, "seed"),
+        ({"seed": 2**70}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_invalid_value_names_the_field(kwargs, field):

@@ -12,7 +12,7 @@ from typing import Any
 
 from serve.api.errors import APIError, error_body
 from serve.api.protocol import SamplingRequest, now
-from serve.engine.protocol import EngineClient, EngineDeadError
+from serve.engine.protocol import EngineClient, EngineDeadError, RequestError
 from serve.outputs import CompletionOutput, RequestOutput
 
 
@@ -196,6 +196,8 @@ async def guard_stream() -> AsyncIterator[StreamFailure]:
         yield failure
     except EngineDeadError as e:
         failure.error = error_body(503, str(e))
+    except RequestError as e:
+        failure.error = error_body(500, str(e))
     except ValueError as e:
         failure.error = error_body(400, str(e))
 
@@ -240,6 +242,8 @@ async def final_outputs(
             last[stream_index] = out
     except ValueError as e:  # the engine refused the request
         raise APIError(400, str(e)) from None
+    except RequestError as e:  # the engine failed this request alone
+        raise APIError(500, str(e)) from None
     return [last[i] for i in range(len(streams))]
 
 

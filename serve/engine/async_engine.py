@@ -20,7 +20,7 @@ from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, Stop
 from serve.engine.output_streams import EngineFrontEnd, OutputStreams
-from serve.engine.protocol import EngineDeadError
+from serve.engine.protocol import EngineDeadError, RequestError, request_error_message
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -47,7 +47,9 @@ class _StreamReplies:
     def put_step(self, outputs: list[RequestOutput]) -> None:
         self.streams.put_step(outputs)
 
-    def request_failed(self, request_id: str, error: ValueError) -> None:
+    def request_failed(self, request_id: str, error: Exception) -> None:
+        if not isinstance(error, ValueError):
+            error = RequestError(request_error_message(error))
         self.streams.put(request_id, error)
 
     def request_aborted(self, request_id: str) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +19,7 @@ from serve.engine.cpu_malloc import keep_freed_memory
 from serve.engine.detokenizer import Detokenizer, find_stop_string
 from serve.engine.logprobs import token_logprobs
 from serve.engine.model_runner import ModelInputs, ModelOutput, ModelRunner
+from serve.engine.protocol import request_error_message
 from serve.engine.sampler import Sampler
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
@@ -43,6 +45,7 @@ class _Sampled:
     seqs: list[Sequence]  # the sampled sequences (beams are decoded at the end)
     groups: list[SequenceGroup]  # the requests the step moved
     sample_s: float  # time in the sampler
+    failed: list[RequestOutput] = field(default_factory=list)  # requests that failed alone
 
 
 def resolve_device(device: str) -> torch.device:
@@ -214,6 +217,8 @@ class EngineCore:
             raise ValueError(f"A request with id {request_id!r} is already running.")
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
         self.check_params(params)
+        # Everything that can fail comes before the request is registered anywhere, so a
+        # failure leaves no trace of it.
         if params.bad_words:
             params.update_from_tokenizer(self.tokenizer)
         seq = Sequence(self._new_seq_id(), request_id, prompt_token_ids, params, prompt)
@@ -221,21 +226,29 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.scheduler.check(group)  # the prompt length and the sequence count
+        self.detokenizer.start(seq)
+        search = self._beam_search(seq) if params.use_beam_search else None
+        grammar = None
         if params.structured_outputs is not None:
-            future = self.structured_output.submit(params.structured_outputs)
-            self._awaiting_grammar[request_id] = (group, future)
+            grammar = self.structured_output.submit(params.structured_outputs)
+
+        self._groups[request_id] = group
+        if search is not None:
+            self._beam_searches[request_id] = search
+        if grammar is not None:
+            self._awaiting_grammar[request_id] = (group, grammar)
         else:
             self.scheduler.add(group)
-        self.detokenizer.start(seq)
-        self._groups[request_id] = group
-        if params.use_beam_search:
-            stop_ids = set(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids |= set(self.eos_token_ids)
-            max_output = self.max_model_len - seq.num_prompt_tokens
-            if params.max_tokens is not None:
-                max_output = min(max_output, params.max_tokens)
-            self._beam_searches[request_id] = BeamSearch(params, stop_ids, max_output)
+
+    def _beam_search(self, seq: Sequence) -> BeamSearch:
+        params = seq.sampling_params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.eos_token_ids)
+        max_output = self.max_model_len - seq.num_prompt_tokens
+        if params.max_tokens is not None:
+            max_output = min(max_output, params.max_tokens)
+        return BeamSearch(params, stop_ids, max_output)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -340,8 +353,9 @@ class EngineCore:
         knowing them."""
         start = time.perf_counter()
         self.scheduler.update(sched)
-        self._record_prompt_logprobs(model_out)
-        sampled = self._sample(model_out.logits, model_out.sampled_seqs)
+        failed: list[RequestOutput] = []
+        self._record_prompt_logprobs(model_out, failed)
+        sampled = self._sample(model_out.logits, model_out.sampled_seqs, failed)
         times = self.step_times
         times.num_steps += 1
         times.prepare_s += model_out.prepare_s
@@ -359,22 +373,12 @@ class EngineCore:
             if not future.done():
                 continue
             del self._awaiting_grammar[request_id]
-            try:
-                compiled = future.result()
-            except ValueError as e:
-                logger.warning(
-                    "Request %s: its structured output cannot be used: %s", request_id, e
-                )
-                for seq in group.live_seqs:
-                    seq.finish_reason = FinishReason.ABORT
-                self._finish(group)
-                ended.append(self._output(group))
-                continue
-            self.structured_output.start(group.seqs[0].seq_id, compiled)
-            self.scheduler.add(group)
+            with self._request_scope(group, ended):
+                self.structured_output.start(group.seqs[0].seq_id, future.result())
+                self.scheduler.add(group)
         return ended
 
-    def _record_prompt_logprobs(self, model_out: ModelOutput) -> None:
+    def _record_prompt_logprobs(self, model_out: ModelOutput, failed: list[RequestOutput]) -> None:
         for span in model_out.prompt_spans:
             seq = span.seq
             group = self._groups.get(seq.request_id)
@@ -383,10 +387,11 @@ class EngineCore:
             recorded = group.prompt_logprobs
             if recorded is None or len(recorded) >= span.start + span.count + 1:
                 continue  # recomputed after a preemption: already known
-            rows = model_out.prompt_logits[span.offset : span.offset + span.count]
-            targets = seq.prompt_token_ids[span.start + 1 : span.start + span.count + 1]
-            entries = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
-            recorded.extend(entries[len(recorded) - 1 - span.start :])
+            with self._request_scope(group, failed):
+                rows = model_out.prompt_logits[span.offset : span.offset + span.count]
+                targets = seq.prompt_token_ids[span.start + 1 : span.start + span.count + 1]
+                entries = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
+                recorded.extend(entries[len(recorded) - 1 - span.start :])
 
     def _end_cannot_fit(self, group: SequenceGroup) -> RequestOutput:
         logger.warning(
@@ -403,18 +408,25 @@ class EngineCore:
         self._finish(group)
         return self._output(group)
 
-    def _sample(self, logits: torch.Tensor, sampled_seqs: list[Sequence]) -> _Sampled:
+    def _sample(
+        self, logits: torch.Tensor, sampled_seqs: list[Sequence], failed: list[RequestOutput]
+    ) -> _Sampled:
         rows: list[int] = []  # logits row of each sequence to sample
         seqs: list[Sequence] = []
         beam_rows: dict[str, list[int]] = {}
         for row, seq in enumerate(sampled_seqs):
             if seq.is_finished:
-                continue  # aborted, or stopped by a stop string, while its step ran
+                continue  # aborted, failed, or stopped by a stop string while its step ran
             group = self._groups[seq.request_id]
             if group.sampling_params.use_beam_search:
                 beam_rows.setdefault(group.request_id, []).append(row)
                 continue
-            siblings = self._fork_samples(group) if group.needs_fork else [seq]
+            siblings = [seq]
+            if group.needs_fork:
+                with self._request_scope(group, failed):
+                    siblings = self._fork_samples(group)
+                if seq.is_finished:
+                    continue
             rows += [row] * len(siblings)
             seqs += siblings
 
@@ -423,24 +435,59 @@ class EngineCore:
         self.num_generated_tokens += len(seqs) + sum(len(r) for r in beam_rows.values())
         if seqs:
             sample_start = time.perf_counter()
-            row_index = torch.tensor(rows, device=logits.device)
-            sampled = self.sampler(
-                logits.index_select(0, row_index), seqs, self._grammar_mask(seqs)
-            )
+            sampled = self._run_sampler(logits, rows, seqs, failed)
             sample_s = time.perf_counter() - sample_start
-            for i, seq in enumerate(seqs):
-                token = sampled.token_ids[i]
-                seq.append_token(token, sampled.logprobs[i], sampled.top_logprobs[i])
-                seq.finish_reason = self._check_stop_token(seq, token)
-                if seq.finish_reason is not None:
-                    self.scheduler.finish_seq(seq)
-                    self._free_seq_state(seq.seq_id)
-                touched[seq.request_id] = self._groups[seq.request_id]
+            for seq, token, logprob, top in sampled:
+                group = self._groups.get(seq.request_id)
+                if group is None:
+                    continue  # a sibling failed: the request has ended
+                with self._request_scope(group, failed):
+                    seq.append_token(token, logprob, top)
+                    seq.finish_reason = self._check_stop_token(seq, token)
+                    if seq.finish_reason is not None:
+                        self.scheduler.finish_seq(seq)
+                        self._free_seq_state(seq.seq_id)
+                    touched[seq.request_id] = group
         for request_id, group_rows in beam_rows.items():
             group = self._groups[request_id]
-            self._beam_step(group, logits[group_rows])
-            touched[request_id] = group
-        return _Sampled(seqs, list(touched.values()), sample_s)
+            with self._request_scope(group, failed):
+                self._beam_step(group, logits[group_rows])
+                touched[request_id] = group
+        groups = [g for g in touched.values() if g.request_id in self._groups]
+        return _Sampled(seqs, groups, sample_s, failed)
+
+    def _run_sampler(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        seqs: list[Sequence],
+        failed: list[RequestOutput],
+    ) -> list[tuple[Sequence, int, float, dict[int, float] | None]]:
+        """Each sequence's token, logprob and top logprobs. If the batch raises, each
+        sequence is sampled alone to find the requests at fault: they fail, the rest of
+        the batch runs on."""
+        try:
+            out = self.sampler(
+                logits.index_select(0, torch.tensor(rows, device=logits.device)),
+                seqs,
+                self._grammar_mask(seqs),
+            )
+            return list(zip(seqs, out.token_ids, out.logprobs, out.top_logprobs))
+        except Exception:
+            logger.warning(
+                "Sampling a batch of %d sequences failed; sampling them one at a time",
+                len(seqs),
+                exc_info=True,
+            )
+        results = []
+        for row, seq in zip(rows, seqs):
+            group = self._groups.get(seq.request_id)
+            if group is None:
+                continue  # a sibling failed already
+            with self._request_scope(group, failed):
+                one = self.sampler(logits[row : row + 1], [seq], self._grammar_mask([seq]))
+                results.append((seq, one.token_ids[0], one.logprobs[0], one.top_logprobs[0]))
+        return results
 
     def _emit(self, sampled: _Sampled | None) -> list[RequestOutput]:
         """Detokenize a sampled step's new tokens, apply stop strings, and build the
@@ -448,24 +495,28 @@ class EngineCore:
         if sampled is None:
             return []
         start = time.perf_counter()
+        outputs = list(sampled.failed)
         for seq in sampled.seqs:
-            if seq.request_id not in self._groups:
-                continue  # aborted since it was sampled
-            num_new_chars = len(self.detokenizer.update(seq))
-            if self._check_stop_string(seq, num_new_chars):
-                if not seq.is_finished:
-                    self.scheduler.finish_seq(seq)  # its next step, if running, is dropped
-                    self._free_seq_state(seq.seq_id)
-                seq.finish_reason = FinishReason.STOP
-        outputs = []
+            group = self._groups.get(seq.request_id)
+            if group is None:
+                continue  # aborted or failed since it was sampled
+            with self._request_scope(group, outputs):
+                num_new_chars = len(self.detokenizer.update(seq))
+                if self._check_stop_string(seq, num_new_chars):
+                    if not seq.is_finished:
+                        self.scheduler.finish_seq(seq)  # its next step, if running, is dropped
+                        self._free_seq_state(seq.seq_id)
+                    seq.finish_reason = FinishReason.STOP
         for group in sampled.groups:
             if group.request_id not in self._groups:
-                continue  # ended meanwhile (aborted); its final output went out then
-            if group.is_finished:
-                self._finish(group)
-                outputs.append(self._output(group))
-            elif self._streams(group):
-                outputs.append(self._output(group))
+                continue  # ended meanwhile (aborted, failed); its final output went out then
+            with self._request_scope(group, outputs):
+                if group.is_finished:
+                    output = self._output(group)
+                    self._finish(group)
+                    outputs.append(output)
+                elif self._streams(group):
+                    outputs.append(self._output(group))
         self.step_times.output_s += time.perf_counter() - start
         return outputs
 
@@ -567,6 +618,36 @@ class EngineCore:
             )
             return True
         return manager.is_terminated(seq.seq_id)
+
+    @contextlib.contextmanager
+    def _request_scope(self, group: SequenceGroup, failed: list[RequestOutput]) -> Iterator[None]:
+        """Work on one request: if it raises, that request alone fails (its final output,
+        with the error, joins `failed`) and the step goes on. Callers check whether the
+        group is still running after the block."""
+        try:
+            yield
+        except Exception as e:
+            failed.append(self._fail(group, e))
+
+    def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
+        """End a request that raised while the engine processed it, freeing its blocks."""
+        if isinstance(error, ValueError):  # e.g. a grammar that cannot be used
+            logger.warning("Request %s failed: %s", group.request_id, error)
+        else:
+            logger.exception("Request %s failed; the engine runs on", group.request_id)
+        if group.request_id in self._groups:
+            self._awaiting_grammar.pop(group.request_id, None)
+            self._beam_searches.pop(group.request_id, None)
+            for seq in group.live_seqs:
+                seq.finish_reason = FinishReason.ABORT
+            self._finish(group)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            finished=True,
+            error=request_error_message(error),
+        )
 
     def _finish(self, group: SequenceGroup) -> None:
         self.scheduler.finish(group)

@@ -37,7 +37,7 @@ from serve.engine.messages import (
     Stop,
 )
 from serve.engine.output_streams import EngineFrontEnd
-from serve.engine.protocol import EngineDeadError
+from serve.engine.protocol import EngineDeadError, RequestError
 from serve.engine.tokenizer import load_tokenizer
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -172,7 +172,8 @@ class EngineCoreClient(EngineFrontEnd):
             if isinstance(message, list):
                 self._streams.put_step(message)
             elif isinstance(message, RequestFailed):
-                self._streams.put(message.request_id, ValueError(message.message))
+                error = RequestError if message.internal else ValueError
+                self._streams.put(message.request_id, error(message.message))
             elif isinstance(message, CoreFailed):
                 self._core_error = message.message
         if self._is_stopping:

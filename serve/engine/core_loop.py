@@ -31,8 +31,9 @@ class ReplySink(Protocol):
     def put_step(self, outputs: list[RequestOutput]) -> None:
         """One step's outputs (the requests that made progress)."""
 
-    def request_failed(self, request_id: str, error: ValueError) -> None:
-        """The core refused the request when it was added."""
+    def request_failed(self, request_id: str, error: Exception) -> None:
+        """Adding the request failed: a ValueError refuses it as invalid; anything else
+        is the engine's fault. Either way it fails alone."""
 
     def request_aborted(self, request_id: str) -> None:
         """The front end aborted the request: no more outputs of it will be sent."""
@@ -70,6 +71,9 @@ def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
             command.request_id, command.prompt_token_ids, command.params, command.prompt
         )
     except ValueError as e:
+        replies.request_failed(command.request_id, e)
+    except Exception as e:  # a bug met by this request's input: it fails, the rest run on
+        logger.exception("Request %s: adding it to the engine failed", command.request_id)
         replies.request_failed(command.request_id, e)
 
 

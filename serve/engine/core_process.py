@@ -27,6 +27,7 @@ from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreFailed, CoreReady, RequestFailed
 from serve.engine.output_deltas import DeltaEncoder
+from serve.engine.protocol import request_error_message
 from serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -53,8 +54,11 @@ class _PipeReplies:
     def put_step(self, outputs: list[RequestOutput]) -> None:
         self.conn.send([self.deltas.encode(out) for out in outputs])
 
-    def request_failed(self, request_id: str, error: ValueError) -> None:
-        self.conn.send(RequestFailed(request_id, str(error)))
+    def request_failed(self, request_id: str, error: Exception) -> None:
+        if isinstance(error, ValueError):
+            self.conn.send(RequestFailed(request_id, str(error)))
+        else:
+            self.conn.send(RequestFailed(request_id, request_error_message(error), True))
 
     def request_aborted(self, request_id: str) -> None:
         self.deltas.forget(request_id)

@@ -41,10 +41,12 @@ Command = AddRequest | AbortRequest | Stop
 
 @dataclass(frozen=True)
 class RequestFailed:
-    """The core refused a request when it arrived (a ValueError): it fails alone."""
+    """A request failed alone when it arrived: refused as invalid (a ValueError), or,
+    `internal`, adding it raised something else (a bug, logged with its traceback)."""
 
     request_id: str
     message: str
+    internal: bool = False
 
 
 @dataclass(frozen=True)

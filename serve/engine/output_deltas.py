@@ -34,6 +34,7 @@ class OutputDelta:
     finished: bool
     # Sent with the first message and the last (it is complete before either).
     prompt_logprobs: list[dict[int, float] | None] | None
+    error: str | None = None  # the engine failed this request alone (RequestOutput.error)
 
 
 class DeltaEncoder:
@@ -68,7 +69,7 @@ class DeltaEncoder:
         if out.finished:
             del self._sent[out.request_id]
         prompt_logprobs = out.prompt_logprobs if is_new or out.finished else None
-        return OutputDelta(out.request_id, completions, out.finished, prompt_logprobs)
+        return OutputDelta(out.request_id, completions, out.finished, prompt_logprobs, out.error)
 
     def forget(self, request_id: str) -> None:
         """The request ended without a final output (aborted)."""

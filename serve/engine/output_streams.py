@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from serve.engine.messages import AbortRequest, AddRequest, Command
 from serve.engine.output_deltas import OutputDelta, apply_delta
-from serve.engine.protocol import EngineDeadError
+from serve.engine.protocol import EngineDeadError, RequestError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
 
@@ -72,17 +72,22 @@ class OutputStreams:
         """Hand a step's outputs over in one wake-up per event loop, not one per request.
         A core process sends deltas (output_deltas.py): each is applied to its stream's
         last output, with the prompt the stream holds."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_loop: dict[
+            asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]
+        ] = {}
         with self._lock:
             for item in outputs:
                 stream = self._streams.get(item.request_id)
                 if stream is None:
                     continue
-                out = item
-                if isinstance(item, OutputDelta):
+                out: RequestOutput | BaseException = item
+                if item.error is not None:
+                    out = RequestError(item.error)
+                elif isinstance(item, OutputDelta):
                     add = stream.add
                     out = apply_delta(stream.last, item, add.prompt, add.prompt_token_ids)
-                stream.last = out
+                if isinstance(out, RequestOutput):
+                    stream.last = out
                 by_loop.setdefault(stream.loop, []).append((stream, out))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
@@ -102,7 +107,7 @@ class OutputStreams:
             stream.put(EngineDeadError(str(error)))
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
 

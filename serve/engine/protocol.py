@@ -18,6 +18,19 @@ class EngineDeadError(RuntimeError):
     """The engine has stopped; no request can be served until a restart."""
 
 
+class RequestError(RuntimeError):
+    """The engine failed one request (an exception while processing it); the request has
+    ended and freed its blocks, and every other request runs on."""
+
+
+def request_error_message(error: BaseException) -> str:
+    """What a client is told when processing its request raised `error` in the engine."""
+    return (
+        f"The engine failed while processing this request ({type(error).__name__}: {error}). "
+        "Other requests were not affected; the server log has the details."
+    )
+
+
 class EngineClient(Protocol):
     @property
     def tokenizer(self) -> Any: ...
@@ -44,8 +57,9 @@ class EngineClient(Protocol):
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing the iterator early
-        aborts the request. Raises ValueError for a request the engine refuses, and
-        EngineDeadError (also mid-stream) when the engine is gone."""
+        aborts the request. Raises ValueError for a request the engine refuses,
+        RequestError when processing this request failed, and EngineDeadError (also
+        mid-stream) when the engine is gone."""
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         """ValueError unless every id is in the model's vocabulary."""

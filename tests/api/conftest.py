@@ -92,16 +92,18 @@ def start_server(
     extra_args: tuple[str, ...],
     env_overrides: dict[str, str],
     log_dir: Path,
+    entry: tuple[str, ...] = ("-m", "serve.api.cli"),
 ) -> Server:
-    """Start `python -m serve.api.cli` and wait for /health. `model=None` serves the default
-    model. The environment is the test's, minus SERVE_API_KEY, plus `env_overrides`."""
+    """Start `python -m serve.api.cli` (or `python *entry`) and wait for /health.
+    `model=None` serves the default model. The environment is the test's, minus
+    SERVE_API_KEY, plus `env_overrides`."""
     env = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env_overrides)
     last_error: Exception | None = None
     for _attempt in range(3):  # a free port can be taken between probing and binding
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "serve.api.cli", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(port)]
         if model is not None:
             cmd += ["--model", str(model)]
         cmd += ["--kv-cache-memory", KV_CACHE_MEMORY, *extra_args]
@@ -148,6 +150,12 @@ def server_factory(tiny_llama, tmp_path_factory):
     yield factory
     for server in servers.values():
         stop_process(server.process)
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tiny_model_factory):
+    """The tiny llama with a 4096-token context: requests that run for seconds."""
+    return tiny_model_factory("llama", max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="session")

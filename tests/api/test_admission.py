@@ -15,11 +15,6 @@ from api.conftest import start_server, stop_process
 NUM_TOKENS = 600
 
 
-@pytest.fixture(scope="module")
-def long_context_model(tiny_model_factory):
-    return tiny_model_factory("llama", max_position_embeddings=4096)
-
-
 def _stream_usage(server, results: list, started: threading.Event) -> None:
     body = {
         "model": server.model,

@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
-import pytest
 from api.conftest import start_server, stop_process
 
 DEATH_NOTICE_S = 2.0
@@ -30,12 +29,6 @@ def core_processes(server) -> list[psutil.Process]:
     child, if any, is multiprocessing's resource tracker)."""
     children = psutil.Process(server.process.pid).children(recursive=True)
     return [p for p in children if "spawn_main" in " ".join(p.cmdline())]
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tiny_model_factory):
-    """The tiny llama with a 4096-token context: requests that run for seconds."""
-    return tiny_model_factory("llama", max_position_embeddings=4096)
 
 
 def test_the_core_runs_in_a_child_process(server):

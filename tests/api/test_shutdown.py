@@ -10,13 +10,7 @@ import time
 
 import httpx
 import psutil
-import pytest
 from api.conftest import start_server, stop_process
-
-
-@pytest.fixture(scope="module")
-def long_context_model(tiny_model_factory):
-    return tiny_model_factory("llama", max_position_embeddings=4096)
 
 
 def _stream(server, max_tokens: int, events: list[str], started: threading.Event) -> None:
