@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format",
         default="auto",
         choices=LOAD_FORMATS,
-        help="'pt' allows pickled .bin weights (they can run code when loaded)",
+        help="auto: safetensors, else pickled .bin weights if --allow-pickle-weights; "
+        "pt: only pickled .bin weights (needs --allow-pickle-weights)",
     )
     model.add_argument(
         "--chat-template",
@@ -178,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the engine core on a thread of the API process, not in its own process",
     )
+
+    security = p.add_argument_group("security")
+    security.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load pickled .bin weights, which can run arbitrary code when loaded; "
+        "safetensors and GGUF need no flag",
+    )
     return p
 
 
@@ -252,6 +261,7 @@ def _load(args: argparse.Namespace):
         seed=args.seed,
         load_format=args.load_format,
         max_logprobs=args.max_logprobs,
+        allow_pickle_weights=args.allow_pickle_weights,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
