@@ -27,10 +27,12 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own limit, fitted to the cache
     seed: int = 0
-    # "pt" allows pickled `.bin` checkpoints, which can run arbitrary code when loaded.
+    # "auto": safetensors, else pickled `.bin` if allowed; "pt": only pickled `.bin`.
     load_format: str = "auto"
     # The most `logprobs` / `prompt_logprobs` alternatives a request may ask for.
     max_logprobs: int = 20
+    # Pickled (`.bin`) checkpoints can run arbitrary code when loaded: never without this.
+    allow_pickle_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
@@ -40,6 +42,11 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(
                 f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}."
+            )
+        if self.load_format == "pt" and not self.allow_pickle_weights:
+            raise ValueError(
+                "load_format 'pt' loads pickled weights, which can run arbitrary code when "
+                "loaded: add --allow-pickle-weights (allow_pickle_weights=True) if you trust them."
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
@@ -132,6 +139,7 @@ class EngineConfig:
         seed: int = 0,
         load_format: str = "auto",
         max_logprobs: int = 20,
+        allow_pickle_weights: bool = False,
         block_size: int = 16,
         kv_cache_memory: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -150,7 +158,14 @@ class EngineConfig:
         kv_bytes = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None
         return cls(
             model=ModelConfig(
-                model, tokenizer, dtype, max_model_len, seed, load_format, max_logprobs
+                model,
+                tokenizer,
+                dtype,
+                max_model_len,
+                seed,
+                load_format,
+                max_logprobs,
+                allow_pickle_weights,
             ),
             cache=CacheConfig(
                 block_size,

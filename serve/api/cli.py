@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format",
         default="auto",
         choices=LOAD_FORMATS,
-        help="'pt' allows pickled .bin weights (they can run code when loaded)",
+        help="auto: safetensors, else pickled .bin weights if --allow-pickle-weights; "
+        "pt: only pickled .bin weights (needs --allow-pickle-weights)",
     )
     model.add_argument(
         "--chat-template",
@@ -143,11 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument(
-        "--api-key",
-        default=os.environ.get("SERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 (also from SERVE_API_KEY)",
-    )
-    server.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -178,6 +174,42 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the engine core on a thread of the API process, not in its own process",
     )
+
+    security = p.add_argument_group("security")
+    security.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every path but /health and /version; "
+        "repeat or comma-separate for several keys; without the flag, keys come from "
+        "$SERVE_API_KEY (comma-separated)",
+    )
+    security.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without an API key (to a scraper that sends none)",
+    )
+    security.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help="browser origins allowed to call the API (CORS), e.g. https://app.example.com; "
+        "repeat or comma-separate, '*' for any; without it, no CORS headers",
+    )
+    security.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a request's own chat_template field (sandboxed, but code all the same); "
+        "without it such requests get a 400",
+    )
+    security.add_argument(
+        "--allow-pickle-weights",
+        action="store_true",
+        help="load pickled .bin weights, which can run arbitrary code when loaded; "
+        "safetensors and GGUF need no flag",
+    )
     return p
 
 
@@ -193,6 +225,23 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
+
+
+def comma_list(values: list[str] | None) -> tuple[str, ...]:
+    """The items of a repeatable, comma-separable flag, blanks dropped."""
+    items = (item.strip() for value in values or () for item in value.split(","))
+    return tuple(item for item in items if item)
+
+
+def api_keys(flag_values: list[str] | None, environment: str | None) -> tuple[str, ...]:
+    """The keys from --api-key, else from $SERVE_API_KEY. An --api-key given but empty
+    (a shell variable that was not set) is an error, never a server open to all."""
+    if flag_values is None:
+        return comma_list([environment or ""])
+    keys = comma_list(flag_values)
+    if not keys:
+        raise ValueError("--api-key is empty; give a key, or leave the flag out.")
+    return keys
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,6 +267,12 @@ def main(argv: list[str] | None = None) -> None:
         logger.info(
             "Serving %s at http://%s:%d/v1", settings.served_model_name, args.host, args.port
         )
+        if not settings.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning(
+                "No --api-key: anyone who can reach %s:%d can use this server.",
+                args.host,
+                args.port,
+            )
         config = uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", access_log=False
         )
@@ -241,6 +296,7 @@ def _load(args: argparse.Namespace):
     from serve.api.serving_base import ServerSettings
     from serve.config import EngineConfig
 
+    keys = api_keys(args.api_key, os.environ.get("SERVE_API_KEY"))
     chat_template = None
     if args.chat_template:
         chat_template = Path(args.chat_template).read_text()
@@ -252,6 +308,7 @@ def _load(args: argparse.Namespace):
         seed=args.seed,
         load_format=args.load_format,
         max_logprobs=args.max_logprobs,
+        allow_pickle_weights=args.allow_pickle_weights,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -278,8 +335,11 @@ def _load(args: argparse.Namespace):
     settings = ServerSettings(
         name,
         model_path,
-        args.api_key,
-        chat_template,
+        api_keys=keys,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        metrics_public=args.metrics_public,
+        allowed_origins=comma_list(args.allowed_origins),
         tool_call_parser=args.tool_call_parser,
         max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,
         max_body_bytes=args.max_request_body_bytes,

@@ -1,4 +1,4 @@
-"""Authentication and the access log, as plain ASGI middleware.
+"""The access log, as plain ASGI middleware.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware: the endpoint keeps the server's own
 `receive`, so `request.is_disconnected()` sees a client that hangs up, and a streamed
@@ -8,15 +8,11 @@ response is logged when it really ends.
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 import uuid
 from typing import Any
 
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from serve.api.errors import error_body
 
 access_logger = logging.getLogger("serve.access")
 
@@ -24,9 +20,12 @@ access_logger = logging.getLogger("serve.access")
 CLIENT_CLOSED = 499
 
 
-class AuthAndAccessLog:
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app, self.api_key = app, api_key
+class AccessLog:
+    """One line per request, the 401s of a missing key and CORS preflights included: it
+    is the outermost middleware, and sets the request id the rest of the app uses."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,12 +34,6 @@ class AuthAndAccessLog:
         state: dict[str, Any] = scope.setdefault("state", {})
         state["request_id"] = uuid.uuid4().hex[:12]
         start = time.perf_counter()
-        if self.api_key and scope["path"].startswith("/v1") and not self._authorized(scope):
-            message = "Invalid or missing API key. Send 'Authorization: Bearer KEY'."
-            await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
-            _log(scope, 401, start)
-            return
-
         status = CLIENT_CLOSED
         is_stream = False
 
@@ -59,11 +52,6 @@ class AuthAndAccessLog:
             if is_stream and state.get("usage") is None:
                 status = CLIENT_CLOSED
             _log(scope, status, start)
-
-    def _authorized(self, scope: Scope) -> bool:
-        headers = dict(scope.get("headers", []))
-        given = headers.get(b"authorization", b"")
-        return secrets.compare_digest(given, f"Bearer {self.api_key}".encode())
 
 
 def _log(scope: Scope, status: int, start: float) -> None:

@@ -12,12 +12,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import serve
 from serve.api.admission import Admission, AdmissionGate
+from serve.api.auth import APIKeyAuth, public_paths
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response
-from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog
+from serve.api.middleware import CLIENT_CLOSED, AccessLog
 from serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -97,8 +99,23 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return JSONResponse(error_body(500, message), status_code=500)
 
     app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
+    # The last added runs first: access log → CORS → API key → admission → routes.
     app.add_middleware(AdmissionGate, admission=app.state.admission)
-    app.add_middleware(AuthAndAccessLog, api_key=settings.api_key)  # outermost: logs all
+    app.add_middleware(
+        APIKeyAuth, keys=settings.api_keys, public=public_paths(settings.metrics_public)
+    )
+    if settings.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            # The OpenAI SDKs send their own headers besides Authorization and
+            # Content-Type (X-Stainless-*, OpenAI-Organization, ...), and no fixed list
+            # keeps up with them. The API key, not CORS, is what guards the routes.
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
+    app.add_middleware(AccessLog)
 
     def _log_unknown(body: OpenAIModel) -> None:
         if body.unknown_fields:

@@ -20,8 +20,13 @@ from serve.outputs import CompletionOutput, RequestOutput
 class ServerSettings:
     served_model_name: str
     model_path: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # empty: no key needed
     chat_template: str | None = None
+    # A request's own `chat_template` is rendered only when the operator trusts clients
+    # with it (sandboxed or not, a template is code the server runs for them).
+    trust_request_chat_template: bool = False
+    metrics_public: bool = False  # /metrics needs no key
+    allowed_origins: tuple[str, ...] = ()  # CORS for these browser origins; empty: no CORS
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
     max_generating_requests: int | None = None  # in flight, running or queued; None: no cap
     max_body_bytes: int | None = None

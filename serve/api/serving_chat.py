@@ -80,6 +80,13 @@ class ChatHandler:
 
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         check_model(request.model, self.settings)
+        if request.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise APIError(
+                400,
+                "This server renders only its own chat template; a request's chat_template "
+                "is refused unless the server was started with --trust-request-chat-template.",
+                param="chat_template",
+            )
         output_parser = self._output_parser(request)
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         text, prompt_ids = render_chat(

@@ -64,8 +64,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     logger.info("Converting %s to safetensors in %s (once) ...", gguf_path, out_dir)
     start = time.perf_counter()
     parent, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name)
+    # The GGUF's directory may hold other files; none of them ever runs as code.
+    model = AutoModelForCausalLM.from_pretrained(
+        parent, gguf_file=name, dtype=torch.float32, trust_remote_code=False
+    )
+    tokenizer = AutoTokenizer.from_pretrained(parent, gguf_file=name, trust_remote_code=False)
     # The weights are already dequantized; the GGUF quantizer left on the model only marks it
     # "not serializable" and would write a quantization_config that no longer applies.
     if getattr(model, "hf_quantizer", None) is not None:

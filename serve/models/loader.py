@@ -86,28 +86,43 @@ def model_max_len(hf_config: Any) -> int:
     return max_len
 
 
-def _weight_files(path: Path, load_format: str) -> tuple[list[Path], bool]:
-    """The checkpoint's weight files, and whether they are safetensors."""
-    index = path / "model.safetensors.index.json"
+def _checkpoint_files(path: Path, index_name: str, pattern: str) -> list[Path]:
+    """A checkpoint's shards as its index lists them, else every file matching `pattern`."""
+    index = path / index_name
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards], True
-    safetensors = sorted(Path(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
-    if safetensors:
-        return safetensors, True
-    bins = sorted(Path(p) for p in glob.glob(os.path.join(path, "*.bin")))
-    if bins and load_format == "pt":
-        return bins, False
-    if bins:
+        return [path / s for s in shards]
+    return sorted(Path(p) for p in glob.glob(os.path.join(path, pattern)))
+
+
+def _weight_files(path: Path, load_format: str, allow_pickle: bool) -> tuple[list[Path], bool]:
+    """The checkpoint's weight files, and whether they are safetensors.
+
+    Pickled `.bin` files are read with torch's restricted unpickler, but a pickle is still
+    a program: they are loaded only when the user passed `--allow-pickle-weights`.
+    """
+    if load_format != "pt":
+        safetensors = _checkpoint_files(path, "model.safetensors.index.json", "*.safetensors")
+        if safetensors:
+            return safetensors, True
+        if load_format == "safetensors":
+            raise FileNotFoundError(f"No weights (*.safetensors) found in {path}.")
+    pickles = _checkpoint_files(path, "pytorch_model.bin.index.json", "*.bin")
+    if not pickles:
+        wanted = "*.bin" if load_format == "pt" else "*.safetensors"
+        raise FileNotFoundError(f"No weights ({wanted}) found in {path}.")
+    if not allow_pickle:
         raise ValueError(
             f"{path} holds only pickled .bin weights, which can run arbitrary code when "
-            "loaded. Convert them to safetensors, or pass --load-format pt if you trust them."
+            "loaded. Convert them to safetensors, or pass --allow-pickle-weights if you trust them."
         )
-    raise FileNotFoundError(f"No weights (*.safetensors) found in {path}.")
+    return pickles, False
 
 
-def iterate_weights(path: Path, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
-    files, is_safetensors = _weight_files(path, load_format)
+def iterate_weights(
+    path: Path, load_format: str = "auto", *, allow_pickle: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    files, is_safetensors = _weight_files(path, load_format, allow_pickle)
     for file in files:
         if is_safetensors:
             from safetensors import safe_open
@@ -134,5 +149,6 @@ def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.de
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     with _default_dtype(dtype), torch.device(device):
         model = model_class(hf_config)
-    model.load_weights(iterate_weights(path, config.load_format))
+    weights = iterate_weights(path, config.load_format, allow_pickle=config.allow_pickle_weights)
+    model.load_weights(weights)
     return model.eval()

@@ -120,9 +120,9 @@ def start_server(
                 continue
             break
         headers = {}
-        api_key = _flag(extra_args, "--api-key") or env_overrides.get("SERVE_API_KEY")
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+        api_keys = _flag(extra_args, "--api-key") or env_overrides.get("SERVE_API_KEY")
+        if api_keys:
+            headers["Authorization"] = f"Bearer {api_keys.split(',')[0].strip()}"
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()
         return Server(url, models["data"][0]["id"], process, log_path)
     pytest.fail(str(last_error), pytrace=False)

@@ -71,10 +71,18 @@ def test_pickle_weights_need_explicit_opt_in(tiny_llama, tmp_path):
     for file in model_dir.glob("*.safetensors"):
         torch.save(load_file(file), model_dir / "pytorch_model.bin")
         file.unlink()
-    with pytest.raises(ValueError, match="--load-format pt"):
+    with pytest.raises(ValueError, match="--allow-pickle-weights"):
         LLM(model=str(model_dir), kv_cache_memory="8MiB")
-    llm = LLM(model=str(model_dir), load_format="pt", kv_cache_memory="8MiB")
-    assert len(llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+    with pytest.raises(ValueError, match="--allow-pickle-weights"):
+        LLM(model=str(model_dir), load_format="pt", kv_cache_memory="8MiB")
+    for load_format in ("auto", "pt"):
+        llm = LLM(
+            model=str(model_dir),
+            load_format=load_format,
+            allow_pickle_weights=True,
+            kv_cache_memory="8MiB",
+        )
+        assert len(llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)) == 1
 
 
 def test_unsupported_architecture(tiny_llama, tmp_path):
