@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,8 +25,9 @@ class AccessLog:
     """One line per request, the 401s of a missing key and CORS preflights included: it
     is the outermost middleware, and sets the request id the rest of the app uses."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, on_response: Callable[[int], None] | None = None) -> None:
         self.app = app
+        self.on_response = on_response  # called with each response's status (metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -52,6 +54,8 @@ class AccessLog:
             if is_stream and state.get("usage") is None:
                 status = CLIENT_CLOSED
             _log(scope, status, start)
+            if self.on_response is not None:
+                self.on_response(status)
 
 
 def _log(scope: Scope, status: int, start: float) -> None:

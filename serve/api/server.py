@@ -19,6 +19,7 @@ from serve.api.admission import Admission, AdmissionGate
 from serve.api.auth import APIKeyAuth, public_paths
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response
+from serve.api.metrics import ServerMetrics
 from serve.api.middleware import CLIENT_CLOSED, AccessLog
 from serve.api.protocol import (
     ChatCompletionRequest,
@@ -115,7 +116,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["Retry-After"],
         )
-    app.add_middleware(AccessLog)
+    app.state.metrics = metrics = ServerMetrics(engine)
+    app.add_middleware(AccessLog, on_response=metrics.count_response)
 
     def _log_unknown(body: OpenAIModel) -> None:
         if body.unknown_fields:
@@ -127,6 +129,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             return Response(status_code=200)
         message = str(engine.dead_error or "The engine is not running.")
         return JSONResponse(error_body(503, message), status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=ServerMetrics.CONTENT_TYPE)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

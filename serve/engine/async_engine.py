@@ -18,7 +18,7 @@ from typing import Any
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
-from serve.engine.messages import Command, Stop
+from serve.engine.messages import Command, CoreStats, Stop
 from serve.engine.output_streams import EngineFrontEnd, OutputStreams
 from serve.engine.protocol import EngineDeadError, RequestError, request_error_message
 from serve.outputs import RequestOutput
@@ -41,7 +41,8 @@ class _QueueCommands:
 
 
 class _StreamReplies:
-    def __init__(self, streams: OutputStreams) -> None:
+    def __init__(self, front_end: EngineFrontEnd, streams: OutputStreams) -> None:
+        self.front_end = front_end
         self.streams = streams
 
     def put_step(self, outputs: list[RequestOutput]) -> None:
@@ -54,6 +55,9 @@ class _StreamReplies:
 
     def request_aborted(self, request_id: str) -> None:
         pass  # its stream is already closed
+
+    def put_stats(self, stats: CoreStats) -> None:
+        self.front_end.core_stats = stats
 
 
 class AsyncEngine(EngineFrontEnd):
@@ -103,7 +107,9 @@ class AsyncEngine(EngineFrontEnd):
 
     def _run(self) -> None:
         try:
-            run_core_loop(self.core, _QueueCommands(self._commands), _StreamReplies(self._streams))
+            run_core_loop(
+                self.core, _QueueCommands(self._commands), _StreamReplies(self, self._streams)
+            )
         except BaseException as e:  # a fault here ends the engine: fail everyone, loudly
             logger.exception("Engine loop died")
             self._streams.fail_all(EngineDeadError(f"The engine failed: {e!r}"))

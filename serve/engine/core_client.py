@@ -33,6 +33,7 @@ from serve.engine.messages import (
     AddRequest,
     CoreFailed,
     CoreReady,
+    CoreStats,
     RequestFailed,
     Stop,
 )
@@ -174,6 +175,8 @@ class EngineCoreClient(EngineFrontEnd):
             elif isinstance(message, RequestFailed):
                 error = RequestError if message.internal else ValueError
                 self._streams.put(message.request_id, error(message.message))
+            elif isinstance(message, CoreStats):
+                self.core_stats = message
             elif isinstance(message, CoreFailed):
                 self._core_error = message.message
         if self._is_stopping:

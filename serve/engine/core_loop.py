@@ -14,12 +14,13 @@ from dataclasses import replace
 from typing import Protocol
 
 from serve.engine.core import EngineCore
-from serve.engine.messages import AbortRequest, Command, Stop
+from serve.engine.messages import AbortRequest, Command, CoreStats, Stop
 from serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 5.0
+STATS_INTERVAL_S = 5.0  # the stats line
+STATS_PUBLISH_S = 0.5  # CoreStats to the front end, while busy
 
 
 class CommandSource(Protocol):
@@ -38,15 +39,24 @@ class ReplySink(Protocol):
     def request_aborted(self, request_id: str) -> None:
         """The front end aborted the request: no more outputs of it will be sent."""
 
+    def put_stats(self, stats: CoreStats) -> None:
+        """The core's latest state and counters (for /metrics)."""
+
 
 def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink) -> None:
     """Run until a Stop command. Whatever `core.step()` or the ends raise propagates: the
     caller decides how the engine dies."""
     stats = StatsLogger(core)
+    published_at, changed = 0.0, True
     while True:
         # Idle: block until a command arrives. Busy: take whatever is queued.
         block = not core.has_unfinished_requests()
+        now = time.monotonic()
+        if changed and (block or now - published_at >= STATS_PUBLISH_S):
+            replies.put_stats(core_stats(core))
+            published_at, changed = now, False
         while (command := commands.get(block)) is not None:
+            changed = True
             if block:
                 stats.start_window(core)  # idle time is not throughput
             if isinstance(command, Stop):
@@ -56,9 +66,14 @@ def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink)
         if not core.has_unfinished_requests():
             continue
         outputs = core.step()
+        changed = True
         stats.record(core)
         if outputs:
             replies.put_step(outputs)
+
+
+def core_stats(core: EngineCore) -> CoreStats:
+    return CoreStats(core.stats(), core.num_generated_tokens, replace(core.step_times))
 
 
 def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:

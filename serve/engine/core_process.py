@@ -4,7 +4,8 @@
     commands ── AddRequest / AbortRequest / Stop ──▶ run_core_loop → EngineCore.step()
     outputs  ◀── CoreReady | CoreFailed ──────────── once, after building EngineCore
              ◀── list[OutputDelta] ───────────────── one message per step
-             ◀── RequestFailed ───────────────────── a request refused when added
+             ◀── RequestFailed ───────────────────── a request that failed when added
+             ◀── CoreStats ───────────────────────── for /metrics, while busy and when idle
              ◀── CoreFailed ──────────────────────── the loop died (then exit 1)
 
 Both are one-way `multiprocessing` pipes of pickled plain dataclasses. The child sends
@@ -25,7 +26,7 @@ from multiprocessing.connection import Connection
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
-from serve.engine.messages import Command, CoreFailed, CoreReady, RequestFailed
+from serve.engine.messages import Command, CoreFailed, CoreReady, CoreStats, RequestFailed
 from serve.engine.output_deltas import DeltaEncoder
 from serve.engine.protocol import request_error_message
 from serve.outputs import RequestOutput
@@ -62,6 +63,9 @@ class _PipeReplies:
 
     def request_aborted(self, request_id: str) -> None:
         self.deltas.forget(request_id)
+
+    def put_stats(self, stats: CoreStats) -> None:
+        self.conn.send(stats)
 
 
 def run_core_process(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from serve.outputs import EngineStats, StepTimes
 from serve.sampling_params import SamplingParams
 
 # -- commands: front end → core ---------------------------------------------------------
@@ -68,3 +69,13 @@ class CoreFailed:
 
     error_type: str
     message: str
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """The core's state and counters at one moment, for /metrics: sent at most every
+    STATS_PUBLISH_S while it is busy, and once more when it goes idle."""
+
+    engine: EngineStats
+    num_generated_tokens: int
+    step_times: StepTimes

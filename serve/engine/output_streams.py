@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from serve.engine.messages import AbortRequest, AddRequest, Command
+from serve.engine.messages import AbortRequest, AddRequest, Command, CoreStats
 from serve.engine.output_deltas import OutputDelta, apply_delta
 from serve.engine.protocol import EngineDeadError, RequestError
 from serve.outputs import RequestOutput
@@ -128,6 +128,7 @@ class EngineFrontEnd:
     def __init__(self) -> None:
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
         self._streams = OutputStreams()
+        self.core_stats: CoreStats | None = None  # the latest the core sent
 
     @property
     def dead_error(self) -> EngineDeadError | None:

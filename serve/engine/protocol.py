@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from serve.engine.messages import CoreStats
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -48,6 +49,10 @@ class EngineClient(Protocol):
     @property
     def dead_error(self) -> EngineDeadError | None:
         """Why the engine is dead; None while it runs."""
+
+    @property
+    def core_stats(self) -> CoreStats | None:
+        """The core's latest state and counters (None before its first report)."""
 
     def generate(
         self,

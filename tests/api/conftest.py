@@ -51,6 +51,33 @@ class Server:
         )
 
 
+def scrape_metrics(server: Server, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The server's /metrics samples, as {'name{label="v",...}': value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def wait_until_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]:
+    """The metrics once the engine reports no request left (it reports when it idles)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape_metrics(server)
+        busy = sum(
+            metrics.get(f"serve_num_requests_{state}", 1.0)
+            for state in ("running", "waiting", "swapped")
+        )
+        if busy == 0 or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

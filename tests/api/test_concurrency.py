@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import re
 import time
 
 import httpx
 import openai
 import pytest
+from api.conftest import wait_until_idle
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8
@@ -142,3 +145,68 @@ def test_non_streaming_client_that_leaves_aborts_its_request(server_factory):
     assert not re.search(
         r'"POST /v1/completions" 200 prompt_tokens=\d+ completion_tokens=300 ', server.log()
     )
+
+
+STORM_STREAMS = 100
+STORM_CUT = 50
+STORM_MAX_TOKENS = 64
+NEW_REQUEST_S = 5.0
+
+
+def test_disconnect_storm_frees_every_block(long_context_model, server_factory):
+    """100 streams at once, 50 cut off at random points: the other 50 finish whole, a new
+    request completes within 5 s of the storm, and afterwards no KV block is held."""
+    server = server_factory("--max-model-len", "4096", model=long_context_model)
+    rng = random.Random(7)
+    cut_after = {i: rng.randint(1, STORM_MAX_TOKENS // 2) for i in rng.sample(range(100), 50)}
+    body = {
+        "model": server.model,
+        "max_tokens": STORM_MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def stream(client: httpx.AsyncClient, i: int) -> int | None:
+        """The completion tokens of a whole stream; None for one cut off after
+        `cut_after[i]` content events."""
+        request = {**body, "prompt": f"Story {i}: once upon a time"}
+        events, completion_tokens = 0, None
+        async with client.stream("POST", f"{server.v1}/completions", json=request) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                events += 1
+                if events == cut_after.get(i):
+                    return None  # leaving the block closes the connection
+                usage = json.loads(line.removeprefix("data: ")).get("usage")
+                if usage:
+                    completion_tokens = usage["completion_tokens"]
+        return completion_tokens
+
+    async def storm() -> tuple[list[int], float]:
+        limits = httpx.Limits(max_connections=STORM_STREAMS + 1)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            streams = [asyncio.create_task(stream(client, i)) for i in range(STORM_STREAMS)]
+            cuts = [streams[i] for i in cut_after]
+            await asyncio.gather(*cuts)
+            start = time.monotonic()
+            new = await client.post(
+                f"{server.v1}/completions",
+                json={"model": server.model, "prompt": "After the storm", "max_tokens": 8},
+            )
+            new_s = time.monotonic() - start
+            assert new.status_code == 200 and new.json()["usage"]["completion_tokens"] == 8
+            return await asyncio.gather(*streams), new_s
+
+    completion_tokens, new_request_s = asyncio.run(storm())
+    assert completion_tokens == [
+        None if i in cut_after else STORM_MAX_TOKENS for i in range(STORM_STREAMS)
+    ]
+    assert new_request_s < NEW_REQUEST_S
+    metrics = wait_until_idle(server)
+    assert metrics["serve_num_requests_running"] == 0
+    assert metrics["serve_kv_cache_blocks_used"] == 0
+    assert server.process.poll() is None
