@@ -170,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
         "503) before the rest end with an error",
     )
     server.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=None,
+        help="seconds a generation request may run; past them it is stopped with a 504 "
+        "(an error event when streamed) and its KV blocks freed (default: no limit)",
+    )
+    server.add_argument(
+        "--grammar-compile-timeout",
+        type=_positive_float,
+        default=60.0,
+        help="seconds to compile a request's JSON schema, regex or grammar; past them the "
+        "request gets a 400",
+    )
+    server.add_argument(
         "--disable-frontend-multiprocessing",
         action="store_true",
         help="run the engine core on a thread of the API process, not in its own process",
@@ -217,6 +231,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
     return value
 
 
@@ -343,6 +364,8 @@ def _load(args: argparse.Namespace):
         tool_call_parser=args.tool_call_parser,
         max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,
         max_body_bytes=args.max_request_body_bytes,
+        request_timeout_s=args.request_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
     )
     return build_app(engine, settings), settings
 

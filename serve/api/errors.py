@@ -14,6 +14,7 @@ _TYPES = {
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 

@@ -152,7 +152,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     async def respond(handler: ChatHandler | CompletionHandler, body: Any, request: Request):
         _log_unknown(body)
-        await check_structured_output(engine, body)
+        await check_structured_output(engine, body, settings.grammar_compile_timeout_s)
         if body.stream:
             events = handler.stream(body, _usage_recorder(request))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)

@@ -12,8 +12,14 @@ from typing import Any
 
 from serve.api.errors import APIError, error_body
 from serve.api.protocol import SamplingRequest, now
-from serve.engine.protocol import EngineClient, EngineDeadError, RequestError
+from serve.engine.protocol import (
+    EngineClient,
+    EngineDeadError,
+    RequestError,
+    RequestTimeoutError,
+)
 from serve.outputs import CompletionOutput, RequestOutput
+from serve.sampling_params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,8 @@ class ServerSettings:
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
     max_generating_requests: int | None = None  # in flight, running or queued; None: no cap
     max_body_bytes: int | None = None
+    request_timeout_s: float | None = None  # a generation request's deadline; None: none
+    grammar_compile_timeout_s: float | None = None  # compiling a request's grammar
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
@@ -203,6 +211,8 @@ async def guard_stream() -> AsyncIterator[StreamFailure]:
         failure.error = error_body(503, str(e))
     except RequestError as e:
         failure.error = error_body(500, str(e))
+    except RequestTimeoutError as e:
+        failure.error = error_body(504, str(e))
     except ValueError as e:
         failure.error = error_body(400, str(e))
 
@@ -249,6 +259,8 @@ async def final_outputs(
         raise APIError(400, str(e)) from None
     except RequestError as e:  # the engine failed this request alone
         raise APIError(500, str(e)) from None
+    except RequestTimeoutError as e:
+        raise APIError(504, str(e)) from None
     return [last[i] for i in range(len(streams))]
 
 
@@ -327,14 +339,16 @@ def open_stream(
     prompt: str | None,
     max_tokens: int,
     num_logprobs: int | None,
+    timeout_s: float | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
-    """One engine request for a prompt's `n` choices, which share the prompt's KV blocks."""
+    """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
+    it is stopped with RequestTimeoutError after `timeout_s`."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs)
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
-    return engine.generate(request_id, prompt_token_ids, params, prompt)
+    return engine.generate(request_id, prompt_token_ids, params, prompt, timeout_s)
 
 
 def _param_named(message: str, request: SamplingRequest) -> str | None:
@@ -346,18 +360,34 @@ def _param_named(message: str, request: SamplingRequest) -> str | None:
     return first if first in fields else None
 
 
-async def check_structured_output(engine: EngineClient, request: SamplingRequest) -> None:
-    """Compile the request's grammar before it starts: an invalid schema, regex or grammar
-    is a 400 naming the problem, and never reaches the engine loop."""
+async def check_structured_output(
+    engine: EngineClient, request: SamplingRequest, timeout_s: float | None = None
+) -> None:
+    """Compile the request's grammar before it starts: an invalid schema, regex or grammar,
+    or one that takes longer than `timeout_s` to compile, is a 400 naming the problem and
+    never reaches the engine loop."""
     try:
         spec = request.structured_outputs_params()
         if spec is not None:
-            await engine.compile_grammar(spec)
+            await _compile_within(engine, spec, timeout_s)
     except ValueError as e:
         param = next(
             (f for f in STRUCTURED_OUTPUT_FIELDS if getattr(request, f, None) is not None), None
         )
         raise APIError(400, str(e), param=param) from None
+
+
+async def _compile_within(
+    engine: EngineClient, spec: StructuredOutputsParams, timeout_s: float | None
+) -> None:
+    try:
+        await asyncio.wait_for(engine.compile_grammar(spec), timeout_s)
+    except TimeoutError:
+        # The compile thread runs on (it cannot be interrupted); the request is refused.
+        raise ValueError(
+            f"Compiling this request's structured output took longer than {timeout_s:g} s "
+            "(the server's --grammar-compile-timeout). Simplify the schema, regex or grammar."
+        ) from None
 
 
 STRUCTURED_OUTPUT_FIELDS = (

@@ -217,6 +217,7 @@ class ChatHandler:
             prompt.text,
             prompt.max_tokens,
             request.num_logprobs,
+            self.settings.request_timeout_s,
         )
 
     async def _events(

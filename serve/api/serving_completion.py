@@ -88,6 +88,7 @@ class CompletionHandler:
                 text,
                 max_tokens,
                 request.num_logprobs,
+                self.settings.request_timeout_s,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]

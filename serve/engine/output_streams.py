@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from serve.engine.messages import AbortRequest, AddRequest, Command, CoreStats
 from serve.engine.output_deltas import OutputDelta, apply_delta
-from serve.engine.protocol import EngineDeadError, RequestError
+from serve.engine.protocol import EngineDeadError, RequestError, RequestTimeoutError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
 
@@ -40,10 +40,11 @@ class OutputStreams:
         self.dead_error: EngineDeadError | None = None  # set once, by fail_all
 
     async def generate(
-        self, add: AddRequest, send: Callable[[Command], None]
+        self, add: AddRequest, send: Callable[[Command], None], timeout_s: float | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing or cancelling the
-        iterator early sends an abort, which frees the request's blocks in the core."""
+        iterator early, or `timeout_s` passing (RequestTimeoutError), sends an abort,
+        which frees the request's blocks in the core."""
         request_id = add.request_id
         stream = _Stream(asyncio.get_running_loop(), add)
         with self._lock:  # a stream registered here is failed by any later fail_all
@@ -53,10 +54,11 @@ class OutputStreams:
                 raise ValueError(f"A request with id {request_id!r} is already running.")
             self._streams[request_id] = stream
         send(add)
+        deadline = None if timeout_s is None else stream.loop.time() + timeout_s
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await _next_before(stream.queue, deadline, timeout_s)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -107,6 +109,20 @@ class OutputStreams:
             stream.put(EngineDeadError(str(error)))
 
 
+async def _next_before(
+    items: asyncio.Queue, deadline: float | None, timeout_s: float | None
+) -> RequestOutput | BaseException:
+    if deadline is None:
+        return await items.get()
+    try:
+        return await asyncio.wait_for(items.get(), deadline - asyncio.get_running_loop().time())
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"The request did not finish within {timeout_s:g} s (the server's "
+            "--request-timeout) and was stopped. Ask for fewer tokens (max_tokens)."
+        ) from None
+
+
 def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
     for stream, out in items:
         stream.queue.put_nowait(out)
@@ -140,8 +156,10 @@ class EngineFrontEnd:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes. Closing or cancelling the
-        iterator early aborts the request in the core and frees its blocks."""
+        """Cumulative outputs of one request until it finishes or `timeout_s` passes.
+        Closing or cancelling the iterator early aborts the request in the core and
+        frees its blocks."""
         add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
-        return self._streams.generate(add, self._commands.put)
+        return self._streams.generate(add, self._commands.put, timeout_s)

@@ -24,6 +24,10 @@ class RequestError(RuntimeError):
     ended and freed its blocks, and every other request runs on."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """A request ran past its deadline (`--request-timeout`): it was aborted."""
+
+
 def request_error_message(error: BaseException) -> str:
     """What a client is told when processing its request raised `error` in the engine."""
     return (
@@ -60,11 +64,13 @@ class EngineClient(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing the iterator early
         aborts the request. Raises ValueError for a request the engine refuses,
-        RequestError when processing this request failed, and EngineDeadError (also
-        mid-stream) when the engine is gone."""
+        RequestError when processing this request failed, RequestTimeoutError (and aborts
+        it) once it has run `timeout_s`, and EngineDeadError (also mid-stream) when the
+        engine is gone."""
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         """ValueError unless every id is in the model's vocabulary."""
