@@ -23,19 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shlex
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import serving
 import workload
+from server_process import start_server, stop_server
 from workload import Request, WorkloadSpec
 
 BEFORE = "--disable-frontend-multiprocessing --no-enable-chunked-prefill --no-async-scheduling"
@@ -63,38 +58,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     return p.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(
-    flags: str, args: argparse.Namespace, name: str
-) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "serve.api.cli", "--port", str(port)]
-    cmd += ["--model", args.model] if args.model else []
-    cmd += shlex.split(args.common) + shlex.split(flags)
-    log_path = args.log_dir / f"serve-compare-{name}-{port}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            sys.exit(f"{name} server exited:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url, log_path
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    sys.exit(f"{name} server did not start:\n{log_path.read_text()}")
 
 
 def busy_fraction(log_text: str) -> float | None:
@@ -145,18 +108,15 @@ async def long_prompt_load(url: str, token_ids: range, args) -> dict:
 
 
 def measure(name: str, flags: str, args, requests, token_ids) -> dict:
-    process, url, log_path = start_server(flags, args, name)
+    model_flags = shlex.split(args.common) + shlex.split(flags)
+    process, url, log_path = start_server(args.model, model_flags, args.log_dir, f"compare-{name}")
     try:
         start = len(log_path.read_text())
         throughput = asyncio.run(throughput_load(url, requests, args))
         busy = busy_fraction(log_path.read_text()[start:])
         long_prompt = asyncio.run(long_prompt_load(url, token_ids, args))
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_server(process)
     result = {"flags": flags, "throughput": throughput, "busy": busy, "long_prompt": long_prompt}
     itl = long_prompt["itl_ms"]
     print(
