@@ -10,6 +10,7 @@ text, both in a tool parser's format, so that the model reads what it is asked t
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 from serve.api.errors import APIError
@@ -73,10 +74,11 @@ def render_chat(
     chat_template: str | None,
     tools: list[dict[str, Any]] | None = None,
     tool_format: ToolParser | None = None,
+    check_text: Callable[[str], None] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and ids for a conversation (`template_messages`) and its tools
     (OpenAI's tool objects). `tool_format` (default hermes) writes the tools and past calls
-    that the template does not."""
+    that the template does not. `check_text` sees the text before it is tokenized."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400,
@@ -102,4 +104,6 @@ def render_chat(
         )
     except Exception as e:  # a template may raise on roles it does not support
         raise APIError(400, f"The chat template cannot render these messages: {e}") from None
+    if check_text is not None:
+        check_text(text)
     return text, tokenizer(text, add_special_tokens=False).input_ids

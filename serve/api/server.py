@@ -29,7 +29,12 @@ from serve.api.protocol import (
     TokenizeRequest,
     now,
 )
-from serve.api.serving_base import ServerSettings, check_model, check_structured_output
+from serve.api.serving_base import (
+    ServerSettings,
+    check_model,
+    check_structured_output,
+    off_the_loop,
+)
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
 from serve.engine.protocol import EngineClient, EngineDeadError
@@ -154,7 +159,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         _log_unknown(body)
         await check_structured_output(engine, body, settings.grammar_compile_timeout_s)
         if body.stream:
-            events = handler.stream(body, _usage_recorder(request))
+            events = await handler.stream(body, _usage_recorder(request))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
         result = await _unless_disconnected(handler.create(body), request)
         if result is None:
@@ -174,6 +179,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             check_model(body.model, settings)
+        ids = await off_the_loop(_tokenize, body)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    def _tokenize(body: TokenizeRequest) -> list[int]:
         tokenizer = engine.tokenizer
         if body.messages is not None:
             _, ids = render_chat(
@@ -182,9 +191,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                 body.add_generation_prompt,
                 settings.chat_template,
             )
-        else:
-            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+            return ids
+        return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

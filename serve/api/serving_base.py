@@ -4,11 +4,12 @@ of each prompt, holding back text that may yet turn out to be a stop string, and
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from serve.api.errors import APIError, error_body
 from serve.api.protocol import SamplingRequest, now
@@ -20,6 +21,8 @@ from serve.engine.protocol import (
 )
 from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import StructuredOutputsParams
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,45 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
             code="context_length_exceeded",
         )
     return requested if requested is not None else max_model_len - prompt_len
+
+
+# Rendering and tokenizing prompts run here, off the event loop (a long prompt takes
+# seconds, and would stall every stream), on one thread: HF fast tokenizers are not safe
+# to call from several threads at once.
+_PROMPT_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="api-prompt")
+
+
+async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on the prompt thread."""
+    return await asyncio.get_running_loop().run_in_executor(_PROMPT_THREAD, fn, *args)
+
+
+class PromptCharLimit:
+    """A prompt text too long for the context window, found before it is tokenized.
+
+    Tokenizing costs time in proportion to the text (seconds for megabytes), so a prompt
+    that cannot fit is refused on its length in characters first: no token of this
+    tokenizer spells more than `max_token_chars` characters, so a text of n characters is
+    at least n / max_token_chars tokens. The bound is loosened 4x, for normalizers that
+    fold several characters into one (combining accents, collapsed whitespace)."""
+
+    SLACK = 4
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        max_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        self.max_model_len = max_model_len
+        self.max_chars = max_model_len * max(max_token_chars, 1) * self.SLACK
+
+    def check(self, text: str, param: str) -> None:
+        if len(text) > self.max_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the prompt has {len(text)} characters, far more than that many "
+                "tokens can hold. Please reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
 
 def check_model(model: str | None, settings: ServerSettings) -> None:

@@ -14,11 +14,13 @@ from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
 from serve.api.serving_base import (
     ChunkWriter,
+    PromptCharLimit,
     ServerSettings,
     UsageCallback,
     check_model,
     final_outputs,
     finish_chunk,
+    off_the_loop,
     open_stream,
     prompt_logprobs_json,
     ranked_alternatives,
@@ -75,6 +77,7 @@ class ChatHandler:
     def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
+        self.prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)
         name = settings.tool_call_parser
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
 
@@ -96,6 +99,7 @@ class ChatHandler:
             request.chat_template or self.settings.chat_template,
             tools,
             self.tool_parser,
+            lambda text: self.prompt_chars.check(text, "messages"),
         )
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, self.engine.max_model_len
@@ -160,7 +164,7 @@ class ChatHandler:
         return {"content": content}
 
     async def create(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        prompt = self.prepare(request)
+        prompt = await off_the_loop(self.prepare, request)
         request_id = random_id("chatcmpl")
         (out,) = await final_outputs([self._open(request, request_id, prompt)])
         finals = sorted(out.outputs, key=lambda c: c.index)
@@ -192,13 +196,13 @@ class ChatHandler:
             )
         return body
 
-    def stream(
+    async def stream(
         self, request: ChatCompletionRequest, on_usage: UsageCallback | None = None
     ) -> AsyncIterator[str]:
         """SSE chunks as OpenAI sends them: a role chunk per choice, content and tool-call
         deltas, a finish chunk per choice, the usage chunk if asked for, then [DONE]. Bad
         requests raise here, before the response starts."""
-        prompt = self.prepare(request)
+        prompt = await off_the_loop(self.prepare, request)
         writer = ChunkWriter(
             random_id("chatcmpl"),
             "chat.completion.chunk",

@@ -9,11 +9,13 @@ from serve.api.errors import APIError
 from serve.api.protocol import CompletionRequest, now, random_id
 from serve.api.serving_base import (
     ChunkWriter,
+    PromptCharLimit,
     ServerSettings,
     UsageCallback,
     check_model,
     final_outputs,
     finish_chunk,
+    off_the_loop,
     open_stream,
     prompt_logprobs_json,
     ranked_alternatives,
@@ -30,6 +32,7 @@ class CompletionHandler:
     def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
+        self.prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)
 
     def _prompts(self, request: CompletionRequest) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt: a string, strings, token ids, or lists of ids."""
@@ -41,6 +44,7 @@ class CompletionHandler:
         prompts = []
         for item in raw:
             if isinstance(item, str):
+                self.prompt_chars.check(item, "prompt")
                 ids = self.tokenizer(item).input_ids
                 prompts.append((item, ids))
                 continue
@@ -159,7 +163,7 @@ class CompletionHandler:
         return choice
 
     async def create(self, request: CompletionRequest) -> dict[str, Any]:
-        prompts = self.prepare(request)
+        prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("cmpl")
         outs = await final_outputs(self._open(request, request_id, prompts))
         choices = []
@@ -178,10 +182,10 @@ class CompletionHandler:
             "usage": usage(num_prompt, num_completion),
         }
 
-    def stream(
+    async def stream(
         self, request: CompletionRequest, on_usage: UsageCallback | None = None
     ) -> AsyncIterator[str]:
-        prompts = self.prepare(request)
+        prompts = await off_the_loop(self.prepare, request)
         writer = ChunkWriter(
             random_id("cmpl"),
             "text_completion",
