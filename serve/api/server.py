@@ -17,7 +17,7 @@ import serve
 from serve.api.admission import Admission, AdmissionGate
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response
-from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog
+from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog, InternalErrors
 from serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -89,15 +89,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(503, str(exc)), status_code=503)
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        request_id = getattr(request.state, "request_id", "?")
-        logger.exception("Internal error in request %s", request_id)
-        message = f"Internal server error (request {request_id}); the server log has details."
-        return JSONResponse(error_body(500, message), status_code=500)
-
     app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
     app.add_middleware(AdmissionGate, admission=app.state.admission)
+    app.add_middleware(InternalErrors)  # any exception no handler above took: a 500
     app.add_middleware(AuthAndAccessLog, api_key=settings.api_key)  # outermost: logs all
 
     def _log_unknown(body: OpenAIModel) -> None:
