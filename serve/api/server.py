@@ -17,6 +17,7 @@ import serve
 from serve.api.admission import Admission, AdmissionGate
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response
+from serve.api.json_body import JSONBodyRoute
 from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog, InternalErrors
 from serve.api.protocol import (
     ChatCompletionRequest,
@@ -44,8 +45,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(location) or None
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON.", None
     return (f"{param}: {message}" if param else message), param
 
 
@@ -64,7 +63,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         lifespan=lifespan,
+        strict_content_type=False,  # JSONBodyRoute answers other types; none at all is JSON
     )
+    app.router.route_class = JSONBodyRoute
     app.state.engine, app.state.settings = engine, settings
     chat = ChatHandler(engine, settings)
     completions = CompletionHandler(engine, settings)
