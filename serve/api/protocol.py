@@ -18,6 +18,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from serve.api.tool_parsers.base import load_json
 from serve.api.tool_parsers.forced import named_function_schema, required_tool_calls_schema
@@ -29,7 +30,8 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN and infinity are not JSON, though Python's parser reads them (and 1e999 as inf).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def unknown_fields(self) -> list[str]:
@@ -101,7 +103,7 @@ class SamplingRequest(OpenAIModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
@@ -244,10 +246,23 @@ class MessageToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    # Checked even when absent (validate_default): only a call-carrying assistant message
+    # may leave it out. After role and tool_calls, which its check reads.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    name: str | None = None
     tool_call_id: str | None = None  # tool messages: the call they answer
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is not None or not {"role", "tool_calls"} <= info.data.keys():
+            return content  # given, or the message is invalid already
+        if info.data["role"] != "assistant":
+            raise PydanticCustomError("missing", f"a {info.data['role']} message needs content")
+        if not info.data.get("tool_calls"):
+            raise PydanticCustomError("missing", "an assistant message needs content or tool_calls")
+        return content
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import serve
 from serve.api.admission import Admission, AdmissionGate
 from serve.api.chat_rendering import render_chat, template_messages
-from serve.api.errors import APIError, error_body, error_response
+from serve.api.errors import APIError, error_body, error_response, validation_message
 from serve.api.json_body import JSONBodyRoute
 from serve.api.middleware import CLIENT_CLOSED, AuthAndAccessLog, InternalErrors
 from serve.api.protocol import (
@@ -35,17 +35,6 @@ from serve.engine.protocol import EngineClient, EngineDeadError
 logger = logging.getLogger("serve.api")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "Invalid request.", None
-    first = errors[0]
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(location) or None
-    message = first.get("msg", "invalid value").removeprefix("Value error, ")
-    return (f"{param}: {message}" if param else message), param
 
 
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -76,7 +65,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors(), exc.body)
         return JSONResponse(error_body(400, message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
