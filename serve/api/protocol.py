@@ -2,6 +2,8 @@
 
 Unknown fields are accepted and ignored, as OpenAI's own clients and many tools send
 fields a server may not know; known fields with wrong types or values fail with a 400.
+Limits the server sets (--max-n, --max-stop-sequences, ...) are checked against its
+settings (serving_base.check_limits), not here.
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ class SamplingRequest(OpenAIModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1)
     # vLLM's extras: sample best_of, return the n most likely; or beam search of width
     # best_of (default n) ranked as HF transformers ranks beams.
-    best_of: int | None = Field(default=None, ge=1, le=128)
+    best_of: int | None = Field(default=None, ge=1)
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False

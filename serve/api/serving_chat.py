@@ -16,6 +16,7 @@ from serve.api.serving_base import (
     ChunkWriter,
     ServerSettings,
     UsageCallback,
+    check_limits,
     check_model,
     final_outputs,
     finish_chunk,
@@ -80,6 +81,7 @@ class ChatHandler:
 
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         check_model(request.model, self.settings)
+        check_limits(request, self.settings.limits)
         output_parser = self._output_parser(request)
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         text, prompt_ids = render_chat(

@@ -11,6 +11,7 @@ from serve.api.serving_base import (
     ChunkWriter,
     ServerSettings,
     UsageCallback,
+    check_limits,
     check_model,
     final_outputs,
     finish_chunk,
@@ -57,6 +58,7 @@ class CompletionHandler:
 
     def prepare(self, request: CompletionRequest) -> list[tuple[str, list[int], int]]:
         check_model(request.model, self.settings)
+        check_limits(request, self.settings.limits)
         if request.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix")
         if request.echo and request.logprobs is not None and request.stream:
