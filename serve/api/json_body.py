@@ -6,7 +6,8 @@ through (`"\\ud800"` is a valid JSON escape, but no UTF-8 text can hold it), whi
 tokenizer then raises on. Here, for every route that takes a body:
 
 - a Content-Type that is not JSON gets 415; a missing one is read as JSON;
-- a body that is not UTF-8 JSON, or not an object, gets 400 saying so;
+- a body that is not UTF-8 JSON, or not an object, or nests deeper than
+  MAX_NESTING_DEPTH, gets 400 saying so;
 - a string (or object key) with a lone surrogate gets 400 naming its field.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -26,6 +28,11 @@ from serve.api.errors import APIError
 # escapes \ud800-\udfff: bodies without such an escape need no walk.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+# Deeper bodies (a JSON schema nested hundreds of levels) overflow the recursion of the
+# code that handles them, such as pickling a request for the engine process. OpenAI's
+# structured outputs allow schemas 10 levels deep.
+MAX_NESTING_DEPTH = 64
+_TOO_DEEP = f"The request body nests more than {MAX_NESTING_DEPTH} arrays and objects deep."
 
 JSONPath = list[str | int]
 
@@ -51,12 +58,18 @@ def decode_json_object(body: bytes) -> dict[str, Any]:
         raise APIError(
             400, f"The request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})."
         ) from None
-    except RecursionError:
+    except ValueError:  # json.loads's one other error: an integer too long to convert
         raise APIError(
-            400, "The request body is not valid JSON: it is nested too deeply."
+            400,
+            f"The request body holds an integer of more than {sys.get_int_max_str_digits()} "
+            "digits.",
         ) from None
+    except RecursionError:
+        raise APIError(400, _TOO_DEEP) from None
     if not isinstance(value, dict):
         raise APIError(400, f"The request body must be a JSON object, not {_json_kind(value)}.")
+    if _nesting_depth(value) > MAX_NESTING_DEPTH:
+        raise APIError(400, _TOO_DEEP)
     path = _lone_surrogate_path(value) if _SURROGATE_ESCAPE.search(text) else None
     if path is not None:
         # The key itself may hold the surrogate: escaped, as a response cannot hold it either.
@@ -76,6 +89,21 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
     return {list: "an array", str: "a string"}.get(type(value), "a number")
+
+
+def _nesting_depth(value: dict[str, Any]) -> int:
+    """How many objects and arrays deep `value` goes, counted a level at a time; stops
+    counting past MAX_NESTING_DEPTH."""
+    depth, level = 0, [value]
+    while level and depth <= MAX_NESTING_DEPTH:
+        depth += 1
+        level = [
+            child
+            for item in level
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, (dict, list))
+        ]
+    return depth
 
 
 def _lone_surrogate_path(value: Any) -> JSONPath | None:

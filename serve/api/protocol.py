@@ -26,6 +26,8 @@ from serve.api.tool_parsers.base import load_json
 from serve.api.tool_parsers.forced import named_function_schema, required_tool_calls_schema
 from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
+MAX_LENGTH_PENALTY = 10.0
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -76,7 +78,9 @@ class SamplingRequest(OpenAIModel):
     # best_of (default n) ranked as HF transformers ranks beams.
     best_of: int | None = Field(default=None, ge=1)
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    # Beam scores divide by output_len ** length_penalty, which must stay a finite,
+    # non-zero float for any output length: HF's useful values are around 0 to 2.
+    length_penalty: float = Field(default=1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

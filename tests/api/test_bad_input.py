@@ -56,9 +56,21 @@ def assert_still_serving(http: httpx.Client, server, refused: httpx.Response) ->
         (b"null", "must be a JSON object, not null"),
         (b"", "empty"),
         (b'{"prompt": "\xff"}', "not valid UTF-8"),
-        (b"[" * 100_000, "nested too deeply"),
+        (b"[" * 100_000, "nests more than 64"),  # past what Python's parser recurses to
+        (b'{"guided_json": ' + b'{"a": ' * 64 + b"{}" + b"}" * 64 + b"}", "nests more than 64"),
+        (b'{"max_tokens": ' + b"9" * 5000 + b"}", "integer of more than"),
     ],
-    ids=["malformed", "array", "string", "null", "empty", "not-utf8", "deep"],
+    ids=[
+        "malformed",
+        "array",
+        "string",
+        "null",
+        "empty",
+        "not-utf8",
+        "deepest",
+        "deep-schema",
+        "long-integer",
+    ],
 )
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, "/tokenize"])
 def test_a_body_that_is_not_a_json_object_is_400(http, server, path, body, words):
@@ -196,6 +208,12 @@ def test_context_window_overflow_says_the_numbers(http, server):
         (COMPLETIONS, {"n": 2, "best_of": 129}, "best_of", "--max-n"),
         (COMPLETIONS, {"use_beam_search": True, "best_of": 10**6}, "best_of", "--max-n"),
         (COMPLETIONS, {"length_penalty": float("nan")}, "length_penalty", "finite"),
+        (
+            COMPLETIONS,
+            {"use_beam_search": True, "best_of": 2, "temperature": 0, "length_penalty": 1e308},
+            "length_penalty",
+            "less than or equal to 10",
+        ),
         (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "--max-logprobs"),
         (COMPLETIONS, {"logprobs": 21}, "logprobs", "--max-logprobs"),
         (COMPLETIONS, {"prompt_logprobs": 21}, "prompt_logprobs", "--max-logprobs"),
