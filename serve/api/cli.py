@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 
+from serve.api.limits import RequestLimits
 from serve.api.tool_parsers import TOOL_PARSERS
 from serve.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -161,6 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=16 * 1024 * 1024,
         help="larger request bodies get 413",
+    )
+    server.add_argument(
+        "--max-n",
+        type=_positive_int,
+        default=RequestLimits.max_n,
+        help="most choices (n) and best_of, so also the beam width, a request may ask for",
+    )
+    server.add_argument(
+        "--max-stop-sequences",
+        type=_positive_int,
+        default=RequestLimits.max_stop_sequences,
+        help="most entries in a request's stop, stop_token_ids and bad_words lists (each)",
+    )
+    server.add_argument(
+        "--max-logit-bias",
+        type=_positive_int,
+        default=RequestLimits.max_logit_bias,
+        help="most logit_bias entries in a request",
     )
     server.add_argument(
         "--shutdown-timeout",
@@ -366,6 +385,7 @@ def _load(args: argparse.Namespace):
         max_body_bytes=args.max_request_body_bytes,
         request_timeout_s=args.request_timeout,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
     )
     return build_app(engine, settings), settings
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from http import HTTPStatus
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -12,6 +14,7 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
@@ -41,3 +44,34 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(
         error_body(error.status, error.message, error.param, error.code), status_code=error.status
     )
+
+
+def validation_message(errors: Sequence[Any], body: Any) -> tuple[str, str | None]:
+    """The message and `param` for pydantic's errors about a request `body`: the error
+    about the deepest field (for a union field, the member that matched furthest), its
+    message prefixed with the field's dotted path."""
+    if not errors:
+        return "Invalid request.", None
+    located = [(_field_path(error, body), error) for error in errors]
+    path, error = max(located, key=lambda pair: len(pair[0]))  # the first among equals
+    param = ".".join(str(step) for step in path) or None
+    message = error.get("msg", "invalid value").removeprefix("Value error, ")
+    return (f"{param}: {message}" if param else message), param
+
+
+def _field_path(error: Any, body: Any) -> list[str | int]:
+    """The error's location in the body, without the steps pydantic adds that the body
+    does not have: the member of a union it tried (`content.str`,
+    `tool_choice.NamedToolChoice`). A missing field, the last step, is kept."""
+    steps = [step for step in error.get("loc", ()) if step != "body"]
+    path: list[str | int] = []
+    value = body
+    for i, step in enumerate(steps):
+        if isinstance(value, dict) and step in value:
+            value = value[step]
+        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+            value = value[step]
+        elif not (i == len(steps) - 1 and error.get("type") == "missing"):
+            continue
+        path.append(step)
+    return path

@@ -1,4 +1,4 @@
-"""The access log, as plain ASGI middleware.
+"""The access log and the last word on unexpected errors, as plain ASGI middleware.
 
 Plain ASGI rather than Starlette's BaseHTTPMiddleware: the endpoint keeps the server's own
 `receive`, so `request.is_disconnected()` sees a client that hangs up, and a streamed
@@ -13,8 +13,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve.api.errors import error_body
+
+logger = logging.getLogger("serve.api")
 access_logger = logging.getLogger("serve.access")
 
 # nginx's code for "the client closed the connection before the response was complete".
@@ -56,6 +60,41 @@ class AccessLog:
             _log(scope, status, start)
             if self.on_response is not None:
                 self.on_response(status)
+
+
+class InternalErrors:
+    """A 500 in OpenAI's shape for an exception no handler took, logged with its traceback.
+
+    Starlette's own last resort (ServerErrorMiddleware, which runs an `Exception` handler)
+    raises the exception again after answering: uvicorn then logs it a second time and
+    drops the keep-alive connection, so the client's next request on it fails. Here it
+    ends with the answer. A response already started can only be cut short: it is logged.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        except Exception:
+            request_id = scope.get("state", {}).get("request_id", "?")
+            logger.exception("Internal error in request %s", request_id)
+            if not started:
+                message = (
+                    f"Internal server error (request {request_id}); the server log has details."
+                )
+                await JSONResponse(error_body(500, message), status_code=500)(scope, receive, send)
 
 
 def _log(scope: Scope, status: int, start: float) -> None:

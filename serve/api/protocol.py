@@ -2,6 +2,8 @@
 
 Unknown fields are accepted and ignored, as OpenAI's own clients and many tools send
 fields a server may not know; known fields with wrong types or values fail with a 400.
+Limits the server sets (--max-n, --max-stop-sequences, ...) are checked against its
+settings (serving_base.check_limits), not here.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from serve.api.tool_parsers.base import load_json
 from serve.api.tool_parsers.forced import named_function_schema, required_tool_calls_schema
 from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+
+MAX_LENGTH_PENALTY = 10.0
 
 
 def random_id(prefix: str) -> str:
@@ -29,7 +34,8 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN and infinity are not JSON, though Python's parser reads them (and 1e999 as inf).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @property
     def unknown_fields(self) -> list[str]:
@@ -67,12 +73,14 @@ class SamplingRequest(OpenAIModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
+    n: int = Field(default=1, ge=1)
     # vLLM's extras: sample best_of, return the n most likely; or beam search of width
     # best_of (default n) ranked as HF transformers ranks beams.
-    best_of: int | None = Field(default=None, ge=1, le=128)
+    best_of: int | None = Field(default=None, ge=1)
     use_beam_search: bool = False
-    length_penalty: float = 1.0
+    # Beam scores divide by output_len ** length_penalty, which must stay a finite,
+    # non-zero float for any output length: HF's useful values are around 0 to 2.
+    length_penalty: float = Field(default=1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
     early_stopping: bool | Literal["never"] = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -101,7 +109,7 @@ class SamplingRequest(OpenAIModel):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
@@ -244,10 +252,23 @@ class MessageToolCall(OpenAIModel):
 
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    # Checked even when absent (validate_default): only a call-carrying assistant message
+    # may leave it out. After role and tool_calls, which its check reads.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    name: str | None = None
     tool_call_id: str | None = None  # tool messages: the call they answer
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is not None or not {"role", "tool_calls"} <= info.data.keys():
+            return content  # given, or the message is invalid already
+        if info.data["role"] != "assistant":
+            raise PydanticCustomError("missing", f"a {info.data['role']} message needs content")
+        if not info.data.get("tool_calls"):
+            raise PydanticCustomError("missing", "an assistant message needs content or tool_calls")
+        return content
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:

@@ -18,9 +18,10 @@ import serve
 from serve.api.admission import Admission, AdmissionGate
 from serve.api.auth import APIKeyAuth, public_paths
 from serve.api.chat_rendering import render_chat, template_messages
-from serve.api.errors import APIError, error_body, error_response
+from serve.api.errors import APIError, error_body, error_response, validation_message
+from serve.api.json_body import JSONBodyRoute
 from serve.api.metrics import ServerMetrics
-from serve.api.middleware import CLIENT_CLOSED, AccessLog
+from serve.api.middleware import CLIENT_CLOSED, AccessLog, InternalErrors
 from serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,19 +45,6 @@ logger = logging.getLogger("serve.api")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "Invalid request.", None
-    first = errors[0]
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(location) or None
-    message = first.get("msg", "invalid value").removeprefix("Value error, ")
-    if first.get("type") == "json_invalid":
-        return "The request body is not valid JSON.", None
-    return (f"{param}: {message}" if param else message), param
-
-
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     """The app serving `engine`, which it shuts down when the server stops (SIGTERM,
     Ctrl-C): a core process is stopped, never left behind."""
@@ -72,7 +60,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         lifespan=lifespan,
+        strict_content_type=False,  # JSONBodyRoute answers other types; none at all is JSON
     )
+    app.router.route_class = JSONBodyRoute
     app.state.engine, app.state.settings = engine, settings
     chat = ChatHandler(engine, settings)
     completions = CompletionHandler(engine, settings)
@@ -83,7 +73,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors(), exc.body)
         return JSONResponse(error_body(400, message, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -97,15 +87,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(503, str(exc)), status_code=503)
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        request_id = getattr(request.state, "request_id", "?")
-        logger.exception("Internal error in request %s", request_id)
-        message = f"Internal server error (request {request_id}); the server log has details."
-        return JSONResponse(error_body(500, message), status_code=500)
-
     app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
-    # The last added runs first: access log → CORS → API key → admission → routes.
+    # The last added runs first: access log → CORS → API key → admission → last word on
+    # unexpected errors → routes.
+    app.add_middleware(InternalErrors)
     app.add_middleware(AdmissionGate, admission=app.state.admission)
     app.add_middleware(
         APIKeyAuth, keys=settings.api_keys, public=public_paths(settings.metrics_public)

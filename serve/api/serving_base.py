@@ -1,5 +1,6 @@
-"""What chat and completions share: the context-window check, numbering the `n` choices
-of each prompt, holding back text that may yet turn out to be a stop string, and usage."""
+"""What chat and completions share: the request limits and the context-window check,
+numbering the `n` choices of each prompt, holding back text that may yet turn out to be a
+stop string, and usage."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from serve.api.errors import APIError, error_body
+from serve.api.limits import RequestLimits
 from serve.api.protocol import SamplingRequest, now
 from serve.engine.protocol import (
     EngineClient,
@@ -41,6 +43,38 @@ class ServerSettings:
     max_body_bytes: int | None = None
     request_timeout_s: float | None = None  # a generation request's deadline; None: none
     grammar_compile_timeout_s: float | None = None  # compiling a request's grammar
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+
+def check_limits(request: SamplingRequest, limits: RequestLimits) -> None:
+    """A 400 naming the flag for a request that asks for more than this server allows.
+    Cheap: checked before the prompt is tokenized."""
+    for name, value in (("n", request.n), ("best_of", request.best_of)):
+        if value is not None and value > limits.max_n:
+            raise APIError(
+                400,
+                f"{name} is {value}; this server allows at most {limits.max_n} (--max-n).",
+                param=name,
+            )
+    stop_lists = {
+        "stop": request.stop if isinstance(request.stop, list) else None,
+        "stop_token_ids": request.stop_token_ids,
+        "bad_words": request.bad_words,
+    }
+    for name, entries in stop_lists.items():
+        _check_num_entries(name, entries, limits.max_stop_sequences, "--max-stop-sequences")
+    _check_num_entries("logit_bias", request.logit_bias, limits.max_logit_bias, "--max-logit-bias")
+
+
+def _check_num_entries(
+    name: str, entries: list[Any] | dict[str, Any] | None, limit: int, flag: str
+) -> None:
+    if entries is not None and len(entries) > limit:
+        raise APIError(
+            400,
+            f"{name} has {len(entries)} entries; this server allows at most {limit} ({flag}).",
+            param=name,
+        )
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:

@@ -17,6 +17,7 @@ from serve.api.serving_base import (
     PromptCharLimit,
     ServerSettings,
     UsageCallback,
+    check_limits,
     check_model,
     final_outputs,
     finish_chunk,
@@ -83,6 +84,7 @@ class ChatHandler:
 
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         check_model(request.model, self.settings)
+        check_limits(request, self.settings.limits)
         if request.chat_template is not None and not self.settings.trust_request_chat_template:
             raise APIError(
                 400,

@@ -12,6 +12,7 @@ from serve.api.serving_base import (
     PromptCharLimit,
     ServerSettings,
     UsageCallback,
+    check_limits,
     check_model,
     final_outputs,
     finish_chunk,
@@ -61,6 +62,7 @@ class CompletionHandler:
 
     def prepare(self, request: CompletionRequest) -> list[tuple[str, list[int], int]]:
         check_model(request.model, self.settings)
+        check_limits(request, self.settings.limits)
         if request.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix")
         if request.echo and request.logprobs is not None and request.stream:

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from api.conftest import start_server, stop_process
+from api.openai_errors import assert_openai_error
 
 NUM_TOKENS = 600
 
@@ -86,11 +87,10 @@ def test_a_body_over_the_cap_is_413(capped_server):
     small = {"model": capped_server.model, "prompt": "Hi", "max_tokens": 2}
     big = {**small, "prompt": "word " * 1000}
     assert httpx.post(url, json=small, timeout=30).status_code == 200
-    response = httpx.post(url, json=big, timeout=30)
-    assert response.status_code == 413
-    error = response.json()["error"]
+    error = assert_openai_error(httpx.post(url, json=big, timeout=30), 413)
     assert error["type"] == "invalid_request_error"
     assert "--max-request-body-bytes" in error["message"]
+    assert httpx.post(url, json=small, timeout=30).status_code == 200  # serving on
 
 
 def test_a_chunked_body_over_the_cap_is_413(capped_server):

@@ -150,9 +150,6 @@ def test_structured_output_streams(client, server):
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"logit_bias": {"abc": 1}}, "logit_bias"),
-        ({"logit_bias": {"5": 101}}, "logit_bias"),
-        ({"logit_bias": {"100000": 1}}, "logit_bias"),
         ({"allowed_token_ids": [100000]}, "allowed_token_ids"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
@@ -160,12 +157,7 @@ def test_structured_output_streams(client, server):
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"bad_words": [""]}, "bad_words"),
-        ({"logprobs": 21}, "logprobs"),
-        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"guided_choice": []}, None),
-        ({"guided_regex": "[a-"}, "guided_regex"),
-        ({"guided_json": {"type": "objectx"}}, "guided_json"),
-        ({"guided_grammar": "root ::= nonsense"}, "guided_grammar"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, None),
         ({"response_format": {"type": "json_schema"}}, None),
         ({"response_format": {"type": "xml"}}, None),
@@ -178,16 +170,6 @@ def test_bad_decoding_controls_are_400(http, server, fields, param):
     assert "/project/" not in error["message"]  # no C++ source paths from xgrammar
     # The server keeps serving.
     assert http.post("/v1/completions", json=completion(server)).status_code == 200
-
-
-def test_invalid_json_schema_is_400_on_chat(http, server):
-    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
-    error = assert_openai_error(
-        http.post("/v1/chat/completions", json=chat(server, response_format=fmt)),
-        400,
-        "response_format",
-    )
-    assert "objectx" in error["message"]
 
 
 def test_max_logprobs_flag(server_factory):
