@@ -7,8 +7,9 @@ Configurations (extra `serve` flags, `--before` / `--after` to change them):
   before  API and engine core in one process (the core on a thread sharing the GIL with
           the event loop), one step at a time (`--no-async-scheduling`), prompts
           prefilled whole (`--no-enable-chunked-prefill`);
-  after   the defaults: the core in its own process, each step's text decoded while
-          the next forward runs, chunked prefill.
+  after   the defaults: the core in its own process (sending token ids; the API process
+          decodes the text), each step's deltas built while the next forward runs,
+          chunked prefill.
 
 Loads:
   throughput   the seeded synthetic workload (serving.py's), all requests at once: output

@@ -78,7 +78,7 @@ class StepTimes:
     prepare_s: float = 0.0  # building the batch's input tensors
     forward_s: float = 0.0
     sample_s: float = 0.0  # logits processing and sampling
-    output_s: float = 0.0  # appending tokens, detokenizing, stop checks, RequestOutputs
+    output_s: float = 0.0  # appending tokens, stop checks, token deltas (text: front end)
 
     def since(self, earlier: StepTimes) -> StepTimes:
         return StepTimes(

@@ -5,7 +5,8 @@ computed, parallel sampling (`best_of` > 1) and beam search fork it into several
 share the prompt's KV blocks.
 
 Writers (one per field): the scheduler writes `status` and `num_computed_tokens`; the
-engine appends tokens, forks, and sets `finish_reason`; the detokenizer writes the text.
+engine appends tokens, forks, and sets `finish_reason`; the output deltas record what was
+sent. Text is not here: the front end decodes it (engine/output_processor.py).
 """
 
 from __future__ import annotations
@@ -60,12 +61,11 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
 
-    # Incremental detokenization state (owned by the detokenizer).
-    output_text: str = ""
-    prefix_offset: int = 0
-    read_offset: int = 0
+    # What the core has sent the front end of this sequence (owned by output_deltas.py).
+    num_sent_tokens: int = 0
+    is_finish_sent: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -77,6 +77,7 @@ class Sequence:
         changes); the block manager forks the KV blocks separately."""
         child = copy.copy(self)
         child.seq_id, child.seed = seq_id, seed
+        child.num_sent_tokens, child.is_finish_sent = 0, False  # new to the front end
         child.output_token_ids = list(self.output_token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.output_top_logprobs = list(self.output_top_logprobs)

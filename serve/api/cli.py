@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="decode the previous step's text, apply its stop strings and send its outputs "
-        "on a helper thread while this step's forward pass runs",
+        help="build the previous step's token deltas (new token ids and logprobs, sent to "
+        "the API process, which decodes the text) and end its finished requests on a helper "
+        "thread while this step's forward pass runs",
     )
     cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 

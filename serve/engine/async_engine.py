@@ -3,12 +3,15 @@
 The in-process engine (`--disable-frontend-multiprocessing`, and the "before" of the
 benchmarks); `EngineCoreClient` runs the same loop in its own process behind the same
 interface (`EngineClient`). The boundary is the same plain messages either way: commands
-in through a queue, each step's RequestOutputs out to the requests' streams.
+in through a queue, each step's token deltas out to the requests' streams, whose output
+processor decodes their text on a helper thread while the loop runs the next step (as a
+core process's receiving thread does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -19,9 +22,9 @@ from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreStats, Stop
+from serve.engine.output_deltas import RequestDelta
 from serve.engine.output_streams import EngineFrontEnd, OutputStreams
 from serve.engine.protocol import EngineDeadError, RequestError, request_error_message
-from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
@@ -44,25 +47,31 @@ class _StreamReplies:
     def __init__(self, front_end: EngineFrontEnd, streams: OutputStreams) -> None:
         self.front_end = front_end
         self.streams = streams
+        # One thread, so steps are processed in order, beside the loop's next step.
+        self._output_thread = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="engine-outputs"
+        )
 
-    def put_step(self, outputs: list[RequestOutput]) -> None:
-        self.streams.put_step(outputs)
+    def put_step(self, deltas: list[RequestDelta]) -> None:
+        self._output_thread.submit(self.streams.put_step, deltas).add_done_callback(_log_failure)
 
     def request_failed(self, request_id: str, error: Exception) -> None:
         if not isinstance(error, ValueError):
             error = RequestError(request_error_message(error))
         self.streams.put(request_id, error)
 
-    def request_aborted(self, request_id: str) -> None:
-        pass  # its stream is already closed
-
     def put_stats(self, stats: CoreStats) -> None:
         self.front_end.core_stats = stats
 
 
+def _log_failure(future: concurrent.futures.Future) -> None:
+    if future.exception() is not None:
+        logger.error("Processing a step's outputs failed", exc_info=future.exception())
+
+
 class AsyncEngine(EngineFrontEnd):
     def __init__(self, core: EngineCore) -> None:
-        super().__init__()
+        super().__init__(core.tokenizer)
         self.core = core
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()

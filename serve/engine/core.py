@@ -1,4 +1,5 @@
-"""EngineCore: the synchronous heart. No asyncio, no HTTP; `step()` runs one iteration."""
+"""EngineCore: the synchronous heart. No asyncio, no HTTP, no text; `step()` runs one
+iteration and returns token deltas (output_deltas.py) for a front end to decode."""
 
 from __future__ import annotations
 
@@ -16,15 +17,22 @@ import torch
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.beam_search import BeamSearch
 from serve.engine.cpu_malloc import keep_freed_memory
-from serve.engine.detokenizer import Detokenizer, find_stop_string
 from serve.engine.logprobs import token_logprobs
 from serve.engine.model_runner import ModelInputs, ModelOutput, ModelRunner
+from serve.engine.output_deltas import (
+    RequestDelta,
+    SeqDelta,
+    mark_sent,
+    step_delta,
+    whole_delta,
+    whole_seq_delta,
+)
 from serve.engine.protocol import request_error_message
 from serve.engine.sampler import Sampler
 from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
-from serve.outputs import CompletionOutput, EngineStats, RequestOutput, StepTimes
+from serve.outputs import EngineStats, StepTimes
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output import SchedulerOutput
 from serve.scheduler.scheduler import Scheduler
@@ -40,12 +48,11 @@ GRAMMAR_POLL_S = 0.05  # an idle engine's longest wait on a compiling grammar
 
 @dataclass
 class _Sampled:
-    """A step whose tokens are sampled and appended, their text not yet decoded."""
+    """A step whose tokens are sampled and appended, their deltas not yet built."""
 
-    seqs: list[Sequence]  # the sampled sequences (beams are decoded at the end)
     groups: list[SequenceGroup]  # the requests the step moved
     sample_s: float  # time in the sampler
-    failed: list[RequestOutput] = field(default_factory=list)  # requests that failed alone
+    failed: list[RequestDelta] = field(default_factory=list)  # requests that failed alone
 
 
 def resolve_device(device: str) -> torch.device:
@@ -173,7 +180,6 @@ class EngineCore:
             config.scheduler, self.max_num_batched_tokens, self.max_model_len, self.block_manager
         )
         self.sampler = Sampler(config.model.seed, self.eos_token_ids)
-        self.detokenizer = Detokenizer(self.tokenizer)
         self._grammars = LazyStructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._groups: dict[str, SequenceGroup] = {}
         # Requests whose grammar is still compiling, in arrival order: they join the
@@ -184,7 +190,7 @@ class EngineCore:
         self.num_generated_tokens = 0  # sampled tokens, beams included, since start
         self.step_times = StepTimes()
         self.async_scheduling = config.scheduler.async_scheduling
-        self._unemitted: _Sampled | None = None  # sampled; text decoded during the next step
+        self._unemitted: _Sampled | None = None  # sampled; deltas built during the next step
         self._output_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-output"
         )
@@ -226,7 +232,6 @@ class EngineCore:
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.scheduler.check(group)  # the prompt length and the sequence count
-        self.detokenizer.start(seq)
         search = self._beam_search(seq) if params.use_beam_search else None
         grammar = None
         if params.structured_outputs is not None:
@@ -264,7 +269,8 @@ class EngineCore:
     def structured_output(self) -> StructuredOutputManager:
         return self._grammars.get()
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """End a request and free its blocks; its final message (None: no such request)."""
         group = self._groups.get(request_id)
         if group is None:
             return None
@@ -272,7 +278,29 @@ class EngineCore:
         for seq in group.live_seqs:
             seq.finish_reason = FinishReason.ABORT
         self._finish(group)
-        return self._output(group)
+        return self._delta(group)
+
+    def stop_sequence(self, request_id: str, index: int) -> RequestDelta | None:
+        """Finish sequence `index` of a request, whose text the front end found to reach a
+        stop string; its siblings run on. Frees its blocks, sampler and grammar state now.
+        When it was the request's last running sequence the request ends too: returns its
+        final message (siblings that finished since their last message have news)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None  # ended meanwhile
+        if group.sampling_params.use_beam_search or not 0 <= index < len(group.seqs):
+            logger.warning("Request %s has no sequence %d to stop.", request_id, index)
+            return None  # beams have no stop strings, and a front end knows only sent seqs
+        seq = group.seqs[index]
+        if not seq.is_finished:
+            seq.finish_reason = FinishReason.STOP
+            self.scheduler.finish_seq(seq)
+            self._free_seq_state(seq.seq_id)
+        mark_sent(seq)  # the front end ended it: its tokens since are dropped there
+        if not group.is_finished:
+            return None
+        self._finish(group)
+        return self._delta(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self._unemitted is not None
@@ -303,16 +331,16 @@ class EngineCore:
 
     # -- the loop ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that made progress (cumulative outputs).
+    def step(self) -> list[RequestDelta]:
+        """One iteration; returns the new tokens of the requests that made progress.
 
-        With async scheduling (the default), the text of the previous step's tokens is
-        decoded on a helper thread while this step's forward pass runs here: detokenizing,
-        stop strings and building outputs overlap the forward, and a step's outputs come
-        out with the next step. Without it, each call runs one step start to end. The
-        tokens are the same either way. The forward stays on the calling thread: on CPU,
-        glibc reuses freed activations only in the main thread's heap (a worker thread's
-        arena maps large tensors afresh each step, ~20% slower prefill)."""
+        With async scheduling (the default), the previous step's token deltas are built
+        (and finished requests ended) on a helper thread while this step's forward pass
+        runs here, and a step's deltas come out with the next step. Without it, each call
+        runs one step start to end. The tokens are the same either way. The forward stays
+        on the calling thread: on CPU, glibc reuses freed activations only in the main
+        thread's heap (a worker thread's arena maps large tensors afresh each step, ~20%
+        slower prefill)."""
         ended, sched, inputs = self._schedule()
         previous, self._unemitted = self._unemitted, None
         if sched is None:
@@ -329,7 +357,7 @@ class EngineCore:
             return ended
         return ended + self._emit(sampled)
 
-    def _schedule(self) -> tuple[list[RequestOutput], SchedulerOutput | None, ModelInputs | None]:
+    def _schedule(self) -> tuple[list[RequestDelta], SchedulerOutput | None, ModelInputs | None]:
         """The next step and its input tensors (None: nothing to run), and the requests
         that ended without running (grammar failed, cannot fit)."""
         start = time.perf_counter()
@@ -348,12 +376,12 @@ class EngineCore:
         return ended, sched, self.model_runner.prepare(sched)
 
     def _collect(self, sched: SchedulerOutput, model_out: ModelOutput) -> _Sampled:
-        """Sample a step that has run: its tokens are appended and the stops that need no
-        text (EOS, stop ids, lengths, grammars) applied, so the next step is scheduled
-        knowing them."""
+        """Sample a step that has run: its tokens are appended and the stops that tokens
+        decide (EOS, stop ids, lengths, grammars) applied, so the next step is scheduled
+        knowing them. Stop strings are the front end's (it has the text)."""
         start = time.perf_counter()
         self.scheduler.update(sched)
-        failed: list[RequestOutput] = []
+        failed: list[RequestDelta] = []
         self._record_prompt_logprobs(model_out, failed)
         sampled = self._sample(model_out.logits, model_out.sampled_seqs, failed)
         times = self.step_times
@@ -364,11 +392,11 @@ class EngineCore:
         times.output_s += time.perf_counter() - start - sampled.sample_s
         return sampled
 
-    def _admit_compiled(self) -> list[RequestOutput]:
+    def _admit_compiled(self) -> list[RequestDelta]:
         """Hand requests whose grammar has compiled to the scheduler; end those whose
         grammar failed (the API compiles first and answers 400, so only direct users of
         the engine get here)."""
-        ended: list[RequestOutput] = []
+        ended: list[RequestDelta] = []
         for request_id, (group, future) in list(self._awaiting_grammar.items()):
             if not future.done():
                 continue
@@ -378,7 +406,7 @@ class EngineCore:
                 self.scheduler.add(group)
         return ended
 
-    def _record_prompt_logprobs(self, model_out: ModelOutput, failed: list[RequestOutput]) -> None:
+    def _record_prompt_logprobs(self, model_out: ModelOutput, failed: list[RequestDelta]) -> None:
         for span in model_out.prompt_spans:
             seq = span.seq
             group = self._groups.get(seq.request_id)
@@ -393,7 +421,7 @@ class EngineCore:
                 entries = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
                 recorded.extend(entries[len(recorded) - 1 - span.start :])
 
-    def _end_cannot_fit(self, group: SequenceGroup) -> RequestOutput:
+    def _end_cannot_fit(self, group: SequenceGroup) -> RequestDelta:
         logger.warning(
             "Request %s: its %d sequences need more KV blocks than the whole cache holds "
             "(%d); ending them at %d tokens. Raise --kv-cache-memory / "
@@ -406,17 +434,17 @@ class EngineCore:
         for seq in group.live_seqs:
             seq.finish_reason = FinishReason.LENGTH
         self._finish(group)
-        return self._output(group)
+        return self._delta(group)
 
     def _sample(
-        self, logits: torch.Tensor, sampled_seqs: list[Sequence], failed: list[RequestOutput]
+        self, logits: torch.Tensor, sampled_seqs: list[Sequence], failed: list[RequestDelta]
     ) -> _Sampled:
         rows: list[int] = []  # logits row of each sequence to sample
         seqs: list[Sequence] = []
         beam_rows: dict[str, list[int]] = {}
         for row, seq in enumerate(sampled_seqs):
             if seq.is_finished:
-                continue  # aborted, failed, or stopped by a stop string while its step ran
+                continue  # aborted or failed while its step ran
             group = self._groups[seq.request_id]
             if group.sampling_params.use_beam_search:
                 beam_rows.setdefault(group.request_id, []).append(row)
@@ -454,14 +482,14 @@ class EngineCore:
                 self._beam_step(group, logits[group_rows])
                 touched[request_id] = group
         groups = [g for g in touched.values() if g.request_id in self._groups]
-        return _Sampled(seqs, groups, sample_s, failed)
+        return _Sampled(groups, sample_s, failed)
 
     def _run_sampler(
         self,
         logits: torch.Tensor,
         rows: list[int],
         seqs: list[Sequence],
-        failed: list[RequestOutput],
+        failed: list[RequestDelta],
     ) -> list[tuple[Sequence, int, float, dict[int, float] | None]]:
         """Each sequence's token, logprob and top logprobs. If the batch raises, each
         sequence is sampled alone to find the requests at fault: they fail, the rest of
@@ -489,36 +517,25 @@ class EngineCore:
                 results.append((seq, one.token_ids[0], one.logprobs[0], one.top_logprobs[0]))
         return results
 
-    def _emit(self, sampled: _Sampled | None) -> list[RequestOutput]:
-        """Detokenize a sampled step's new tokens, apply stop strings, and build the
-        outputs of the requests it moved."""
+    def _emit(self, sampled: _Sampled | None) -> list[RequestDelta]:
+        """The token deltas of the requests a sampled step moved; those that finished end
+        here (their blocks were freed as their sequences finished)."""
         if sampled is None:
             return []
         start = time.perf_counter()
-        outputs = list(sampled.failed)
-        for seq in sampled.seqs:
-            group = self._groups.get(seq.request_id)
-            if group is None:
-                continue  # aborted or failed since it was sampled
-            with self._request_scope(group, outputs):
-                num_new_chars = len(self.detokenizer.update(seq))
-                if self._check_stop_string(seq, num_new_chars):
-                    if not seq.is_finished:
-                        self.scheduler.finish_seq(seq)  # its next step, if running, is dropped
-                        self._free_seq_state(seq.seq_id)
-                    seq.finish_reason = FinishReason.STOP
+        deltas = list(sampled.failed)
         for group in sampled.groups:
             if group.request_id not in self._groups:
-                continue  # ended meanwhile (aborted, failed); its final output went out then
-            with self._request_scope(group, outputs):
+                continue  # ended meanwhile (aborted, failed); its final message went then
+            with self._request_scope(group, deltas):
                 if group.is_finished:
-                    output = self._output(group)
+                    delta = self._delta(group)
                     self._finish(group)
-                    outputs.append(output)
-                elif self._streams(group):
-                    outputs.append(self._output(group))
+                    deltas.append(delta)
+                elif not group.sampling_params.use_beam_search:
+                    deltas.append(self._delta(group))
         self.step_times.output_s += time.perf_counter() - start
-        return outputs
+        return deltas
 
     def _grammar_mask(self, seqs: list[Sequence]) -> Any:
         """The sampler's hook that masks what each constrained sequence's grammar forbids;
@@ -573,14 +590,8 @@ class EngineCore:
         group.seqs = next_beams
         group.forked = True
 
-    def _streams(self, group: SequenceGroup) -> bool:
-        """Whether the request's output is sent as it grows: not when the returned
-        sequences are chosen at the end (best_of > n, beam search)."""
-        params = group.sampling_params
-        return not params.use_beam_search and params.best_of == params.n
-
     def _check_stop_token(self, seq: Sequence, token: int) -> FinishReason | None:
-        """The stops that a sampled token decides alone (stop strings need its text)."""
+        """The stops that a sampled token decides alone (stop strings are the front end's)."""
         params = seq.sampling_params
         if params.structured_outputs is not None and self._grammar_ended(seq, token):
             return FinishReason.STOP
@@ -596,16 +607,6 @@ class EngineCore:
             return FinishReason.LENGTH
         return None
 
-    def _check_stop_string(self, seq: Sequence, num_new_chars: int) -> bool:
-        """Whether the newest text completes a stop string (the text is cut there). Also
-        checked for a sequence that reached its length with this token: the stop string
-        wins, as in vLLM."""
-        if seq.finish_reason not in (None, FinishReason.LENGTH):
-            return False
-        if seq.num_output_tokens < seq.sampling_params.min_tokens:
-            return False
-        return bool(find_stop_string(seq, num_new_chars))
-
     def _grammar_ended(self, seq: Sequence, token: int) -> bool:
         """Advance the sequence's grammar by `token`: True once the grammar is complete
         (it took a stop token) or if it refused the token, which the mask should prevent."""
@@ -620,8 +621,8 @@ class EngineCore:
         return manager.is_terminated(seq.seq_id)
 
     @contextlib.contextmanager
-    def _request_scope(self, group: SequenceGroup, failed: list[RequestOutput]) -> Iterator[None]:
-        """Work on one request: if it raises, that request alone fails (its final output,
+    def _request_scope(self, group: SequenceGroup, failed: list[RequestDelta]) -> Iterator[None]:
+        """Work on one request: if it raises, that request alone fails (its final message,
         with the error, joins `failed`) and the step goes on. Callers check whether the
         group is still running after the block."""
         try:
@@ -629,7 +630,7 @@ class EngineCore:
         except Exception as e:
             failed.append(self._fail(group, e))
 
-    def _fail(self, group: SequenceGroup, error: Exception) -> RequestOutput:
+    def _fail(self, group: SequenceGroup, error: Exception) -> RequestDelta:
         """End a request that raised while the engine processed it, freeing its blocks."""
         if isinstance(error, ValueError):  # e.g. a grammar that cannot be used
             logger.warning("Request %s failed: %s", group.request_id, error)
@@ -641,13 +642,7 @@ class EngineCore:
             for seq in group.live_seqs:
                 seq.finish_reason = FinishReason.ABORT
             self._finish(group)
-        return RequestOutput(
-            group.request_id,
-            group.prompt,
-            group.prompt_token_ids,
-            finished=True,
-            error=request_error_message(error),
-        )
+        return RequestDelta(group.request_id, [], True, error=request_error_message(error))
 
     def _finish(self, group: SequenceGroup) -> None:
         self.scheduler.finish(group)
@@ -655,57 +650,25 @@ class EngineCore:
             self._free_seq_state(seq.seq_id)
         del self._groups[group.request_id]
 
-    def _output(self, group: SequenceGroup) -> RequestOutput:
+    def _delta(self, group: SequenceGroup) -> RequestDelta:
+        """The request's news. Beam search sends one message, at the end: the finished
+        hypotheses, best first (or, cut short, the running beams as they are)."""
         params = group.sampling_params
+        if not params.use_beam_search:
+            return step_delta(group)
         search = self._beam_searches.pop(group.request_id, None) if group.is_finished else None
-        if params.use_beam_search:
-            completions = self._beam_completions(group, search)
-        else:
-            completions = [self._completion(i, seq) for i, seq in enumerate(group.seqs)]
-            if params.best_of > params.n:
-                completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
-                completions = completions[: params.n]
-                for i, c in enumerate(completions):
-                    c.index = i
-        return RequestOutput(
-            group.request_id,
-            group.prompt,
-            group.prompt_token_ids,
-            completions,
-            group.is_finished,
-            group.prompt_logprobs,
-        )
-
-    def _beam_completions(
-        self, group: SequenceGroup, search: BeamSearch | None
-    ) -> list[CompletionOutput]:
-        n = group.sampling_params.n
-        if search is None or not search.is_done:  # aborted: the running beams as they are
-            return [self._completion(i, seq) for i, seq in enumerate(group.seqs[:n])]
-        skip = group.sampling_params.skip_special_tokens
-        return [
-            CompletionOutput(
+        if search is None or not search.is_done:
+            seqs = [whole_seq_delta(i, seq) for i, seq in enumerate(group.seqs[: params.n])]
+            return whole_delta(group, seqs)
+        hypotheses = [
+            SeqDelta(
                 index=i,
-                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
                 token_ids=h.token_ids,
+                logprobs=[],
+                top_logprobs=None,
+                finish_reason=FinishReason.STOP if h.ended_by_stop_token else FinishReason.LENGTH,
                 cumulative_logprob=h.cumulative_logprob,
-                finish_reason=(
-                    FinishReason.STOP if h.ended_by_stop_token else FinishReason.LENGTH
-                ).value,
             )
-            for i, h in enumerate(search.finished[:n])
+            for i, h in enumerate(search.finished[: params.n])
         ]
-
-    @staticmethod
-    def _completion(index: int, seq: Sequence) -> CompletionOutput:
-        return CompletionOutput(
-            index=index,
-            text=seq.output_text,
-            token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(seq.output_top_logprobs)
-            if seq.sampling_params.logprobs is not None
-            else None,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
-        )
+        return whole_delta(group, hypotheses)

@@ -1,12 +1,13 @@
 """EngineCoreClient: the API process's engine, with the engine core in its own process.
 
 The API process keeps the tokenizer and what validation needs (vocab size, max_model_len,
-max logprobs, a grammar compiler); the core process (core_process.py) keeps the model,
-the KV cache, the scheduler and detokenization. Two daemon threads carry the messages so
-that the event loop never blocks on a pipe:
+max logprobs, a grammar compiler), and decodes the text; the core process
+(core_process.py) keeps the model, the KV cache, the scheduler and the sampler. Two
+daemon threads carry the messages so that the event loop never blocks on a pipe:
 
     generate() ─▶ commands queue ─▶ [sender thread] ─▶ pipe ─▶ core process
-    streams   ◀── [receiver thread] ◀── pipe ◀── one list[RequestOutput] per step
+    streams   ◀── [receiver thread] ◀── pipe ◀── one list[RequestDelta] per step
+                   └ text, stop strings (OutputProcessor); stops ─▶ commands queue
 
 The receiver waits on the pipe and the process's sentinel together, so a core that dies
 (killed, crashed) is noticed at once: every running request fails with EngineDeadError,
@@ -54,7 +55,6 @@ _STARTUP_ERRORS = {kind.__name__: kind for kind in STARTUP_ERROR_TYPES}
 
 class EngineCoreClient(EngineFrontEnd):
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__()
         self._threads: list[threading.Thread] = []  # the receiver and the sender, once ready
         self._core_error: str | None = None  # the cause a dying core sent, if it could
         self._is_stopping = False
@@ -79,6 +79,7 @@ class EngineCoreClient(EngineFrontEnd):
         except BaseException:
             self.shutdown()
             raise
+        super().__init__(self.tokenizer)  # the streams decode text with it
         self.model_path: Path = ready.model_path
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size

@@ -1,7 +1,8 @@
 """The core's busy loop: apply commands, step while requests run, reply, log stats.
 
 The same loop runs on the in-process engine's thread and in a core process; only the
-ends differ (a queue or a pipe for commands, stream delivery or a pipe for replies).
+ends differ (a queue or a pipe for commands, stream delivery or a pipe for replies). The
+replies are token deltas: the front end decodes them (output_processor.py).
 It blocks on the command source while idle, so an idle engine costs nothing and wakes
 the moment a request arrives.
 """
@@ -14,8 +15,8 @@ from dataclasses import replace
 from typing import Protocol
 
 from serve.engine.core import EngineCore
-from serve.engine.messages import AbortRequest, Command, CoreStats, Stop
-from serve.outputs import RequestOutput
+from serve.engine.messages import AbortRequest, Command, CoreStats, Stop, StopSequence
+from serve.engine.output_deltas import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -29,15 +30,12 @@ class CommandSource(Protocol):
 
 
 class ReplySink(Protocol):
-    def put_step(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs (the requests that made progress)."""
+    def put_step(self, deltas: list[RequestDelta]) -> None:
+        """One step's token deltas (the requests that made progress)."""
 
     def request_failed(self, request_id: str, error: Exception) -> None:
         """Adding the request failed: a ValueError refuses it as invalid; anything else
         is the engine's fault. Either way it fails alone."""
-
-    def request_aborted(self, request_id: str) -> None:
-        """The front end aborted the request: no more outputs of it will be sent."""
 
     def put_stats(self, stats: CoreStats) -> None:
         """The core's latest state and counters (for /metrics)."""
@@ -65,11 +63,11 @@ def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink)
             block = False
         if not core.has_unfinished_requests():
             continue
-        outputs = core.step()
+        deltas = core.step()
         changed = True
         stats.record(core)
-        if outputs:
-            replies.put_step(outputs)
+        if deltas:
+            replies.put_step(deltas)
 
 
 def core_stats(core: EngineCore) -> CoreStats:
@@ -78,8 +76,12 @@ def core_stats(core: EngineCore) -> CoreStats:
 
 def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
     if isinstance(command, AbortRequest):
-        core.abort_request(command.request_id)
-        replies.request_aborted(command.request_id)
+        core.abort_request(command.request_id)  # the front end has ended it: no reply
+        return
+    if isinstance(command, StopSequence):
+        final = core.stop_sequence(command.request_id, command.index)
+        if final is not None:  # its last running sequence: siblings may have news
+            replies.put_step([final])
         return
     try:
         core.add_request(

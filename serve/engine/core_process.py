@@ -1,16 +1,17 @@
 """The engine core's own process: the child side of `EngineCoreClient`.
 
     parent (API process)                         child (this module)
-    commands ── AddRequest / AbortRequest / Stop ──▶ run_core_loop → EngineCore.step()
+    commands ── AddRequest / AbortRequest / ─────────▶ run_core_loop → EngineCore.step()
+                StopSequence / Stop
     outputs  ◀── CoreReady | CoreFailed ──────────── once, after building EngineCore
-             ◀── list[OutputDelta] ───────────────── one message per step
+             ◀── list[RequestDelta] ──────────────── one message per step (token ids)
              ◀── RequestFailed ───────────────────── a request that failed when added
              ◀── CoreStats ───────────────────────── for /metrics, while busy and when idle
              ◀── CoreFailed ──────────────────────── the loop died (then exit 1)
 
 Both are one-way `multiprocessing` pipes of pickled plain dataclasses. The child sends
-what changed in each output since its last message (output_deltas.py; the parent has the
-prompt) and ignores SIGINT: Ctrl-C reaches the whole
+each request's new tokens since its last message (output_deltas.py); the parent decodes
+the text and applies stop strings. The child ignores SIGINT: Ctrl-C reaches the whole
 process group, and the parent decides when the core stops (Stop, or terminate). When the
 parent dies, its pipe ends close: the child's next read or write fails and it exits.
 Nothing here imports FastAPI or the API.
@@ -27,9 +28,8 @@ from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreFailed, CoreReady, CoreStats, RequestFailed
-from serve.engine.output_deltas import DeltaEncoder
+from serve.engine.output_deltas import RequestDelta
 from serve.engine.protocol import request_error_message
-from serve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +50,15 @@ class _PipeCommands:
 class _PipeReplies:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.deltas = DeltaEncoder()
 
-    def put_step(self, outputs: list[RequestOutput]) -> None:
-        self.conn.send([self.deltas.encode(out) for out in outputs])
+    def put_step(self, deltas: list[RequestDelta]) -> None:
+        self.conn.send(deltas)
 
     def request_failed(self, request_id: str, error: Exception) -> None:
         if isinstance(error, ValueError):
             self.conn.send(RequestFailed(request_id, str(error)))
         else:
             self.conn.send(RequestFailed(request_id, request_error_message(error), True))
-
-    def request_aborted(self, request_id: str) -> None:
-        self.deltas.forget(request_id)
 
     def put_stats(self, stats: CoreStats) -> None:
         self.conn.send(stats)

@@ -1,17 +1,21 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization and stop strings, for the front end (output_processor.py).
 
 Decoding only the newest token is wrong for byte-level and sentencepiece vocabularies: a
 token can carry half of a UTF-8 character, or its leading space depends on its left
-neighbour. So each step decodes a short window `tokens[prefix_offset:]` and emits what it
-adds beyond `tokens[prefix_offset:read_offset]`, holding back text that ends in an
+neighbour. So each update decodes a short window `tokens[prefix_offset:]` and emits what
+it adds beyond `tokens[prefix_offset:read_offset]`, holding back text that ends in an
 incomplete character (U+FFFD) until the next token completes it.
+
+Offsets count tokens of the whole sequence, prompt then output:
+
+    prompt ............ | output ..........................
+              ^ prefix_offset     ^ read_offset         ^ number of tokens
+              |-- decoded already, left context --|-- new --|
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from serve.sequence import Sequence
 
 # Prompt tokens kept as left context for the first output token's decoding.
 _INITIAL_CONTEXT_TOKENS = 5
@@ -19,53 +23,66 @@ _INITIAL_CONTEXT_TOKENS = 5
 _MAX_CHAR_TOKENS = 4
 
 
-class Detokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+class IncrementalDetokenizer:
+    """One sequence's text, decoded as its output tokens arrive. It holds no tokens of its
+    own: each update reads the output list its caller keeps (appended to, never changed)."""
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool
+    ) -> None:
         self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids  # shared with the request; never changed
+        self.skip_special_tokens = skip_special_tokens
+        # Set on the first update, so that a tokenizer fault there fails its request in the
+        # output processor's per-request scope like any other decoding fault.
+        self.prefix_offset: int | None = None
+        self.read_offset = len(prompt_token_ids)
 
-    def start(self, seq: Sequence) -> None:
-        seq.read_offset = seq.num_prompt_tokens
-        seq.prefix_offset = self._initial_prefix_offset(seq)
-
-    def _initial_prefix_offset(self, seq: Sequence) -> int:
-        """`_INITIAL_CONTEXT_TOKENS` before the output, moved left onto a character boundary.
-
-        A window that opens inside a character decodes its tail as U+FFFD, and byte-fallback
-        decoders (sentencepiece `<0xNN>` tokens) replace the whole run of byte tokens then,
-        so the output's first characters would come out as U+FFFD too.
-        """
-        prompt = seq.prompt_token_ids
-        skip = seq.sampling_params.skip_special_tokens
-        offset = max(len(prompt) - _INITIAL_CONTEXT_TOKENS, 0)
-        for start in range(offset, max(offset - _MAX_CHAR_TOKENS, -1), -1):
-            window_text = self.tokenizer.decode(prompt[start:], skip_special_tokens=skip)
-            if not window_text.startswith("\ufffd"):
-                return start
-        return offset
-
-    def update(self, seq: Sequence) -> str:
-        """Decode the newest output token(s) into `seq.output_text`; returns the new text."""
-        tokens = seq.token_ids_between(seq.prefix_offset)
-        read = seq.read_offset - seq.prefix_offset
-        skip = seq.sampling_params.skip_special_tokens
-        prefix_text = self.tokenizer.decode(tokens[:read], skip_special_tokens=skip)
-        full_text = self.tokenizer.decode(tokens, skip_special_tokens=skip)
+    def update(self, output_token_ids: list[int]) -> str:
+        """The text that the output's newest token(s) add ("" while it is incomplete)."""
+        if self.prefix_offset is None:
+            self.prefix_offset = initial_prefix_offset(
+                self.tokenizer, self.prompt_token_ids, self.skip_special_tokens
+            )
+        num_prompt = len(self.prompt_token_ids)
+        start = self.prefix_offset
+        window = self.prompt_token_ids[start:] + output_token_ids[max(start - num_prompt, 0) :]
+        read = self.read_offset - start
+        prefix_text = self._decode(window[:read])
+        full_text = self._decode(window)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return ""  # nothing printable yet: wait for the next token
-        delta = full_text[len(prefix_text) :]
-        seq.prefix_offset = seq.read_offset
-        seq.read_offset = seq.num_tokens
-        seq.output_text += delta
-        return delta
+        self.prefix_offset = self.read_offset
+        self.read_offset = num_prompt + len(output_token_ids)
+        return full_text[len(prefix_text) :]
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
 
-def find_stop_string(seq: Sequence, num_new_chars: int) -> bool:
-    """Truncate `seq.output_text` at the first stop string that the newest `num_new_chars`
-    characters completed; record it as the stop reason. Returns whether one was found."""
-    stops = seq.sampling_params.stop_strings
+def initial_prefix_offset(tokenizer: Any, prompt_token_ids: list[int], skip: bool) -> int:
+    """`_INITIAL_CONTEXT_TOKENS` before the output, moved left onto a character boundary.
+
+    A window that opens inside a character decodes its tail as U+FFFD, and byte-fallback
+    decoders (sentencepiece `<0xNN>` tokens) replace the whole run of byte tokens then,
+    so the output's first characters would come out as U+FFFD too.
+    """
+    offset = max(len(prompt_token_ids) - _INITIAL_CONTEXT_TOKENS, 0)
+    for start in range(offset, max(offset - _MAX_CHAR_TOKENS, -1), -1):
+        window_text = tokenizer.decode(prompt_token_ids[start:], skip_special_tokens=skip)
+        if not window_text.startswith("\ufffd"):
+            return start
+    return offset
+
+
+def find_stop_string(
+    text: str, num_new_chars: int, stops: list[str], include_stop: bool
+) -> tuple[int, str] | None:
+    """The first stop string that the newest `num_new_chars` characters of `text`
+    completed, and how much of `text` to keep (up to the stop, or through it with
+    `include_stop`); None when they complete none."""
     if not stops or not num_new_chars:
-        return False
-    text = seq.output_text
+        return None
     matches = []
     for stop in stops:
         # Only a match ending in the new text is new; start the search early enough for it.
@@ -73,9 +90,6 @@ def find_stop_string(seq: Sequence, num_new_chars: int) -> bool:
         if index != -1:
             matches.append((index, stop))
     if not matches:
-        return False
+        return None
     index, stop = min(matches)
-    keep = index + len(stop) if seq.sampling_params.include_stop_str_in_output else index
-    seq.output_text = text[:keep]
-    seq.stop_reason = stop
-    return True
+    return (index + len(stop) if include_stop else index), stop

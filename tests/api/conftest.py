@@ -24,6 +24,9 @@ STARTUP_TIMEOUT_S = 60.0
 DEFAULT_MODEL_STARTUP_TIMEOUT_S = 180.0  # the default model's first start converts a GGUF
 REQUEST_TIMEOUT_S = 60.0
 KV_CACHE_MEMORY = "64MiB"
+# The checkout under test: a script entry (faulty_serve.py) starts its sys.path at its own
+# folder, where `import serve` would find whatever checkout the virtualenv installed.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -126,6 +129,7 @@ def start_server(
     SERVE_API_KEY, plus `env_overrides`."""
     env = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env_overrides)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     last_error: Exception | None = None
     for _attempt in range(3):  # a free port can be taken between probing and binding
         port = free_port()

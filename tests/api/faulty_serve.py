@@ -4,10 +4,11 @@ chosen by SERVE_TEST_FAULT:
 - `forward-once-exists:PATH`: every forward pass raises, as a CUDA fault would, once the
   file PATH exists (the test creates it mid-generation).
 - `decode-prompt:TEXT`: decoding the output text of a request whose prompt contains TEXT
-  raises; other requests are untouched.
+  raises (in the API process, whose output processor decodes text); other requests are
+  untouched.
 
-The patch runs at import, so it also runs in the engine core process: multiprocessing's
-spawn imports this script there as `__mp_main__` before it starts the core.
+The patch runs at import, so it runs in both processes: multiprocessing's spawn imports
+this script in the engine core process as `__mp_main__` before it starts the core.
 """
 
 from __future__ import annotations
@@ -33,16 +34,17 @@ def _inject(fault: str) -> None:
 
         ModelRunner.run = faulty_run
     elif kind == "decode-prompt":
-        from serve.engine.detokenizer import Detokenizer
+        from serve.engine.detokenizer import IncrementalDetokenizer
 
-        update = Detokenizer.update
+        update = IncrementalDetokenizer.update
 
-        def faulty_update(self, seq):
-            if arg in (seq.prompt or "") and seq.num_output_tokens >= 3:
+        def faulty_update(self, output_token_ids):
+            prompt = self.tokenizer.decode(self.prompt_token_ids)
+            if arg in prompt and len(output_token_ids) >= 3:
                 raise InjectedFault("cannot decode this request's text")
-            return update(self, seq)
+            return update(self, output_token_ids)
 
-        Detokenizer.update = faulty_update
+        IncrementalDetokenizer.update = faulty_update
     else:
         raise SystemExit(f"unknown SERVE_TEST_FAULT {fault!r}")
 

@@ -1,5 +1,6 @@
-"""Async scheduling decodes each step's text while the next forward pass runs, and
-changes no token: the same outputs as one step at a time, whatever ends the requests."""
+"""Async scheduling builds each step's token deltas while the next forward pass runs, and
+changes no token: the same outputs (text and stop strings included, decoded by the front
+end) as one step at a time, whatever ends the requests."""
 
 from __future__ import annotations
 
@@ -45,20 +46,21 @@ def test_same_outputs_as_serial_steps(tiny_model_factory, arch):
     assert any(r[0][2] == "stop" for r in serial)  # the stop strings did end some
 
 
-def test_abort_between_sampling_and_decoding(tiny_llama):
+def test_abort_between_sampling_and_building_deltas(tiny_llama):
     llm = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", swap_space=0.001)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     prompts = random_prompts(512, 3, 5, 20, seed=2)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    engine.step()
-    engine.step()
-    assert engine._unemitted is not None  # sampled; its text is decoded next step
-    engine.abort_request("r1")
+        llm.add_request(f"r{i}", prompt, params)
+    llm.step()
+    llm.step()
+    assert engine._unemitted is not None  # sampled; its deltas are built next step
+    aborted = llm.abort_request("r1")
+    assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
     finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
     assert set(finished) == {"r0", "r2"}

@@ -132,18 +132,17 @@ def test_a_long_prompt_never_holds_up_sixteen_decodes(tiny_llama, monkeypatch):
     the 64-token budget, so no decode waits behind the whole prompt."""
     budget = 64
     llm = _llm(tiny_llama, block_size=16, max_num_batched_tokens=budget, max_num_seqs=32)
-    engine = llm.engine
     short = random_prompts(512, 16, 2, 3, seed=41)
     (long,) = random_prompts(512, 1, 300, 300, seed=42)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(short):
-        engine.add_request(f"d{i}", prompt, params)
-    engine.step()  # every short prompt fits the first step
+        llm.add_request(f"d{i}", prompt, params)
+    llm.step()  # every short prompt fits the first step
     finished: dict[str, list[int]] = {}
     steps = _record_steps(llm, monkeypatch)
-    engine.add_request("long", long, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    llm.add_request("long", long, params)
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
 

@@ -75,6 +75,51 @@ def test_concurrent_requests_match_offline(client, tiny_llama):
     assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
 
 
+def _texts(out) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs]
+
+
+def test_stop_strings_through_the_split_match_offline(tiny_llama):
+    """Text and stop strings are decoded in this process from the core's token ids: the
+    same outputs as offline, including a stop string that ends one of n=3 samples (its
+    siblings run on in the core) and best_of, ranked at the end."""
+    config = _config(tiny_llama, max_num_seqs=8)
+    offline = LLM(model=str(tiny_llama), max_model_len=512, kv_cache_memory="8MiB", max_num_seqs=8)
+    prompts = random_prompts(512, 3, 8, 20, seed=6)
+    n3 = dict(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    (free,) = offline.generate({"prompt_token_ids": prompts[0]}, SamplingParams(**n3), False)
+    stop = free.outputs[1].text[4:7]  # in sample 1's text only (the seed decides)
+    params = [
+        SamplingParams(**n3, stop=[stop]),
+        SamplingParams(
+            temperature=0.0, max_tokens=16, stop=["e", "a"], include_stop_str_in_output=True
+        ),
+        SamplingParams(n=2, best_of=3, temperature=1.0, seed=9, max_tokens=10, stop=[" "]),
+    ]
+    expected = offline.generate([{"prompt_token_ids": p} for p in prompts], params, False)
+    client = EngineCoreClient(config)
+
+    async def run():
+        return await asyncio.gather(
+            *(_final(client, f"r{i}", p, q) for i, (p, q) in enumerate(zip(prompts, params)))
+        )
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        client.shutdown()
+    # Batches differ between the runs, so logprobs may differ in their last bits.
+    assert [_texts(o) for o in outs] == [_texts(o) for o in expected]
+    for out, offline_out in zip(outs, expected):
+        for c, e in zip(out.outputs, offline_out.outputs):
+            assert c.cumulative_logprob == pytest.approx(e.cumulative_logprob, abs=1e-4)
+    # Sample 1 met its stop string; its siblings ran on in the core to max_tokens.
+    assert [c.finish_reason for c in outs[0].outputs] == ["length", "stop", "length"]
+    lengths = [len(c.token_ids) for c in outs[0].outputs]
+    assert lengths[0] == lengths[2] == 16 > lengths[1]
+    assert all(c.finish_reason == "stop" for o in outs[1:] for c in o.outputs)
+
+
 def test_leaving_a_stream_early_aborts_it_in_the_core(client):
     """max_num_seqs is 2: an observer runs beside a request that is left after two outputs.
     A third request can start only once the left one is gone from the core, so the

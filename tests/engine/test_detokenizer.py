@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop strings, with real (offline-built) tokenizers.
+"""Incremental detokenization and stop strings (the front end's), with real (offline-built)
+tokenizers.
 
 Two decoders: the tiny byte-level BPE (GPT-2 / SmolLM2 style, where a token may carry half
 a UTF-8 character) and a sentencepiece-style BPE with `<0xNN>` byte-fallback tokens (Llama
@@ -16,9 +17,7 @@ import transformers
 from tiny_models import build_tokenizer
 from tokenizers import Tokenizer, models, normalizers, trainers
 
-from serve.engine.detokenizer import Detokenizer, find_stop_string
-from serve.sampling_params import SamplingParams
-from serve.sequence import Sequence
+from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 
 MULTIBYTE_TEXT = "héllo wörld — 你好 🙂"
 TEXTS = [
@@ -70,21 +69,26 @@ def byte_fallback():
     )
 
 
-def make_seq(prompt_ids: list[int], **params) -> Sequence:
-    return Sequence(0, "r0", prompt_ids, SamplingParams(max_tokens=None, **params))
+class Decoded:
+    """A sequence's text as the output processor builds it, one token at a time."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self.output_ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.output_ids.append(token_id)
+        delta = self.detokenizer.update(self.output_ids)
+        self.text += delta
+        return delta
 
 
-def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], **params):
-    """Feed `output_ids` one at a time, as the engine does; returns (seq, deltas)."""
-    detokenizer = Detokenizer(tokenizer)
-    seq = make_seq(prompt_ids, **params)
-    detokenizer.start(seq)
-    deltas = []
-    for token_id in output_ids:
-        seq.append_token(token_id, 0.0, None)
-        deltas.append(detokenizer.update(seq))
-    assert "".join(deltas) == seq.output_text
-    return seq, deltas
+def detokenize(tokenizer, prompt_ids: list[int], output_ids: list[int], **kwargs):
+    """Feed `output_ids` one at a time, as the front end does; returns (decoded, deltas)."""
+    decoded = Decoded(tokenizer, prompt_ids, **kwargs)
+    deltas = [decoded.push(token_id) for token_id in output_ids]
+    return decoded, deltas
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -108,9 +112,9 @@ def test_incremental_text_equals_decode_byte_level(byte_level, text):
     )
     output = encode(byte_level, text)
     seq, deltas = detokenize(byte_level, prompt, output)
-    assert seq.output_text == byte_level.decode(output, skip_special_tokens=True) == text
+    assert seq.text == byte_level.decode(output, skip_special_tokens=True) == text
     assert not any("\ufffd" in delta for delta in deltas)  # partial characters are held back
-    assert seq.prefix_offset > len(prompt)  # the window follows the output
+    assert seq.detokenizer.prefix_offset > len(prompt)  # the window follows the output
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -121,7 +125,7 @@ def test_every_prompt_output_split_byte_level(byte_level, text):
         if prompt_text.endswith("\ufffd"):
             continue  # a prompt cut inside a character has no well-defined continuation
         seq, _ = detokenize(byte_level, ids[:split], ids[split:])
-        assert prompt_text + seq.output_text == "Answer: " + text, split
+        assert prompt_text + seq.text == "Answer: " + text, split
 
 
 def test_random_token_sequences_byte_level(byte_level):
@@ -135,8 +139,8 @@ def test_random_token_sequences_byte_level(byte_level):
         output = [rng.randrange(vocab_size) for _ in range(rng.randint(1, 16))]
         seq, _ = detokenize(byte_level, prompt, output)
         expected = byte_level.decode(output, skip_special_tokens=True)
-        if seq.output_text != expected:
-            assert expected.startswith(seq.output_text) and expected.endswith("\ufffd")
+        if seq.text != expected:
+            assert expected.startswith(seq.text) and expected.endswith("\ufffd")
             num_held += 1
     assert num_held < 150
 
@@ -146,15 +150,15 @@ def test_special_tokens_skipped_or_kept(byte_level):
     output = encode(byte_level, "Hello") + byte_level.convert_tokens_to_ids(["<|im_end|>"])
     output += encode(byte_level, " world") + [byte_level.eos_token_id]
     seq, deltas = detokenize(byte_level, prompt, output)
-    assert seq.output_text == "Hello world"
+    assert seq.text == "Hello world"
     assert deltas[-1] == ""
     seq, _ = detokenize(byte_level, prompt, output, skip_special_tokens=False)
-    assert seq.output_text == byte_level.decode(output) == "Hello<|im_end|> world<|endoftext|>"
+    assert seq.text == byte_level.decode(output) == "Hello<|im_end|> world<|endoftext|>"
 
 
 def test_output_of_only_special_tokens_is_empty(byte_level):
     seq, deltas = detokenize(byte_level, encode(byte_level, "Hi"), [byte_level.eos_token_id] * 3)
-    assert seq.output_text == "" and deltas == ["", "", ""]
+    assert seq.text == "" and deltas == ["", "", ""]
 
 
 # -- byte-fallback (sentencepiece-style) BPE ------------------------------------------------------
@@ -180,7 +184,7 @@ def test_every_prompt_output_split_byte_fallback(byte_fallback, text):
         if prompt_text.endswith("\ufffd"):
             continue
         seq, _ = detokenize(byte_fallback, ids[:split], ids[split:])
-        assert prompt_text + seq.output_text == full_text, split
+        assert prompt_text + seq.text == full_text, split
 
 
 def test_byte_fallback_output_after_a_run_of_byte_tokens(byte_fallback):
@@ -191,84 +195,92 @@ def test_byte_fallback_output_after_a_run_of_byte_tokens(byte_fallback):
     output = encode(byte_fallback, "Hello 你好🙂 world")[len(prompt) :]
     assert byte_fallback.convert_ids_to_tokens(output)[0] == "<0xF0>"
     seq, _ = detokenize(byte_fallback, prompt, output)
-    assert seq.output_text == "🙂 world"
+    assert seq.text == "🙂 world"
 
 
 # -- stop strings ----------------------------------------------------------------------------
 
 
-def push_text(seq: Sequence, text: str) -> bool:
-    """Append detokenized text as `Detokenizer.update` would, then check the stop strings."""
-    seq.output_text += text
-    return find_stop_string(seq, len(text))
+class StopText:
+    """Text growing by decoded pieces, checked for stop strings as the front end does."""
+
+    def __init__(self, stop, include: bool = False):
+        self.stops = [stop] if isinstance(stop, str) else list(stop)
+        self.include = include
+        self.text = ""
+        self.stop_reason = None
+
+    def push(self, new_text: str) -> bool:
+        self.text += new_text
+        found = find_stop_string(self.text, len(new_text), self.stops, self.include)
+        if found is None:
+            return False
+        keep, self.stop_reason = found
+        self.text = self.text[:keep]
+        return True
 
 
 def test_stop_string_truncates_at_the_earliest_match():
-    seq = make_seq([1], stop=["world", "lo", "xyz"])
-    assert push_text(seq, "hello world")
-    assert seq.output_text == "hel"
+    seq = StopText(["world", "lo", "xyz"])
+    assert seq.push("hello world")
+    assert seq.text == "hel"
     assert seq.stop_reason == "lo"
 
 
 def test_stop_string_split_across_two_updates():
-    seq = make_seq([1], stop="STOP")
-    assert not push_text(seq, "foo ST")
-    assert seq.output_text == "foo ST" and seq.stop_reason is None
-    assert push_text(seq, "OP bar")
-    assert seq.output_text == "foo "
+    seq = StopText("STOP")
+    assert not seq.push("foo ST")
+    assert seq.text == "foo ST" and seq.stop_reason is None
+    assert seq.push("OP bar")
+    assert seq.text == "foo "
     assert seq.stop_reason == "STOP"
 
 
 def test_stop_string_split_across_many_one_char_updates():
-    seq = make_seq([1], stop=["abcd"])
+    seq = StopText(["abcd"])
     for i, char in enumerate("xxabcdyy"):
-        found = push_text(seq, char)
+        found = seq.push(char)
         assert found == (i == 5)
         if found:
             break
-    assert seq.output_text == "xx" and seq.stop_reason == "abcd"
+    assert seq.text == "xx" and seq.stop_reason == "abcd"
 
 
 def test_include_stop_str_in_output_keeps_it():
-    seq = make_seq([1], stop=["STOP"], include_stop_str_in_output=True)
-    assert not push_text(seq, "foo ST")
-    assert push_text(seq, "OP bar")
-    assert seq.output_text == "foo STOP"
+    seq = StopText(["STOP"], include=True)
+    assert not seq.push("foo ST")
+    assert seq.push("OP bar")
+    assert seq.text == "foo STOP"
     assert seq.stop_reason == "STOP"
 
 
 def test_no_stop_strings_or_no_new_text():
-    seq = make_seq([1])
-    assert not push_text(seq, "anything STOP")
+    seq = StopText([])
+    assert not seq.push("anything STOP")
     assert seq.stop_reason is None
-    seq = make_seq([1], stop="STOP")
-    seq.output_text = "STOP already here"
-    assert not find_stop_string(seq, 0)  # only text from this step can complete a stop
-    assert seq.output_text == "STOP already here"
+    # Only text from this step can complete a stop.
+    assert find_stop_string("STOP already here", 0, ["STOP"], False) is None
 
 
 @pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("tokenizer_name", ["byte_level", "byte_fallback"])
 def test_stop_string_through_the_detokenizer(request, tokenizer_name, include):
-    """Token by token, as the engine runs it; the stop strings span several tokens, and the
-    multi-byte one is split inside its characters."""
+    """Token by token, as the front end runs it; the stop strings span several tokens, and
+    the multi-byte one is split inside its characters."""
     tokenizer = request.getfixturevalue(tokenizer_name)
     prompt = encode(tokenizer, "Hi")
     output = encode(tokenizer, "The sea is wide — 你好🙂 and blue, the sky is high.")
     # The output as the prompt's continuation (the byte-fallback one opens with a space).
     continuation = tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)) :]
     for stop in [" wide", "你好🙂"]:
-        detokenizer = Detokenizer(tokenizer)
-        seq = make_seq(prompt, stop=[stop], include_stop_str_in_output=include)
-        detokenizer.start(seq)
+        decoded = Decoded(tokenizer, prompt)
+        seq = StopText([stop], include)
         found = False
         for token_id in output:
-            seq.append_token(token_id, 0.0, None)
-            delta = detokenizer.update(seq)
-            if find_stop_string(seq, len(delta)):
+            if seq.push(decoded.push(token_id)):
                 found = True
                 break
         assert found
         end = continuation.index(stop) + (len(stop) if include else 0)
-        assert seq.output_text == continuation[:end]
+        assert seq.text == continuation[:end]
         assert seq.stop_reason == stop

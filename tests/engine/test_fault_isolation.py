@@ -1,7 +1,9 @@
 """A fault while the engine processes one request fails that request alone: it ends with
 an error and frees its blocks, and every other request's tokens are what they would have
 been without it. Faults are injected where a request's own data is handled: adding it,
-sampling it, decoding its text, building its output, its beam search, its grammar."""
+sampling it, building its token deltas, its beam search, its grammar (in the core), and
+decoding its text (in the front end's output processor, which then aborts it in the
+core)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from tiny_models import random_prompts
 from serve import LLM, SamplingParams
 from serve.config import EngineConfig
 from serve.engine.async_engine import AsyncEngine
+from serve.engine.detokenizer import IncrementalDetokenizer
 from serve.engine.protocol import RequestError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -63,18 +66,18 @@ def _assert_isolated(llm, failed, healthy, expected):
 
 
 def test_a_fault_decoding_one_requests_text(llm, healthy_prompts, expected, monkeypatch):
-    detokenizer = llm.engine.detokenizer
-    update = detokenizer.update
+    update = IncrementalDetokenizer.update
 
-    def faulty_update(seq):
-        if _poisoned(seq) and seq.num_output_tokens == 3:
+    def faulty_update(self, output_token_ids):
+        if self.prompt_token_ids[0] == POISON and len(output_token_ids) == 3:
             raise InjectedFault("cannot decode")
-        return update(seq)
+        return update(self, output_token_ids)
 
-    monkeypatch.setattr(detokenizer, "update", faulty_update)
+    monkeypatch.setattr(IncrementalDetokenizer, "update", faulty_update)
     failed, healthy = _run_with_poison(llm, healthy_prompts)
     _assert_isolated(llm, failed, healthy, expected)
     assert failed.outputs == []
+    assert llm.output_processor.num_requests == 0
 
 
 def test_a_fault_sampling_one_request_fails_it_not_its_batch(
@@ -95,21 +98,21 @@ def test_a_fault_sampling_one_request_fails_it_not_its_batch(
 
 def test_a_fault_building_one_output(llm, healthy_prompts, expected, monkeypatch):
     engine = llm.engine
-    build = engine._output
+    build = engine._delta
 
-    def faulty_output(group):
+    def faulty_delta(group):
         if _poisoned(group.seqs[0]) and group.is_finished:
             raise InjectedFault("cannot build the output")
         return build(group)
 
-    monkeypatch.setattr(engine, "_output", faulty_output)
+    monkeypatch.setattr(engine, "_delta", faulty_delta)
     failed, healthy = _run_with_poison(llm, healthy_prompts)
     _assert_isolated(llm, failed, healthy, expected)
 
 
 def test_a_fault_in_one_parallel_sampling_request(llm, healthy_prompts, monkeypatch):
-    """n=3 forks after the prompt: a fault in one of the forks ends the request and frees
-    every sibling's blocks."""
+    """n=3 forks after the prompt: a fault decoding one of the forks' text ends the request
+    and frees every sibling's blocks."""
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
     expected = [
         [c.token_ids for c in out.outputs]
@@ -117,15 +120,18 @@ def test_a_fault_in_one_parallel_sampling_request(llm, healthy_prompts, monkeypa
             [{"prompt_token_ids": p} for p in healthy_prompts], params, use_tqdm=False
         )
     ]
-    detokenizer = llm.engine.detokenizer
-    update = detokenizer.update
+    update = IncrementalDetokenizer.update
+    poisoned: list[IncrementalDetokenizer] = []  # the poisoned request's, in sample order
 
-    def faulty_update(seq):
-        if _poisoned(seq) and seq.seed == 5 + 2:
-            raise InjectedFault("third sample")
-        return update(seq)
+    def faulty_update(self, output_token_ids):
+        if self.prompt_token_ids[0] == POISON:
+            if self not in poisoned:
+                poisoned.append(self)
+            if poisoned.index(self) == 2:
+                raise InjectedFault("third sample")
+        return update(self, output_token_ids)
 
-    monkeypatch.setattr(detokenizer, "update", faulty_update)
+    monkeypatch.setattr(IncrementalDetokenizer, "update", faulty_update)
     failed, healthy = _run_with_poison(llm, healthy_prompts, params)
     assert failed.error is not None and "InjectedFault" in failed.error
     assert [[c.token_ids for c in out.outputs] for out in healthy] == expected
@@ -198,14 +204,14 @@ def test_a_fault_adding_one_request_through_the_loop(tiny_llama, monkeypatch):
     engine = AsyncEngine.from_config(
         EngineConfig.create(str(tiny_llama), max_model_len=128, kv_cache_memory="8MiB")
     )
-    start = engine.core.detokenizer.start
+    check = engine.core.scheduler.check
 
-    def faulty_start(seq):
-        if _poisoned(seq):
-            raise InjectedFault("cannot start decoding")
-        return start(seq)
+    def faulty_check(group):
+        if _poisoned(group.seqs[0]):
+            raise InjectedFault("cannot check its size")
+        return check(group)
 
-    monkeypatch.setattr(engine.core.detokenizer, "start", faulty_start)
+    monkeypatch.setattr(engine.core.scheduler, "check", faulty_check)
     prompts = random_prompts(512, 2, 4, 12, seed=3)
 
     async def final(request_id, prompt):
@@ -225,7 +231,7 @@ def test_a_fault_adding_one_request_through_the_loop(tiny_llama, monkeypatch):
     try:
         a, poisoned, b = asyncio.run(run())
         assert isinstance(poisoned, RequestError), poisoned
-        assert "InjectedFault: cannot start decoding" in str(poisoned)
+        assert "InjectedFault: cannot check its size" in str(poisoned)
         assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 10
         assert engine.is_alive
         manager = engine.core.block_manager

@@ -58,17 +58,16 @@ def test_llama_variants_match_hf(tiny_model_factory, overrides):
 def test_requests_joining_mid_decode_match_hf(tiny_llama):
     """Continuous batching: new prompts join while others decode; nobody's tokens change."""
     llm = LLM(model=str(tiny_llama), block_size=4, kv_cache_memory="8MiB")
-    engine = llm.engine
     prompts = random_prompts(512, 6, 2, 50, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     finished: dict[str, list[int]] = {}
     pending = list(enumerate(prompts))
     steps = 0
-    while pending or engine.has_unfinished_requests():
+    while pending or llm.has_unfinished_requests():
         if pending and steps % 3 == 0:  # one new request every third step
             i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
+            llm.add_request(f"r{i}", prompt, params)
+        for out in llm.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
         steps += 1

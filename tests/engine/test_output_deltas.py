@@ -1,95 +1,92 @@
-"""A core process sends only what changed in each output; the front end rebuilds the same
-cumulative outputs, whatever the change: new tokens, new completions, text cut back by a
-stop string, completions ranked at the end."""
+"""The core sends only what changed in each request since its last message, as tokens:
+new token ids, their logprobs, finishes. Never text: the front end decodes it."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
-import random
 
-from serve.engine.output_deltas import DeltaEncoder, apply_delta
-from serve.outputs import CompletionOutput, RequestOutput
+from tiny_models import random_prompts
 
-PROMPT, PROMPT_IDS = "Tell me", [5, 6, 7]
-
-
-def _output(completions, finished=False, prompt_logprobs=None) -> RequestOutput:
-    return RequestOutput("r", PROMPT, PROMPT_IDS, completions, finished, prompt_logprobs)
+from serve import LLM, SamplingParams
+from serve.engine.output_deltas import RequestDelta, SeqDelta, step_delta
+from serve.sequence import FinishReason, Sequence, SequenceGroup
 
 
-def _replay(outputs: list[RequestOutput]) -> list[RequestOutput]:
-    encoder, last, rebuilt = DeltaEncoder(), None, []
-    for out in outputs:
-        delta = pickle.loads(pickle.dumps(encoder.encode(out)))  # as it crosses the pipe
-        last = apply_delta(last, delta, PROMPT, PROMPT_IDS)
-        rebuilt.append(last)
-    assert not encoder._sent, "a finished request is forgotten"
-    return rebuilt
+def _group(num_output_tokens: int, **params) -> SequenceGroup:
+    seq = Sequence(0, "r", [5, 6, 7], SamplingParams(**params))
+    for token in range(num_output_tokens):
+        seq.append_token(token, -0.5, {token: -0.5} if "logprobs" in params else None)
+    return SequenceGroup("r", [seq], seq.sampling_params)
 
 
-def _growing(rng: random.Random, index: int, steps: int, logprobs: bool):
-    tokens, text, lps, outs = [], "", [], []
-    for _ in range(steps):
-        tokens = [*tokens, rng.randrange(1000)]
-        text = text + rng.choice(["", "a", " bc", "é"])  # some steps decode no text yet
-        lps = [*lps, {tokens[-1]: -rng.random()}]
-        outs.append(
-            CompletionOutput(index, text, tokens, -len(tokens) / 3, lps if logprobs else None)
-        )
-    return outs
-
-
-def test_growing_outputs_with_logprobs_rebuild_exactly():
-    rng = random.Random(0)
-    first, second = _growing(rng, 0, 30, True), _growing(rng, 1, 30, True)
-    outputs = [_output([a, b]) for a, b in zip(first, second)]
-    outputs[-1] = _output([first[-1], second[-1]], finished=True)
-    assert _replay(outputs) == outputs
-
-
-def test_a_stop_string_cuts_text_already_sent():
-    base = [
-        CompletionOutput(0, "Hello wor", [1, 2, 3]),
-        CompletionOutput(0, "Hello wo", [1, 2, 3, 4]),
-    ]
-    ended = CompletionOutput(0, "Hello", [1, 2, 3, 4], finish_reason="stop", stop_reason=" wo")
-    outputs = [_output([base[0]]), _output([base[1]]), _output([ended], finished=True)]
-    assert _replay(outputs) == outputs
-
-
-def test_completions_that_appear_later_and_a_final_ranking_keep_their_order():
-    one = CompletionOutput(0, "a", [1])
-    forked = [CompletionOutput(i, "ab"[: i + 1], [1, i]) for i in range(3)]
-    ranked = [
-        CompletionOutput(i, t, [1, i, 9], cumulative_logprob=lp, finish_reason="length")
-        for i, t, lp in [(2, "abz", -0.5), (0, "az", -1.0), (1, "abz", -2.0)]
-    ]
-    outputs = [_output([one]), _output(forked), _output(ranked, finished=True)]
-    assert _replay(outputs) == outputs
-    assert [c.index for c in _replay(outputs)[-1].outputs] == [2, 0, 1]
-
-
-def test_prompt_logprobs_arrive_once_and_stay():
-    prompt_lps = [None, {6: -1.0}, {7: -0.5}]
-    steps = _growing(random.Random(1), 0, 3, False)
-    outputs = [_output([c], prompt_logprobs=prompt_lps) for c in steps]
-    outputs[-1].finished = True
-    assert _replay(outputs) == outputs
+def _strings(value) -> list[str]:
+    """Every str inside a message (dataclasses, lists, dicts), enums' values excluded."""
+    if isinstance(value, str) and not isinstance(value, FinishReason):
+        return [value]
+    if dataclasses.is_dataclass(value):
+        return [s for f in dataclasses.fields(value) for s in _strings(getattr(value, f.name))]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for kv in value.items() for v in kv for s in _strings(v)]
+    return []
 
 
 def test_a_step_costs_its_new_tokens_not_the_whole_output():
-    encoder = DeltaEncoder()
-    tokens = list(range(1024))
-    text = "word " * 1024
-    encoder.encode(_output([CompletionOutput(0, text, tokens)]))
-    step = _output([CompletionOutput(0, text + "more", [*tokens, 5])])
-    delta_bytes = len(pickle.dumps(encoder.encode(step)))
-    assert delta_bytes * 20 < len(pickle.dumps(step))
+    group = _group(1024, logprobs=2)
+    first = step_delta(group)
+    assert len(first.seqs[0].token_ids) == 1024
+    group.seqs[0].append_token(7, -0.1, {7: -0.1})
+    delta = step_delta(group)
+    assert delta.seqs[0].token_ids == [7] and delta.seqs[0].top_logprobs == [{7: -0.1}]
+    assert len(pickle.dumps(delta)) * 20 < len(pickle.dumps(first))
+    assert step_delta(group).seqs == []  # nothing new: nothing sent
 
 
-def test_an_aborted_request_is_forgotten():
-    encoder = DeltaEncoder()
-    encoder.encode(_output([CompletionOutput(0, "a", [1])]))
-    encoder.forget("r")
-    delta = encoder.encode(_output([CompletionOutput(0, "ab", [1, 2])]))
-    assert delta.completions[0].token_start == 0  # a fresh start, whole
+def test_prompt_logprobs_come_with_the_first_message_only():
+    group = _group(1)
+    group.prompt_logprobs = [None, {6: -1.0}, {7: -0.5}]
+    assert step_delta(group).prompt_logprobs == group.prompt_logprobs
+    group.seqs[0].append_token(3, -0.2, None)
+    assert step_delta(group).prompt_logprobs is None
+
+
+def test_a_finish_without_a_new_token_is_sent_once():
+    group = _group(2)
+    step_delta(group)
+    group.seqs[0].finish_reason = FinishReason.ABORT
+    (seq,) = step_delta(group).seqs
+    assert seq == SeqDelta(0, [], [], None, FinishReason.ABORT)
+    assert step_delta(group).seqs == []
+
+
+def test_engine_steps_send_tokens_and_no_text(tiny_llama):
+    """Through a real engine: each step carries at most one new token per sequence, the
+    deltas add up to the final outputs, and no message holds a string but ids and errors."""
+    llm = LLM(model=str(tiny_llama), kv_cache_memory="8MiB")
+    prompts = random_prompts(512, 3, 5, 20, seed=4)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=10, stop=["a", "e"]),
+    ]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        llm.add_request(f"r{i}", prompt, p)
+    sent: dict[tuple[str, int], list[int]] = {}
+    finals = {}
+    while llm.has_unfinished_requests():
+        deltas = llm.engine.step()
+        for delta in deltas:
+            assert isinstance(delta, RequestDelta)
+            assert set(_strings(delta)) <= {delta.request_id}
+            for seq in delta.seqs:
+                assert len(seq.token_ids) <= 1 and len(seq.logprobs) == len(seq.token_ids)
+                sent.setdefault((delta.request_id, seq.index), []).extend(seq.token_ids)
+        finals.update({o.request_id: o for o in llm._process(deltas) if o.finished})
+    for request_id, out in finals.items():
+        for c in out.outputs:
+            got = sent[(request_id, c.index)]
+            assert got[: len(c.token_ids)] == c.token_ids  # after a stop string: dropped
+    assert finals["r0"].outputs[0].text
+    assert len(finals["r1"].outputs) == 3

@@ -124,10 +124,10 @@ def test_fork_shares_blocks_and_copies_the_partial_last_one(
     tiny_llama, prompt, separate_samples, monkeypatch
 ):
     llm = _llm(tiny_llama, async_scheduling=False)  # each step() runs one whole step
-    engine, manager = llm.engine, llm.engine.block_manager
+    manager = llm.engine.block_manager
     schedules = _record_schedules(llm, monkeypatch)
-    engine.add_request("n4", prompt, _sampling(n=4, seed=SEED))
-    engine.step()  # the prompt's prefill, then the fork into 4 samples
+    llm.add_request("n4", prompt, _sampling(n=4, seed=SEED))
+    llm.step()  # the prompt's prefill, then the fork into 4 samples
     tables = [list(t) for t in manager.block_tables.values()]
     assert len(tables) == 4 and all(t == tables[0] for t in tables)
     shared = tables[0]
@@ -135,7 +135,7 @@ def test_fork_shares_blocks_and_copies_the_partial_last_one(
     assert all(manager.block_pool.ref_count(b) == 4 for b in shared)
     manager.check_invariants()
 
-    engine.step()  # each sample writes its first token into the shared partial block
+    llm.step()  # each sample writes its first token into the shared partial block
     copies = schedules[-1].blocks_to_copy
     assert len(copies) == 3  # the 4th writer finds itself the only holder left
     assert {src for src, _ in copies} == {shared[-1]}  # never a full block
@@ -147,8 +147,8 @@ def test_fork_shares_blocks_and_copies_the_partial_last_one(
     manager.check_invariants()
 
     finished = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             finished = out if out.finished else finished
         manager.check_invariants()
     assert [c.token_ids for c in finished.outputs] == [s.token_ids for s in separate_samples]

@@ -35,22 +35,22 @@ def test_small_cache_preempts_and_matches_large_cache(tiny_llama, prompts):
 
 def test_finished_and_aborted_requests_free_all_blocks(tiny_llama, prompts):
     llm = LLM(model=str(tiny_llama), block_size=4, kv_cache_memory="8MiB")
-    engine, manager = llm.engine, llm.engine.block_manager
+    manager = llm.engine.block_manager
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, GREEDY)
+        llm.add_request(f"r{i}", prompt, GREEDY)
     for _ in range(3):
-        engine.step()
+        llm.step()
     manager.check_invariants()
     assert manager.num_free_blocks < manager.num_blocks
-    aborted = engine.abort_request("r1")
+    aborted = llm.abort_request("r1")
     assert aborted is not None and aborted.finished
     assert aborted.outputs[0].finish_reason == "abort"
-    engine.abort_request("r6")  # still waiting or just admitted
-    assert engine.abort_request("no-such-request") is None
+    llm.abort_request("r6")  # still waiting or just admitted
+    assert llm.abort_request("no-such-request") is None
     manager.check_invariants()
     finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             if out.finished:
                 finished[out.request_id] = out
         manager.check_invariants()

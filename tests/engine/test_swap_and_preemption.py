@@ -60,7 +60,7 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[list[int]]], list[StepRec
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", prompt, p)
+        llm.add_request(f"r{i}", prompt, p)
     steps: list[StepRecord] = []
     finished = {}
     original = scheduler.schedule
@@ -86,8 +86,8 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[list[int]]], list[StepRec
 
     scheduler.schedule = recording_schedule
     try:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+        while llm.has_unfinished_requests():
+            for out in llm.step():
                 if out.finished:
                     finished[out.request_id] = [c.token_ids for c in out.outputs]
             engine.block_manager.check_invariants()

@@ -1,0 +1,262 @@
+"""OutputProcessor: the front end's half of the engine's output, from token deltas to text.
+
+The core sends each request's new tokens (output_deltas.py); here each sequence's text is
+decoded incrementally (detokenizer.py), stop strings are applied, and the cumulative
+`RequestOutput`s are built. Every front end uses this one class: `OutputStreams` for the
+servers (a core process, or the core on a thread) and the offline `LLM`, so their outputs
+are the same.
+
+A stop string ends a sequence here, before the core knows: the processor asks the core to
+stop it (`to_core`: an abort when the whole request is done, else `StopSequence`) and drops
+the tokens the core sampled for it in the meantime. `min_tokens` holds stop strings back
+as the core holds stop tokens back; a stop string found in the token that also reached the
+length limit wins (finish "stop", as in vLLM).
+
+Thread-safety: `add_request` and `abort_request` may run on another thread than `process`
+(a server's event loop, its receiving thread); one thread at a time calls `process`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from serve.engine.messages import AbortRequest, StopSequence
+from serve.engine.output_deltas import RequestDelta, SeqDelta
+from serve.engine.protocol import request_error_message
+from serve.outputs import CompletionOutput, RequestOutput
+from serve.sampling_params import SamplingParams
+from serve.sequence import FinishReason
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedStep:
+    outputs: list[RequestOutput] = field(default_factory=list)  # for the requests' readers
+    to_core: list[AbortRequest | StopSequence] = field(default_factory=list)
+
+
+class _SeqOutput:
+    """One sequence as the front end knows it."""
+
+    def __init__(
+        self, index: int, detokenizer: IncrementalDetokenizer | None, logprobs: bool
+    ) -> None:
+        self.index = index
+        self.detokenizer = detokenizer  # None: decoded whole (beam search's results)
+        self.token_ids: list[int] = []
+        self.cumulative_logprob = 0.0  # summed token by token, as the core's Sequence does
+        self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
+        self.text = ""
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
+
+    def completion(self) -> CompletionOutput:
+        """A snapshot: a reader may hold it while this sequence grows."""
+        return CompletionOutput(
+            self.index,
+            self.text,
+            list(self.token_ids),
+            self.cumulative_logprob,
+            None if self.logprobs is None else list(self.logprobs),
+            None if self.finish_reason is None else self.finish_reason.value,
+            self.stop_reason,
+        )
+
+
+class RequestState:
+    """One request's sequences, text and finish, from its token deltas."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.tokenizer = tokenizer
+        self.seqs: dict[int, _SeqOutput] = {}  # by index, in the order the core made them
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.is_finished = False
+
+    @property
+    def streams(self) -> bool:
+        """Whether its output is read as it grows: not when the returned sequences are
+        chosen at the end (best_of > n, beam search)."""
+        return not self.params.use_beam_search and self.params.best_of == self.params.n
+
+    def apply(self, delta: RequestDelta) -> tuple[bool, list[AbortRequest | StopSequence]]:
+        """Take one message: whether the output changed, and what the core must stop."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        changed = False
+        stopped: list[int] = []  # sequences a stop string ended while the core runs them
+        for d in delta.seqs:
+            seq = self.seqs.get(d.index)
+            if seq is None:
+                seq = self.seqs[d.index] = self._new_seq(d.index)
+            elif seq.finish_reason is not None:
+                continue  # ended here by a stop string: the core's later tokens are dropped
+            changed = True
+            if self._take(seq, d):
+                stopped.append(d.index)
+        params = self.params
+        num_seqs = params.n if params.use_beam_search else params.best_of
+        self.is_finished = delta.finished or (
+            len(self.seqs) == num_seqs
+            and all(s.finish_reason is not None for s in self.seqs.values())
+        )
+        if self.is_finished:
+            to_core = [] if delta.finished else [AbortRequest(self.request_id)]
+            return True, to_core
+        return changed, [StopSequence(self.request_id, index) for index in stopped]
+
+    def output(self) -> RequestOutput:
+        completions = [seq.completion() for seq in self.seqs.values()]
+        if self.is_finished and self.params.best_of > self.params.n:
+            if not self.params.use_beam_search:  # beams come ranked by the search
+                completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
+            completions = completions[: self.params.n]
+            for i, c in enumerate(completions):
+                c.index = i
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.is_finished,
+            self.prompt_logprobs,
+        )
+
+    def _new_seq(self, index: int) -> _SeqOutput:
+        params = self.params
+        detokenizer = None
+        if not params.use_beam_search:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, self.prompt_token_ids, params.skip_special_tokens
+            )
+        return _SeqOutput(index, detokenizer, params.logprobs is not None)
+
+    def _take(self, seq: _SeqOutput, d: SeqDelta) -> bool:
+        """Append the delta's tokens one at a time, decoding each; True when a stop string
+        ends the sequence before the core has (the tokens after it are dropped)."""
+        for i, token_id in enumerate(d.token_ids):
+            seq.token_ids.append(token_id)
+            if i < len(d.logprobs):
+                seq.cumulative_logprob += d.logprobs[i]
+            if seq.logprobs is not None and d.top_logprobs is not None:
+                seq.logprobs.append(d.top_logprobs[i])
+            core_finish = d.finish_reason if i == len(d.token_ids) - 1 else None
+            if seq.detokenizer is not None:
+                new_text = seq.detokenizer.update(seq.token_ids)
+                seq.text += new_text
+                if self._stop_string(seq, core_finish, len(new_text)):
+                    return core_finish is None
+        if seq.detokenizer is None:
+            seq.text = self.tokenizer.decode(
+                seq.token_ids, skip_special_tokens=self.params.skip_special_tokens
+            )
+        if d.cumulative_logprob is not None:
+            seq.cumulative_logprob = d.cumulative_logprob
+        seq.finish_reason, seq.stop_reason = d.finish_reason, d.stop_reason
+        return False
+
+    def _stop_string(self, seq: _SeqOutput, core_finish: FinishReason | None, num_new: int) -> bool:
+        """Whether the newest text completes a stop string; the text is cut there. Also
+        checked when this token reached the length limit: the stop string wins."""
+        if core_finish not in (None, FinishReason.LENGTH):
+            return False
+        params = self.params
+        if len(seq.token_ids) < params.min_tokens:
+            return False
+        found = find_stop_string(
+            seq.text, num_new, params.stop_strings, params.include_stop_str_in_output
+        )
+        if found is None:
+            return False
+        keep, stop = found
+        seq.text = seq.text[:keep]
+        seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+        return True
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestState] = {}
+        self._lock = threading.Lock()  # guards _requests between threads
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        with self._lock:
+            self._requests[request_id] = state
+
+    def abort_request(self, request_id: str) -> None:
+        """Forget a request (its reader left, or it was aborted): its later deltas are
+        dropped."""
+        with self._lock:
+            self._requests.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def process(self, deltas: list[RequestDelta]) -> ProcessedStep:
+        """One core message: the outputs to hand to the requests' readers (every change of
+        a streamed request, the final output of the others; a failed request's carries
+        the error) and the stops to send to the core. A fault while processing a request
+        fails that request alone (and aborts it in the core)."""
+        with self._lock:
+            states = [self._requests.get(d.request_id) for d in deltas]
+        step = ProcessedStep()
+        ended: list[str] = []
+        for delta, state in zip(deltas, states):
+            if state is None:
+                continue  # ended here already (a stop string, a fault) or forgotten
+            if delta.error is not None:
+                ended.append(state.request_id)
+                step.outputs.append(_failed(state, delta.error))
+                continue
+            try:
+                changed, to_core = state.apply(delta)
+                output = (
+                    state.output() if state.is_finished or (changed and state.streams) else None
+                )
+            except Exception as e:
+                logger.exception("Request %s: processing its output failed", state.request_id)
+                ended.append(state.request_id)
+                step.outputs.append(_failed(state, request_error_message(e)))
+                if not delta.finished:
+                    step.to_core.append(AbortRequest(state.request_id))
+                continue
+            step.to_core += to_core
+            if state.is_finished:
+                ended.append(state.request_id)
+            if output is not None:
+                step.outputs.append(output)
+        if ended:
+            with self._lock:
+                for request_id in ended:
+                    self._requests.pop(request_id, None)
+        return step
+
+
+def _failed(state: RequestState, error: str) -> RequestOutput:
+    return RequestOutput(
+        state.request_id, state.prompt, state.prompt_token_ids, finished=True, error=error
+    )

@@ -1,0 +1,251 @@
+"""The front end's output processor: text decoded from the core's token deltas, stop strings
+applied (and the core told to stop what they end), cumulative outputs built.
+
+Pure tests feed hand-made deltas; engine tests check a stop string in one of n=3 samples
+against the same request without it, and the blocks the core frees for it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tiny_models import build_tokenizer, random_prompts
+
+from serve import LLM, SamplingParams
+from serve.engine.async_engine import AsyncEngine
+from serve.engine.messages import AbortRequest, StopSequence
+from serve.engine.output_deltas import RequestDelta, SeqDelta
+from serve.engine.output_processor import OutputProcessor
+from serve.sequence import FinishReason
+
+PROMPT_IDS = [5, 6, 7]
+LENGTH, STOP = FinishReason.LENGTH, FinishReason.STOP
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _processor(tokenizer, **params) -> OutputProcessor:
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, PROMPT_IDS, SamplingParams(max_tokens=None, **params))
+    return processor
+
+
+def _token(index: int, token_id: int, finish=None, logprob: float = -0.5) -> SeqDelta:
+    return SeqDelta(index, [token_id], [logprob], None, finish)
+
+
+def _step(processor, *seqs: SeqDelta, finished: bool = False):
+    return processor.process([RequestDelta("r", list(seqs), finished)])
+
+
+def test_text_grows_token_by_token_and_outputs_are_snapshots(tokenizer):
+    processor = _processor(tokenizer)
+    ids = _ids(tokenizer, "The sea is wide and blue.")
+    outputs = []
+    for i, token_id in enumerate(ids):
+        last = i == len(ids) - 1
+        step = _step(processor, _token(0, token_id, LENGTH if last else None), finished=last)
+        assert step.to_core == []
+        outputs += step.outputs
+    assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, len(ids) + 1))
+    final = outputs[-1].outputs[0]
+    assert final.text == "The sea is wide and blue." and final.finish_reason == "length"
+    assert final.cumulative_logprob == pytest.approx(-0.5 * len(ids))
+    assert outputs[-1].finished and processor.num_requests == 0
+
+
+def test_a_stop_string_ends_a_lone_sequence_with_an_abort(tokenizer):
+    processor = _processor(tokenizer, stop=[" wide"])
+    ids = _ids(tokenizer, "The sea is wide and blue.")
+    steps = [_step(processor, _token(0, t)) for t in ids]
+    ended = next(i for i, s in enumerate(steps) if s.to_core)
+    assert steps[ended].to_core == [AbortRequest("r")]
+    (out,) = steps[ended].outputs
+    assert out.finished and out.outputs[0].text == "The sea is"
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", " wide")
+    assert all(s.outputs == [] and s.to_core == [] for s in steps[ended + 1 :])  # dropped
+
+
+def test_a_stop_string_in_one_of_two_stops_only_it(tokenizer):
+    processor = _processor(tokenizer, n=2, stop=["sea"])
+    pairs = list(zip(_ids(tokenizer, "The sea is"), _ids(tokenizer, "A sky is wide")))
+    to_core = []
+    for a, b in pairs:
+        to_core += _step(processor, _token(0, a), _token(1, b)).to_core
+    assert to_core == [StopSequence("r", 0)]
+    # The core sampled on before it stopped sequence 0: those tokens are dropped.
+    step = _step(processor, _token(0, 99), _token(1, 42, LENGTH))
+    assert step.to_core == [AbortRequest("r")]  # the core has not ended the request yet
+    (out,) = step.outputs
+    one, two = out.outputs
+    assert (one.text, one.finish_reason, one.stop_reason) == ("The ", "stop", "sea")
+    assert 99 not in one.token_ids
+    assert two.token_ids == [b for _, b in pairs] + [42] and two.finish_reason == "length"
+
+
+def test_a_stop_string_in_the_last_token_wins_over_length(tokenizer):
+    processor = _processor(tokenizer, stop=["blue"])
+    ids = _ids(tokenizer, "wide and blue")
+    for token_id in ids[:-1]:
+        _step(processor, _token(0, token_id))
+    step = _step(processor, _token(0, ids[-1], LENGTH), finished=True)
+    assert step.to_core == []  # the core ended it already
+    c = step.outputs[0].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("wide and ", "stop", "blue")
+
+
+def test_min_tokens_holds_stop_strings_back(tokenizer):
+    ids = _ids(tokenizer, "a sea, a sea, a sky")
+    processor = _processor(tokenizer, stop=["sea"], min_tokens=len(_ids(tokenizer, "a sea, a")))
+    texts = [o.outputs[0].text for t in ids for o in _step(processor, _token(0, t)).outputs]
+    assert texts[-1] == "a sea, a "  # the first "sea" came too early
+
+
+def test_a_stop_token_finish_is_not_searched_for_stop_strings(tokenizer):
+    processor = _processor(tokenizer, stop=["sea"])
+    ids = _ids(tokenizer, "the sea")
+    _step(processor, _token(0, ids[0]))
+    last = SeqDelta(0, ids[1:], [-0.5] * (len(ids) - 1), None, STOP, stop_reason=ids[-1])
+    (out,) = _step(processor, last, finished=True).outputs
+    c = out.outputs[0]
+    assert (c.text, c.stop_reason) == ("the sea", ids[-1])
+
+
+def test_a_stop_inside_a_multi_token_delta_drops_the_rest(tokenizer):
+    processor = _processor(tokenizer, stop=["sea"], logprobs=1)
+    ids = _ids(tokenizer, "The sea is wide")
+    logprobs = [-0.1 * (i + 1) for i in range(len(ids))]
+    top = [{t: lp} for t, lp in zip(ids, logprobs)]
+    step = _step(processor, SeqDelta(0, ids, logprobs, top))
+    kept = len(_ids(tokenizer, "The sea"))
+    c = step.outputs[0].outputs[0]
+    assert c.token_ids == ids[:kept] and c.logprobs == top[:kept]
+    assert c.cumulative_logprob == pytest.approx(sum(logprobs[:kept]))
+    assert step.to_core == [AbortRequest("r")]
+
+
+def test_best_of_outputs_once_ranked(tokenizer):
+    processor = _processor(tokenizer, n=1, best_of=3)
+    for lp in (-1.0, -2.0):
+        assert (
+            _step(processor, *(_token(i, 40 + i, logprob=lp * (i + 1)) for i in range(3))).outputs
+            == []
+        )
+    step = _step(
+        processor, *(_token(i, 50, LENGTH, logprob=-0.1 * i) for i in range(3)), finished=True
+    )
+    (out,) = step.outputs
+    (best,) = out.outputs
+    assert best.index == 0 and best.token_ids == [40, 40, 50]  # sample 0 scored highest
+
+
+def test_beam_results_are_decoded_whole(tokenizer):
+    processor = _processor(tokenizer, n=2, best_of=2, use_beam_search=True, temperature=0.0)
+    texts = ["the sea", "the sky"]
+    hypotheses = [
+        SeqDelta(i, _ids(tokenizer, t), [], None, LENGTH, cumulative_logprob=-1.0 - i)
+        for i, t in enumerate(texts)
+    ]
+    (out,) = _step(processor, *hypotheses, finished=True).outputs
+    assert [c.text for c in out.outputs] == texts
+    assert [c.cumulative_logprob for c in out.outputs] == [-1.0, -2.0]
+
+
+def test_a_core_error_fails_the_request(tokenizer):
+    processor = _processor(tokenizer)
+    step = processor.process([RequestDelta("r", [], True, error="it broke")])
+    assert step.outputs[0].error == "it broke" and step.outputs[0].finished
+    assert processor.num_requests == 0
+
+
+# -- through the engine -----------------------------------------------------------------------
+
+
+N3 = dict(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+
+
+def _stop_for_one_sample(texts: list[str]) -> tuple[int, str]:
+    """A short string that only one sample's text holds, after its first few characters."""
+    for i, text in enumerate(texts):
+        for start in range(4, len(text) // 2):  # well before its last token
+            stop = text[start : start + 3]
+            if stop.strip() and all(stop not in t for j, t in enumerate(texts) if j != i):
+                return i, stop
+    raise AssertionError(f"no string singles out one sample of {texts}")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(model=str(tiny_llama), kv_cache_memory="8MiB")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return random_prompts(512, 1, 12, 12, seed=8)[0]
+
+
+def test_a_stop_string_in_one_of_three_samples_stops_only_it(llm, tiny_llama, prompt):
+    (full,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**N3), use_tqdm=False)
+    index, stop = _stop_for_one_sample([c.text for c in full.outputs])
+    params = SamplingParams(**N3, stop=[stop])
+    (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    for c, whole in zip(out.outputs, full.outputs):
+        if c.index == index:
+            assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+            assert c.text == whole.text[: whole.text.index(stop)]
+            assert c.token_ids == whole.token_ids[: len(c.token_ids)]
+            assert len(c.token_ids) < len(whole.token_ids)
+        else:  # the siblings run on to max_tokens, as without the stop string
+            assert (c.token_ids, c.text, c.finish_reason) == (
+                whole.token_ids,
+                whole.text,
+                "length",
+            )
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+
+    # The server's front end (here the in-process one) gives the same output.
+    engine = AsyncEngine.from_config(llm.engine.config)
+
+    async def final():
+        outputs = [out async for out in engine.generate("n3", prompt, params)]
+        return outputs[-1]
+
+    try:
+        served = asyncio.run(final())
+    finally:
+        engine.shutdown()
+    # Its batches differ (the stop reaches the core later), so logprobs may differ in
+    # their last bits; tokens and text do not.
+    assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in served.outputs] == [
+        (c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in out.outputs
+    ]
+
+
+def test_the_core_frees_a_stopped_sequences_blocks(llm, prompt):
+    (full,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**N3), use_tqdm=False)
+    index, stop = _stop_for_one_sample([c.text for c in full.outputs])
+    engine, manager = llm.engine, llm.engine.block_manager
+    llm.add_request("r", prompt, SamplingParams(**N3, stop=[stop]))
+    while True:
+        outs = llm.step()
+        manager.check_invariants()
+        if outs and outs[0].outputs[index].finish_reason == "stop":
+            break
+    assert not outs[0].finished  # the siblings run on
+    seqs = engine._groups["r"].seqs
+    stopped = seqs[index]
+    assert stopped.is_finished and not manager.has_table(stopped.seq_id)
+    assert stopped.seq_id not in engine.sampler._seq_generators
+    assert all(manager.has_table(s.seq_id) for i, s in enumerate(seqs) if i != index)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert manager.num_free_blocks == manager.num_blocks
