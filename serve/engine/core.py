@@ -274,10 +274,7 @@ class EngineCore:
         group = self._groups.get(request_id)
         if group is None:
             return None
-        self._awaiting_grammar.pop(request_id, None)
-        for seq in group.live_seqs:
-            seq.finish_reason = FinishReason.ABORT
-        self._finish(group)
+        self._end(group, FinishReason.ABORT)
         return self._delta(group)
 
     def stop_sequence(self, request_id: str, index: int) -> RequestDelta | None:
@@ -431,9 +428,7 @@ class EngineCore:
             self.block_manager.num_blocks,
             max(seq.num_tokens for seq in group.live_seqs),
         )
-        for seq in group.live_seqs:
-            seq.finish_reason = FinishReason.LENGTH
-        self._finish(group)
+        self._end(group, FinishReason.LENGTH)
         return self._delta(group)
 
     def _sample(
@@ -637,12 +632,17 @@ class EngineCore:
         else:
             logger.exception("Request %s failed; the engine runs on", group.request_id)
         if group.request_id in self._groups:
-            self._awaiting_grammar.pop(group.request_id, None)
-            self._beam_searches.pop(group.request_id, None)
-            for seq in group.live_seqs:
-                seq.finish_reason = FinishReason.ABORT
-            self._finish(group)
+            self._beam_searches.pop(group.request_id, None)  # no final message reads it
+            self._end(group, FinishReason.ABORT)
         return RequestDelta(group.request_id, [], True, error=request_error_message(error))
+
+    def _end(self, group: SequenceGroup, reason: FinishReason) -> None:
+        """End a request before its sequences finished by themselves (aborted, failed,
+        cannot fit), wherever it is: running, waiting, or awaiting its grammar."""
+        self._awaiting_grammar.pop(group.request_id, None)
+        for seq in group.live_seqs:
+            seq.finish_reason = reason
+        self._finish(group)
 
     def _finish(self, group: SequenceGroup) -> None:
         self.scheduler.finish(group)
