@@ -31,6 +31,7 @@ from serve.api.protocol import (
     now,
 )
 from serve.api.serving_base import (
+    PromptCharLimit,
     ServerSettings,
     check_model,
     check_structured_output,
@@ -64,8 +65,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     )
     app.router.route_class = JSONBodyRoute
     app.state.engine, app.state.settings = engine, settings
-    chat = ChatHandler(engine, settings)
-    completions = CompletionHandler(engine, settings)
+    prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)  # reads the vocab
+    chat = ChatHandler(engine, settings, prompt_chars)
+    completions = CompletionHandler(engine, settings, prompt_chars)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -271,6 +271,21 @@ class ChunkWriter:
         return sse({**body, "model": self.model, "choices": [], "usage": counts})
 
 
+# What an engine request's stream may raise, and the HTTP status each means. ValueError
+# last: the engine refused the request (its message names the field).
+_ENGINE_ERROR_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (EngineDeadError, 503),
+    (RequestError, 500),  # the engine failed this request alone
+    (RequestTimeoutError, 504),  # --request-timeout
+    (ValueError, 400),
+)
+_ENGINE_ERRORS = tuple(kind for kind, _ in _ENGINE_ERROR_STATUS)
+
+
+def _engine_error_status(error: Exception) -> int:
+    return next(status for kind, status in _ENGINE_ERROR_STATUS if isinstance(error, kind))
+
+
 @dataclass
 class StreamFailure:
     error: dict[str, Any] | None = None
@@ -283,14 +298,8 @@ async def guard_stream() -> AsyncIterator[StreamFailure]:
     failure = StreamFailure()
     try:
         yield failure
-    except EngineDeadError as e:
-        failure.error = error_body(503, str(e))
-    except RequestError as e:
-        failure.error = error_body(500, str(e))
-    except RequestTimeoutError as e:
-        failure.error = error_body(504, str(e))
-    except ValueError as e:
-        failure.error = error_body(400, str(e))
+    except _ENGINE_ERRORS as e:
+        failure.error = error_body(_engine_error_status(e), str(e))
 
 
 # (index, completion, new text, first new token, end of new tokens, chars sent before)
@@ -331,12 +340,8 @@ async def final_outputs(
     try:
         async for stream_index, out in merge_streams(streams):
             last[stream_index] = out
-    except ValueError as e:  # the engine refused the request
-        raise APIError(400, str(e)) from None
-    except RequestError as e:  # the engine failed this request alone
-        raise APIError(500, str(e)) from None
-    except RequestTimeoutError as e:
-        raise APIError(504, str(e)) from None
+    except _ENGINE_ERRORS as e:
+        raise APIError(_engine_error_status(e), str(e)) from None
     return [last[i] for i in range(len(streams))]
 
 

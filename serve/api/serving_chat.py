@@ -75,10 +75,12 @@ def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any
 
 
 class ChatHandler:
-    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
+    def __init__(
+        self, engine: EngineClient, settings: ServerSettings, prompt_chars: PromptCharLimit
+    ) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
-        self.prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)
+        self.prompt_chars = prompt_chars
         name = settings.tool_call_parser
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
 

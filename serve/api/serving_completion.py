@@ -30,10 +30,12 @@ from serve.outputs import CompletionOutput, RequestOutput
 
 
 class CompletionHandler:
-    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
+    def __init__(
+        self, engine: EngineClient, settings: ServerSettings, prompt_chars: PromptCharLimit
+    ) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
-        self.prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)
+        self.prompt_chars = prompt_chars
 
     def _prompts(self, request: CompletionRequest) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt: a string, strings, token ids, or lists of ids."""
