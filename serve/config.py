@@ -102,9 +102,9 @@ class SchedulerConfig:
     # On: a prompt longer than what is left of a step's token budget is computed in chunks
     # over several steps. Off: a prompt is only ever computed whole, in one step.
     enable_chunked_prefill: bool = True
-    # On: the previous step's token deltas are built (and its finished requests ended) on a
-    # helper thread while this step's forward runs (deltas come one step later). Scheduling
-    # and input preparation are not yet ahead of the forward. Off: one step at a time.
+    # On: while a step's forward runs, a helper thread builds the previous step's token
+    # deltas (they come one step later) and schedules the next step and builds its inputs,
+    # its sampled tokens filled in when it runs. Off: one step at a time.
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

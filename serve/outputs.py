@@ -74,11 +74,15 @@ class StepTimes:
     """
 
     num_steps: int = 0
+    num_steps_ahead: int = 0  # scheduled while the step before ran (async scheduling)
     schedule_s: float = 0.0  # scheduling, admission of compiled grammars
     prepare_s: float = 0.0  # building the batch's input tensors
     forward_s: float = 0.0
     sample_s: float = 0.0  # logits processing and sampling
     output_s: float = 0.0  # appending tokens, stop checks, token deltas (text: front end)
+    # Of the phases above, the time spent on the helper thread beside the forward pass
+    # (async scheduling: the previous step's deltas, the next step's schedule and inputs).
+    overlapped_s: float = 0.0
 
     def since(self, earlier: StepTimes) -> StepTimes:
         return StepTimes(

@@ -4,9 +4,16 @@ A request is a `SequenceGroup`. It starts as one sequence; when its prompt has b
 computed, parallel sampling (`best_of` > 1) and beam search fork it into several that
 share the prompt's KV blocks.
 
-Writers (one per field): the scheduler writes `status` and `num_computed_tokens`; the
-engine appends tokens, forks, and sets `finish_reason`; the output deltas record what was
-sent. Text is not here: the front end decodes it (engine/output_processor.py).
+Writers (one per field): the scheduler writes `status` and the token counts
+(`num_computed_tokens`, `num_scheduled_tokens`, `num_pending_tokens`); the engine appends
+tokens (which settles a pending one), forks, and sets `finish_reason`; the output deltas
+record what was sent.
+
+With async scheduling the next step is scheduled while the current one runs: a sequence
+then has tokens scheduled but not yet computed, and a token scheduled to be sampled but
+not yet appended. The scheduler plans from `num_planned_tokens` and
+`num_unscheduled_tokens`, which count them; `num_computed_tokens` stays what the KV cache
+holds. Text is not here: the front end decodes it (engine/output_processor.py).
 """
 
 from __future__ import annotations
@@ -59,6 +66,10 @@ class Sequence:
     beam_score: float = 0.0
     # Tokens whose K/V are in the cache. Reset to 0 by a recompute preemption.
     num_computed_tokens: int = 0
+    # Tokens after those that scheduled steps are computing (0 between serial steps).
+    num_scheduled_tokens: int = 0
+    # Tokens that scheduled steps will sample, not yet appended (at most one a step).
+    num_pending_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it
@@ -105,6 +116,16 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Tokens computed or being computed: where the next scheduled step starts."""
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+    @property
+    def num_unscheduled_tokens(self) -> int:
+        """Tokens no step is computing yet, counting the ones still being sampled."""
+        return self.num_tokens + self.num_pending_tokens - self.num_planned_tokens
+
+    @property
     def cumulative_logprob(self) -> float:
         return float(sum(self.output_logprobs))
 
@@ -134,6 +155,7 @@ class Sequence:
         self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None
     ) -> None:
         self.output_token_ids.append(token_id)
+        self.num_pending_tokens = max(0, self.num_pending_tokens - 1)
         self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)

@@ -136,9 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="build the previous step's token deltas (new token ids and logprobs, sent to "
-        "the API process, which decodes the text) and end its finished requests on a helper "
-        "thread while this step's forward pass runs",
+        help="while a step's forward pass runs, schedule the next step and build its inputs, "
+        "and build the previous step's token deltas, on a helper thread (steps that fork "
+        "beams or best_of samples are not scheduled past)",
     )
     cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 

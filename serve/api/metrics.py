@@ -74,6 +74,12 @@ class _EngineCollector(Collector):
                 e.num_preemptions,
             ),
             ("serve_engine_steps", "Engine steps run.", stats.step_times.num_steps),
+            (
+                "serve_engine_overlapped_seconds",
+                "Of serve_engine_step_seconds, the seconds spent beside the forward pass "
+                "(async scheduling).",
+                stats.step_times.overlapped_s,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         phases = CounterMetricFamily(

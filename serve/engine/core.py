@@ -55,6 +55,11 @@ class _Sampled:
     failed: list[RequestDelta] = field(default_factory=list)  # requests that failed alone
 
 
+# A scheduled step: the requests that ended while scheduling it, the step (None: nothing
+# to run) and its inputs (None: nothing to run, or only block moves).
+_Step = tuple[list[RequestDelta], SchedulerOutput | None, ModelInputs | None]
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -191,6 +196,7 @@ class EngineCore:
         self.step_times = StepTimes()
         self.async_scheduling = config.scheduler.async_scheduling
         self._unemitted: _Sampled | None = None  # sampled; deltas built during the next step
+        self._ahead: _Step | None = None  # scheduled while the last step ran; runs next
         self._output_thread = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-output"
         )
@@ -300,7 +306,7 @@ class EngineCore:
         return self._delta(group)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self._unemitted is not None
+        return bool(self._groups) or self._unemitted is not None or self._ahead is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -331,40 +337,74 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """One iteration; returns the new tokens of the requests that made progress.
 
-        With async scheduling (the default), the previous step's token deltas are built
-        (and finished requests ended) on a helper thread while this step's forward pass
-        runs here, and a step's deltas come out with the next step. Without it, each call
-        runs one step start to end. The tokens are the same either way. The forward stays
-        on the calling thread: on CPU, glibc reuses freed activations only in the main
-        thread's heap (a worker thread's arena maps large tensors afresh each step, ~20%
-        slower prefill)."""
-        ended, sched, inputs = self._schedule()
+        With async scheduling (the default), while this step's forward pass runs here, a
+        helper thread builds the previous step's token deltas (ending the requests that
+        finished) and then schedules the next step and builds its inputs. The next step
+        counts the tokens this one will sample before they exist; `run` fills them in.
+        So a step's deltas come out with the next step, and a sequence that this step
+        ends (a stop token, its length) may be in the next one too, computing a token
+        that is dropped. A step that forks sequences (beam search, the first sample of
+        `best_of`) is not scheduled past: the next step must know the forks. Without
+        async scheduling, each call runs one step start to end. The tokens are the same
+        either way.
+
+        The forward stays on the calling thread: on CPU, glibc reuses freed activations
+        only in the main thread's heap (a worker thread's arena maps large tensors afresh
+        each step, ~20% slower prefill)."""
+        if self._ahead is not None:
+            (ended, sched, inputs), self._ahead = self._ahead, None
+        else:
+            ended, sched, inputs = self._schedule(wait_for_grammar=self._unemitted is None)
         previous, self._unemitted = self._unemitted, None
         if sched is None:
             return ended + self._emit(previous)
-        if previous is not None:  # only with async scheduling
-            emitting = self._output_thread.submit(self._emit, previous)
+        if not self.async_scheduling:
+            sampled = self._collect(sched, self.model_runner.run(sched, inputs))
+            return ended + self._emit(sampled)
+        helper = self._output_thread.submit(self._while_running, previous, sched)
+        try:
             model_out = self.model_runner.run(sched, inputs)
-            ended += emitting.result()
-        else:
-            model_out = self.model_runner.run(sched, inputs)
-        sampled = self._collect(sched, model_out)
-        if self.async_scheduling:
-            self._unemitted = sampled
-            return ended
-        return ended + self._emit(sampled)
+        finally:
+            emitted, self._ahead = helper.result()  # never leave the helper running
+        self._unemitted = self._collect(sched, model_out)
+        return ended + emitted
 
-    def _schedule(self) -> tuple[list[RequestDelta], SchedulerOutput | None, ModelInputs | None]:
+    def _while_running(
+        self, previous: _Sampled | None, running: SchedulerOutput
+    ) -> tuple[list[RequestDelta], _Step | None]:
+        """The helper thread's work while `running`'s forward pass runs: the previous
+        step's token deltas, then the next step scheduled ahead (None: it is scheduled
+        after this step's sampling, as without async scheduling)."""
+        start = time.perf_counter()
+        deltas = self._emit(previous)
+        ahead = None
+        if not any(s.is_sampled and self._forks(s.seq) for s in running.scheduled):
+            ended, sched, inputs = self._schedule(wait_for_grammar=False)
+            if sched is None:
+                deltas += ended
+            else:
+                ahead = ended, sched, inputs
+                self.step_times.num_steps_ahead += 1
+        self.step_times.overlapped_s += time.perf_counter() - start
+        return deltas, ahead
+
+    def _forks(self, seq: Sequence) -> bool:
+        """Sampling `seq` may fork it or drop it (beams), so the next step depends on it."""
+        group = self._groups.get(seq.request_id)
+        return group is not None and (group.sampling_params.use_beam_search or group.needs_fork)
+
+    def _schedule(self, wait_for_grammar: bool) -> _Step:
         """The next step and its input tensors (None: nothing to run), and the requests
-        that ended without running (grammar failed, cannot fit)."""
+        that ended without running (grammar failed, cannot fit). With nothing to run but
+        grammars compiling, `wait_for_grammar` waits a little for one instead of
+        returning at once (a busy spin)."""
         start = time.perf_counter()
         ended = self._admit_compiled()
         sched = self.scheduler.schedule()
         ended += [self._end_cannot_fit(group) for group in sched.cannot_fit]
         self.step_times.schedule_s += time.perf_counter() - start
         if sched.is_empty and not sched.has_block_moves:
-            if self._awaiting_grammar and not ended and self._unemitted is None:
-                # Nothing to run but grammars compiling: wait for one, not a busy spin.
+            if wait_for_grammar and self._awaiting_grammar and not ended:
                 futures = [future for _, future in self._awaiting_grammar.values()]
                 concurrent.futures.wait(
                     futures, timeout=GRAMMAR_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED

@@ -116,7 +116,8 @@ class StatsLogger:
         logger.info(
             "running %d, waiting %d, swapped %d requests; KV cache %.1f%% used, prefix cache "
             "hit rate %.1f%%; %d preemptions; generation %.1f tokens/s; forward busy %.0f%%; "
-            "per step (ms): schedule %.1f, prepare %.1f, forward %.1f, sample %.1f, output %.1f",
+            "per step (ms): schedule %.1f, prepare %.1f, forward %.1f, sample %.1f, output %.1f "
+            "(%.1f of them beside the forward)",
             stats.num_running,
             stats.num_waiting,
             stats.num_swapped,
@@ -130,5 +131,6 @@ class StatsLogger:
             times.forward_s * per_step_ms,
             times.sample_s * per_step_ms,
             times.output_s * per_step_ms,
+            times.overlapped_s * per_step_ms,
         )
         self.start_window(core)

@@ -45,7 +45,8 @@ class ModelOutput:
 
 @dataclass
 class ModelInputs:
-    input_ids: torch.Tensor  # [num_tokens]
+    # [num_tokens]; None while some tokens are still being sampled (see `late_tokens`)
+    input_ids: torch.Tensor | None
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled]: the last token of each sampled sequence
@@ -53,6 +54,24 @@ class ModelInputs:
     prompt_logits_indices: torch.Tensor | None = None  # rows for prompt logprobs
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     prepare_s: float = 0.0
+    # Scheduled ahead of the step that samples them (async scheduling): the input tokens
+    # not known at prepare time, as (index in `token_ids`, sequence, position). `run`
+    # fills them in from the sequences and builds `input_ids`.
+    token_ids: list[int] = field(default_factory=list)
+    late_tokens: list[tuple[int, Sequence, int]] = field(default_factory=list)
+
+    def input_ids_now(self, device: torch.device) -> torch.Tensor:
+        """`input_ids`, with the late tokens now sampled. A sequence that ended without
+        its token (failed) computes a dummy one in vain."""
+        if self.input_ids is None:
+            for index, seq, position in self.late_tokens:
+                self.token_ids[index] = seq.token_at(position) if position < seq.num_tokens else 0
+            self.input_ids = _long_tensor(self.token_ids, device)
+        return self.input_ids
+
+
+def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 class ModelRunner:
@@ -157,12 +176,17 @@ class ModelRunner:
         sampled: list[Sequence] = []
         prompt_indices: list[int] = []
         prompt_spans: list[PromptSpan] = []
+        late_tokens: list[tuple[int, Sequence, int]] = []
         for s in ordered:
-            seq, start, n, table = s.seq, s.seq.num_computed_tokens, s.num_new_tokens, s.block_table
-            if n == 1:
+            seq, start, n, table = s.seq, s.start, s.num_new_tokens, s.block_table
+            known = min(start + n, seq.num_tokens)  # later ones are still being sampled
+            if n == 1 and known > start:
                 token_ids.append(seq.token_at(start))
             else:
-                token_ids.extend(seq.token_ids_between(start, start + n))
+                token_ids.extend(seq.token_ids_between(start, known))
+            for position in range(max(start, known), start + n):
+                late_tokens.append((len(token_ids), seq, position))
+                token_ids.append(0)
             if seq.sampling_params.prompt_logprobs is not None:
                 # Position p's logits predict prompt token p + 1; the last prompt position
                 # predicts the first output token, which the sampler reports.
@@ -185,7 +209,7 @@ class ModelRunner:
             query_start_loc.append(query_start_loc[-1] + n)
 
         def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+            return _long_tensor(values, self.device)
 
         meta = AttentionMetadata(
             slot_mapping=tensor(slots),
@@ -197,18 +221,20 @@ class ModelRunner:
             num_decode_seqs=num_decode_seqs,
         )
         return ModelInputs(
-            tensor(token_ids),
+            None if late_tokens else tensor(token_ids),
             tensor(positions),
             meta,
             tensor(logits_indices),
             sampled,
             tensor(prompt_indices) if prompt_indices else None,
             prompt_spans,
+            token_ids=token_ids,
+            late_tokens=late_tokens,
         )
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs | None:
-        """The step's input tensors (None for a step that only moves blocks), built from
-        the sequences as they are now: call it before they change again."""
+        """The step's input tensors (None for a step that only moves blocks). Tokens still
+        being sampled by the step before are left for `run` to fill in."""
         if sched.is_empty:
             return None
         start = time.perf_counter()
@@ -218,15 +244,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, inputs: ModelInputs | None) -> ModelOutput:
-        """The KV block moves, then the forward pass and the logits. Reads only `inputs`
-        and the KV cache, so the engine's helper thread may finish the previous step's
-        outputs meanwhile."""
+        """The KV block moves, then the forward pass and the logits. Reads only `inputs`,
+        the KV cache and the late tokens' sequences (appended to only by the sampler, on
+        this thread), so the engine's helper thread may finish the previous step's
+        outputs and schedule the next step meanwhile."""
         start = time.perf_counter()
         self._move_blocks(sched)
         if inputs is None:
             return ModelOutput(torch.empty(0, 0), [], forward_s=time.perf_counter() - start)
+        input_ids = inputs.input_ids_now(self.device)
         with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+            hidden = self.model(input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logits = None
         if inputs.prompt_logits_indices is not None:

@@ -217,7 +217,7 @@ class BlockManager:
         if shared is not None:
             fresh = self.block_pool.allocate()
             self.block_pool.free(shared)
-            table[seq.num_computed_tokens // self.block_size] = fresh
+            table[seq.num_planned_tokens // self.block_size] = fresh
             copies.append((shared, fresh))
         num_new = self.num_required_blocks(num_tokens) - len(table)
         table.extend(self.block_pool.allocate() for _ in range(num_new))
@@ -230,7 +230,7 @@ class BlockManager:
         self, seq: Sequence, num_tokens: int, table: list[int], pool: BlockPool
     ) -> int | None:
         """The block this allocation writes first, if other tables hold it too."""
-        first = seq.num_computed_tokens
+        first = seq.num_planned_tokens
         index = first // self.block_size
         if num_tokens <= first or index >= len(table):
             return None

@@ -11,14 +11,12 @@ from serve.sequence import Sequence, SequenceGroup
 @dataclass(frozen=True)
 class ScheduledSequence:
     seq: Sequence
-    num_new_tokens: int  # tokens whose K/V this step computes, from seq.num_computed_tokens on
+    start: int  # the first position this step computes (the sequence's planned tokens then)
+    num_new_tokens: int  # tokens whose K/V this step computes, from `start` on
     block_table: list[int]  # the block manager's table for `seq`; read-only for everyone else
-
-    @property
-    def is_sampled(self) -> bool:
-        """True when this step reaches the sequence's last token, so the next one is sampled;
-        False for a prefill chunk that stops short of it."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    # True when this step reaches the sequence's last token, so the next one is sampled;
+    # False for a prefill chunk that stops short of it.
+    is_sampled: bool
 
 
 @dataclass

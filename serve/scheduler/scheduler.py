@@ -27,6 +27,15 @@ remaining prompt (or catch-up) is scheduled whole or not at all: a running prefi
 split, and a waiting group that does not fit what is left of the budget waits for a later
 step, holding up the groups behind it (FCFS). The engine then requires
 max_num_batched_tokens >= max_model_len, so every prompt fits an empty step.
+
+With async scheduling the engine calls `schedule()` for the next step while the current
+one runs, before its tokens are sampled. A sequence's tokens in flight count as planned
+(`Sequence.num_planned_tokens`: the next step starts after them), and a token still being
+sampled counts as one to compute (`num_unscheduled_tokens`), so a decode is scheduled for
+a token that does not exist yet; the engine fills it in before the step runs. `update()`
+moves a step's tokens from scheduled to computed once it has run. A victim preempted
+while in flight is computed in vain (recompute), or swapped out after the step has
+written its K/V (the swap-out runs at the start of the next step).
 """
 
 from __future__ import annotations
@@ -187,7 +196,7 @@ class Scheduler:
         `budget`; `cached` overrides sequences' computed counts (prefix-cache hits)."""
         live = group.live_seqs
         remaining = [
-            seq.num_tokens - (cached[seq.seq_id] if cached else seq.num_computed_tokens)
+            seq.num_tokens - cached[seq.seq_id] if cached else seq.num_unscheduled_tokens
             for seq in live
         ]
         if len(live) == 1:
@@ -207,20 +216,23 @@ class Scheduler:
 
     def _schedule(self, plan: Plan, out: SchedulerOutput) -> int:
         for seq, n in plan:
-            out.scheduled.append(
-                ScheduledSequence(seq, n, self.block_manager.get_block_table(seq.seq_id))
-            )
+            start = seq.num_planned_tokens
+            is_sampled = start + n == seq.num_tokens + seq.num_pending_tokens
+            table = self.block_manager.get_block_table(seq.seq_id)
+            out.scheduled.append(ScheduledSequence(seq, start, n, table, is_sampled))
+            seq.num_scheduled_tokens += n
+            seq.num_pending_tokens += is_sampled
         return sum(n for _, n in plan)
 
     def _allocate(self, plan: Plan, out: SchedulerOutput) -> None:
         for seq, n in plan:
-            copies = self.block_manager.allocate_slots(seq, seq.num_computed_tokens + n)
+            copies = self.block_manager.allocate_slots(seq, seq.num_planned_tokens + n)
             out.blocks_to_copy += copies
 
     def _allocate_or_preempt(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> bool:
         """Grow `group`'s blocks for `plan`, preempting the latest arrivals until they fit.
         Returns False if `group` itself had to go."""
-        totals = [(seq, seq.num_computed_tokens + n) for seq, n in plan]
+        totals = [(seq, seq.num_planned_tokens + n) for seq, n in plan]
         while not self.block_manager.can_allocate(totals):
             if self.running == [group]:
                 # It holds every block in use and still cannot grow: the cache is too small
@@ -238,7 +250,7 @@ class Scheduler:
     def _swap_in_blocks(self, group: SequenceGroup, plan: Plan) -> int:
         """Device blocks that swapping `group` back in and running `plan` would take."""
         bm = self.block_manager
-        totals = [(seq, seq.num_computed_tokens + n) for seq, n in plan]
+        totals = [(seq, seq.num_planned_tokens + n) for seq, n in plan]
         return bm.num_swap_blocks(group.live_seqs, swapped_out=True) + bm.num_blocks_needed(
             totals, swapped_out=True
         )
@@ -285,10 +297,11 @@ class Scheduler:
                 seq.status = SequenceStatus.SWAPPED
             bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
         else:
-            # Recompute (or the swap space is full): drop the KV, keep the tokens.
+            # Recompute (or the swap space is full): drop the KV, keep the tokens. A step
+            # still computing the sequence computes it in vain.
             for seq in live:
                 self.block_manager.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+                seq.num_computed_tokens = seq.num_scheduled_tokens = 0
                 seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(group)
         out.preempted.append(group)
@@ -297,12 +310,16 @@ class Scheduler:
     # -- after the step --------------------------------------------------------------------------
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the forward pass: the scheduled tokens' K/V are now in the cache."""
+        """After the forward pass: the scheduled tokens' K/V are now in the cache (or, for
+        a sequence swapped out meanwhile, in the blocks the swap-out will copy)."""
         for s in out.scheduled:
-            if s.seq.is_finished:
-                continue  # ended (aborted, stopped) while the step ran: its blocks are gone
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.mark_computed(s.seq)
+            seq = s.seq
+            if seq.status in (SequenceStatus.FINISHED, SequenceStatus.WAITING):
+                continue  # ended, or preempted to recompute, while the step ran
+            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_scheduled_tokens -= s.num_new_tokens
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.mark_computed(seq)
 
     def fork(self, parent: Sequence, child: Sequence, group: SequenceGroup) -> None:
         """Add `child` (a copy of running `parent`) to `group`, sharing the parent's blocks."""
@@ -328,4 +345,4 @@ class Scheduler:
 
 def _is_decoding(group: SequenceGroup) -> bool:
     """Each live sequence needs exactly one token: the one it sampled last step."""
-    return all(seq.num_uncomputed_tokens == 1 for seq in group.live_seqs)
+    return all(seq.num_unscheduled_tokens == 1 for seq in group.live_seqs)

@@ -1,6 +1,8 @@
-"""Async scheduling builds each step's token deltas while the next forward pass runs, and
-changes no token: the same outputs (text and stop strings included, decoded by the front
-end) as one step at a time, whatever ends the requests."""
+"""Async scheduling schedules each step, and builds the step before's token deltas, while
+the forward pass before it runs, and changes no token: the same outputs (text and stop
+strings included, decoded by the front end) as one step at a time, whatever ends the
+requests, and whatever the scheduler does to sequences still in flight (preempts them,
+swaps them out, ends them)."""
 
 from __future__ import annotations
 
@@ -10,18 +12,19 @@ from tiny_models import random_prompts
 from serve import LLM, SamplingParams
 
 
-def _run(model_dir, async_scheduling: bool, prompts, params):
+def _run(model_dir, async_scheduling: bool, prompts, params, **kwargs):
+    kwargs = {"kv_cache_memory": "8MiB", **kwargs}
     llm = LLM(
         model=str(model_dir),
-        kv_cache_memory="8MiB",
         swap_space=0.001,
         max_num_batched_tokens=48,  # several steps of chunks beside the decodes
         async_scheduling=async_scheduling,
+        **kwargs,
     )
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.block_manager.check_invariants()
     assert llm.engine.block_manager.block_pool.num_used_blocks == 0
-    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+    return [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs], llm.engine
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -40,10 +43,73 @@ def test_same_outputs_as_serial_steps(tiny_model_factory, arch):
         SamplingParams(temperature=0.7, seed=9, max_tokens=30, frequency_penalty=1.0),
         SamplingParams(temperature=0.0, max_tokens=1),
     ]
-    serial = _run(model_dir, False, prompts, params)
-    overlapped = _run(model_dir, True, prompts, params)
+    serial, _ = _run(model_dir, False, prompts, params)
+    overlapped, engine = _run(model_dir, True, prompts, params)
     assert overlapped == serial
     assert any(r[0][2] == "stop" for r in serial)  # the stop strings did end some
+    assert engine.step_times.num_steps_ahead > 0
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_steps_scheduled_ahead_under_preemption(tiny_llama, preemption_mode):
+    """A cache of 24 blocks for 8 requests: the step scheduled ahead preempts sequences
+    that the running step is still computing and sampling. Shared prefixes bring the
+    prefix cache in; stop tokens and lengths end sequences that are already in the next
+    step."""
+    shared = random_prompts(512, 1, 12, 12, seed=1)[0]
+    prompts = [
+        {"prompt_token_ids": (shared if i % 2 else []) + p}
+        for i, p in enumerate(random_prompts(512, 8, 3, 20, seed=4))
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=list(range(300, 340))),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, min_tokens=10, stop_token_ids=[5, 9]),
+    ] * 2
+    kwargs = {
+        "num_gpu_blocks_override": 24,
+        "block_size": 4,
+        "preemption_mode": preemption_mode,
+        "enable_prefix_caching": True,
+    }
+    serial, _ = _run(tiny_llama, False, prompts, params, **kwargs)
+    overlapped, engine = _run(tiny_llama, True, prompts, params, **kwargs)
+    assert overlapped == serial
+    times = engine.step_times
+    assert times.num_steps_ahead >= times.num_steps // 2, times
+    assert engine.scheduler.num_preemptions > 0
+    assert any(r[0][2] == "stop" for r in serial)
+
+
+def test_between_steps_only_the_step_ahead_is_in_flight(tiny_llama):
+    """Each running or swapped sequence's scheduled-but-uncomputed tokens are exactly its
+    share of the step scheduled ahead, and its pending token the one that step samples,
+    through preemptions, swaps and stops."""
+    llm = LLM(
+        model=str(tiny_llama),
+        swap_space=0.001,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=20,
+        block_size=4,
+        preemption_mode="swap",
+    )
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[300, 301, 302])
+    for i, prompt in enumerate(random_prompts(512, 6, 3, 24, seed=8)):
+        llm.add_request(f"r{i}", prompt, params)
+    while llm.has_unfinished_requests():
+        llm.step()
+        ahead = {} if engine._ahead is None else {s.seq: s for s in engine._ahead[1].scheduled}
+        for group in scheduler.running + scheduler.swapped:
+            for seq in group.live_seqs:
+                s = ahead.get(seq)
+                assert seq.num_scheduled_tokens == (s.num_new_tokens if s else 0)
+                assert seq.num_pending_tokens == (1 if s and s.is_sampled else 0)
+                if s is not None:
+                    assert s.start == seq.num_computed_tokens
+    assert engine.step_times.num_steps_ahead > 0 and scheduler.num_preemptions > 0
+    assert engine.block_manager.block_pool.num_used_blocks == 0
 
 
 def test_abort_between_sampling_and_building_deltas(tiny_llama):
@@ -56,6 +122,7 @@ def test_abort_between_sampling_and_building_deltas(tiny_llama):
     llm.step()
     llm.step()
     assert engine._unemitted is not None  # sampled; its deltas are built next step
+    assert engine._ahead is not None  # and the next step, r1 in it, is scheduled
     aborted = llm.abort_request("r1")
     assert aborted is not None and aborted.outputs[0].finish_reason == "abort"
     finished = {}

@@ -46,11 +46,10 @@ def _assert_matches_hf(model_dir, prompts, got) -> None:
 
 
 class Scheduled(NamedTuple):
-    """One sequence's part of a step, as the scheduler decided it (before the update
-    moves the sequence's computed count on)."""
+    """One sequence's part of a step, as the scheduler decided it."""
 
     request_id: str
-    start: int  # the sequence's computed tokens before the step
+    start: int  # the first position the step computes
     num_new_tokens: int
     is_sampled: bool
 
@@ -69,9 +68,7 @@ def _record_steps(llm: LLM, monkeypatch) -> list[list[Scheduled]]:
         scheduler.block_manager.check_invariants()
         steps.append(
             [
-                Scheduled(
-                    s.seq.request_id, s.seq.num_computed_tokens, s.num_new_tokens, s.is_sampled
-                )
+                Scheduled(s.seq.request_id, s.start, s.num_new_tokens, s.is_sampled)
                 for s in out.scheduled
             ]
         )

@@ -1,8 +1,7 @@
 """The scheduler tests' fake engine: builders, one engine step, and the checks after it.
 
 Pure Python (no torch). `run_step` plays the engine: schedule, apply the step's block
-moves and writes to a fake KV cache, note which sequences sample (before `update`
-advances `num_computed_tokens`), update, fork groups that sample for the first time into
+moves and writes to a fake KV cache, note which sequences sample, update, fork groups that sample for the first time into
 `best_of` sequences, append a fake token to each sampled sequence, finish the ones that
 reached `max_tokens` or the context window, end the groups the scheduler found too big
 for the cache; then checks every invariant, the fake KV included: each sequence's blocks
@@ -128,7 +127,7 @@ class FakeKV:
             self.device[dst] = list(self.device[src])
         bs = self.block_size
         for s in out.scheduled:
-            start = s.seq.num_computed_tokens
+            start = s.start
             for pos in range(start, start + s.num_new_tokens):
                 self.device[s.block_table[pos // bs]][pos % bs] = s.seq.token_at(pos)
 
@@ -208,16 +207,11 @@ def run_step(sched: Scheduler, on_sample: OnSample | None = None) -> SchedulerOu
                 whole.add(s.seq.num_uncomputed_tokens - 1)
             assert s.num_new_tokens in whole, "a prompt was split with chunked prefill off"
         assert s.block_table == bm.get_block_table(s.seq.seq_id)
-        assert len(s.block_table) == bm.num_required_blocks(
-            s.seq.num_computed_tokens + s.num_new_tokens
-        )
+        assert len(s.block_table) == bm.num_required_blocks(s.start + s.num_new_tokens)
     check_decodes_first(sched, decoding, out)
     # Copy-on-write copies only a partly filled block, the one a sequence writes first.
     bs = bm.block_size
-    first_written = {
-        s.block_table[s.seq.num_computed_tokens // bs]: s.seq.num_computed_tokens % bs
-        for s in out.scheduled
-    }
+    first_written = {s.block_table[s.start // bs]: s.start % bs for s in out.scheduled}
     for _, dst in out.blocks_to_copy:
         assert first_written.get(dst, 0) != 0, f"copy into block {dst} is not copy-on-write"
     assert not (out.blocks_to_swap_in and out.preempted), "swapped in while preempting"
@@ -229,7 +223,7 @@ def run_step(sched: Scheduler, on_sample: OnSample | None = None) -> SchedulerOu
                 assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
                 assert group in sched.waiting
     _KV[sched].apply(out)
-    sampled = [s.seq for s in out.scheduled if s.is_sampled]  # before update moves it
+    sampled = [s.seq for s in out.scheduled if s.is_sampled]
     sched.update(out)
 
     groups: dict[str, list[Sequence]] = {}
