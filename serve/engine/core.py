@@ -530,11 +530,10 @@ class EngineCore:
         sequence is sampled alone to find the requests at fault: they fail, the rest of
         the batch runs on."""
         try:
-            out = self.sampler(
-                logits.index_select(0, torch.tensor(rows, device=logits.device)),
-                seqs,
-                self._grammar_mask(seqs),
-            )
+            batch = logits  # one row a sequence already: no copy (a copy of big logits is slow)
+            if rows != list(range(len(logits))):  # forks share a row; finished ones have none
+                batch = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            out = self.sampler(batch, seqs, self._grammar_mask(seqs))
             return list(zip(seqs, out.token_ids, out.logprobs, out.top_logprobs))
         except Exception:
             logger.warning(
