@@ -22,9 +22,10 @@ def free_port() -> int:
 
 
 def start_server(
-    model: str | None, flags: list[str], log_dir: Path, name: str
+    model: str | None, flags: list[str], log_dir: Path, name: str, tree: Path | None = None
 ) -> tuple[subprocess.Popen, str, Path]:
-    """(process, base url, log path) of a healthy server; exits the benchmark if it fails."""
+    """(process, base url, log path) of a healthy server; exits the benchmark if it fails.
+    `tree`: a checkout of serve (another version) to run instead of the installed one."""
     port = free_port()
     cmd = [sys.executable, "-m", "serve.api.cli", "--port", str(port)]
     cmd += ["--model", model] if model else []
@@ -32,7 +33,7 @@ def start_server(
     log_path = log_dir / f"serve-{name}-{port}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -160,6 +160,8 @@ def latency_stats(values_s: list[float]) -> dict[str, float | None]:
 
 def summarize(results: list[RequestResult], duration_s: float) -> dict:
     ok = [r for r in results if r.is_success]
+    # Latencies count text: a random-weight model's output may decode to none at all.
+    timed = [r for r in ok if r.ttft_s is not None]
     num_output = sum(r.num_output_tokens for r in ok)
     num_prompt = sum(r.num_prompt_tokens for r in ok)
     return {
@@ -172,11 +174,11 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "requests_per_s": len(ok) / duration_s,
         "output_tokens_per_s": num_output / duration_s,
         "total_tokens_per_s": (num_prompt + num_output) / duration_s,
-        "ttft_ms": latency_stats([r.ttft_s for r in ok]),
+        "ttft_ms": latency_stats([r.ttft_s for r in timed]),
         "tpot_ms": latency_stats(
             [
                 (r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1)
-                for r in ok
+                for r in timed
                 if r.num_output_tokens > 1
             ]
         ),

@@ -8,8 +8,10 @@ Configurations (extra `serve` flags, `--before` / `--after` to change them):
           the event loop), one step at a time (`--no-async-scheduling`), prompts
           prefilled whole (`--no-enable-chunked-prefill`);
   after   the defaults: the core in its own process (sending token ids; the API process
-          decodes the text), each step's deltas built while the next forward runs,
-          chunked prefill.
+          decodes the text), each step scheduled, and the step before's deltas built,
+          while the forward before it runs; chunked prefill.
+`--before-tree DIR` runs the before server from another checkout (say, a worktree of the
+previous version), to compare versions rather than flags.
 
 Loads:
   throughput   the seeded synthetic workload (serving.py's), all requests at once: output
@@ -44,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: serve's default model")
     p.add_argument("--before", default=BEFORE, help="serve flags of the 'before' server")
     p.add_argument("--after", default=AFTER, help="serve flags of the 'after' server")
+    p.add_argument(
+        "--before-tree", type=Path, default=None, help="run the 'before' server from this checkout"
+    )
     p.add_argument(
         "--common",
         default="--max-model-len 2048",
@@ -108,9 +113,11 @@ async def long_prompt_load(url: str, token_ids: range, args) -> dict:
     }
 
 
-def measure(name: str, flags: str, args, requests, token_ids) -> dict:
+def measure(name: str, flags: str, args, requests, token_ids, tree: Path | None = None) -> dict:
     model_flags = shlex.split(args.common) + shlex.split(flags)
-    process, url, log_path = start_server(args.model, model_flags, args.log_dir, f"compare-{name}")
+    process, url, log_path = start_server(
+        args.model, model_flags, args.log_dir, f"compare-{name}", tree
+    )
     try:
         start = len(log_path.read_text())
         throughput = asyncio.run(throughput_load(url, requests, args))
@@ -134,7 +141,7 @@ def main() -> None:
     args = parse_args()
     token_ids = range(17, 49152)  # SmolLM2's ids past its 17 special tokens
     requests = workload.make_requests(WorkloadSpec.from_args(args), token_ids)
-    before = measure("before", args.before, args, requests, token_ids)
+    before = measure("before", args.before, args, requests, token_ids, args.before_tree)
     after = measure("after", args.after, args, requests, token_ids)
     speedup = (
         after["throughput"]["output_tokens_per_s"] / before["throughput"]["output_tokens_per_s"]

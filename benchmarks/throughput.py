@@ -72,6 +72,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also run serve with penalties, top-p and JSON schemas mixed in",
     )
+    p.add_argument(
+        "--compare-serial",
+        action="store_true",
+        help="also run serve one step at a time (async_scheduling=False), alternating with "
+        "the default twice each",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args()
 
@@ -152,11 +158,11 @@ def mixed_params(requests: list[Request]) -> list:
     return params
 
 
-def load_serve(model: str | None, dtype: str, requests: list[Request]):
+def load_serve(model: str | None, dtype: str, requests: list[Request], **kwargs):
     from serve import LLM, SamplingParams
 
     # Passes repeat the same prompts: a later pass must not find them in the prefix cache.
-    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False)
+    llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, **kwargs)
     warmup = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate([{"prompt_token_ids": requests[0].prompt_token_ids[:8]}], [warmup], use_tqdm=False)
     return llm
@@ -265,15 +271,28 @@ def main() -> None:
     )
 
     serve = mixed = None
+    serial: list[Result] = []
     if not args.skip_serve:
         llm = load_serve(args.model, args.dtype, requests)
         serve = run_serve(llm, requests, plain_params(requests))
         if args.decoding_mix:
             mixed = run_serve(llm, requests, mixed_params(requests), "serve (mix)")
+        if args.compare_serial:
+            serial_llm = load_serve(args.model, args.dtype, requests, async_scheduling=False)
+            serial.append(run_serve(serial_llm, requests, plain_params(requests), "serial"))
+            again = run_serve(llm, requests, plain_params(requests))
+            serial.append(run_serve(serial_llm, requests, plain_params(requests), "serial"))
+            serve = max(serve, again, key=lambda r: r.output_tokens_per_s)
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     hf = None if args.skip_hf else run_hf_sweep(model_dir, args.dtype, requests, tokenizer, sizes)
-    results = [r for r in (serve, mixed, hf) if r is not None]
+    best_serial = max(serial, key=lambda r: r.output_tokens_per_s) if serial else None
+    results = [r for r in (serve, mixed, best_serial, hf) if r is not None]
     print_table(results)
+    serial_ratio = (
+        serve.output_tokens_per_s / best_serial.output_tokens_per_s if best_serial else None
+    )
+    if serial_ratio is not None:
+        print(f"async / serial steps output tokens/s (best of two each): {serial_ratio:.2f}x")
     ratio = serve.output_tokens_per_s / hf.output_tokens_per_s if serve and hf else None
     if ratio is not None:
         print(f"serve / HF output tokens/s: {ratio:.2f}x")
@@ -287,6 +306,7 @@ def main() -> None:
             "results": [r.as_dict() for r in results],
             "serve_over_hf_output_tokens_per_s": ratio,
             "mix_over_plain_output_tokens_per_s": mix_ratio,
+            "async_over_serial_output_tokens_per_s": serial_ratio,
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
