@@ -54,6 +54,11 @@ def _run_with_poison(llm, healthy_prompts, params=GREEDY):
     return failed, outs
 
 
+def _all_token_ids(outs) -> list[list[list[int]]]:
+    """Each request's completions' token ids."""
+    return [[c.token_ids for c in out.outputs] for out in outs]
+
+
 def _assert_isolated(llm, failed, healthy, expected):
     assert failed.finished
     assert failed.error is not None and "InjectedFault" in failed.error
@@ -114,12 +119,9 @@ def test_a_fault_in_one_parallel_sampling_request(llm, healthy_prompts, monkeypa
     """n=3 forks after the prompt: a fault decoding one of the forks' text ends the request
     and frees every sibling's blocks."""
     params = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=8, ignore_eos=True)
-    expected = [
-        [c.token_ids for c in out.outputs]
-        for out in llm.generate(
-            [{"prompt_token_ids": p} for p in healthy_prompts], params, use_tqdm=False
-        )
-    ]
+    expected = _all_token_ids(
+        llm.generate([{"prompt_token_ids": p} for p in healthy_prompts], params, use_tqdm=False)
+    )
     update = IncrementalDetokenizer.update
     poisoned: list[IncrementalDetokenizer] = []  # the poisoned request's, in sample order
 
@@ -134,19 +136,16 @@ def test_a_fault_in_one_parallel_sampling_request(llm, healthy_prompts, monkeypa
     monkeypatch.setattr(IncrementalDetokenizer, "update", faulty_update)
     failed, healthy = _run_with_poison(llm, healthy_prompts, params)
     assert failed.error is not None and "InjectedFault" in failed.error
-    assert [[c.token_ids for c in out.outputs] for out in healthy] == expected
+    assert _all_token_ids(healthy) == expected
     manager = llm.engine.block_manager
     assert manager.num_free_blocks == manager.num_blocks
 
 
 def test_a_fault_in_one_beam_search(llm, healthy_prompts, monkeypatch):
     params = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=6)
-    expected = [
-        [c.token_ids for c in out.outputs]
-        for out in llm.generate(
-            [{"prompt_token_ids": p} for p in healthy_prompts], params, use_tqdm=False
-        )
-    ]
+    expected = _all_token_ids(
+        llm.generate([{"prompt_token_ids": p} for p in healthy_prompts], params, use_tqdm=False)
+    )
     engine = llm.engine
     beam_step = engine._beam_step
 
@@ -158,7 +157,7 @@ def test_a_fault_in_one_beam_search(llm, healthy_prompts, monkeypatch):
     monkeypatch.setattr(engine, "_beam_step", faulty_beam_step)
     failed, healthy = _run_with_poison(llm, healthy_prompts, params)
     assert failed.error is not None and "InjectedFault" in failed.error
-    assert [[c.token_ids for c in out.outputs] for out in healthy] == expected
+    assert _all_token_ids(healthy) == expected
     assert not engine._beam_searches
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
