@@ -121,11 +121,47 @@ class SchedulerConfig:
             )
 
 
+EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks run the model, and what runs them (executor/base.py)."""
+
+    tensor_parallel_size: int = 1
+    # None: `uniproc` for one rank, `mp` (a process per rank) for more.
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}."
+            )
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
+                f"got {backend!r}."
+            )
+        if backend == "uniproc" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uniproc' runs one rank, but "
+                f"tensor_parallel_size is {self.tensor_parallel_size}: use 'mp' or 'ray'."
+            )
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uniproc" if self.tensor_parallel_size == 1 else "mp"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
 
     @classmethod
@@ -151,6 +187,8 @@ class EngineConfig:
         preemption_mode: str | None = None,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = True,
+        tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         device: str = "auto",
     ) -> EngineConfig:
         """The flat keyword form that `LLM(...)` and the CLI share. `swap_space` is in GiB,
@@ -182,6 +220,7 @@ class EngineConfig:
                 enable_chunked_prefill,
                 async_scheduling,
             ),
+            parallel=ParallelConfig(tensor_parallel_size, distributed_executor_backend),
             device=device,
         )
 
