@@ -1,7 +1,8 @@
 """DESIGN.md's import rules, checked on the source (ast) and, for torch, in a fresh process.
 
-Imports run down the picture only: api → engine → scheduler → kv_cache, engine → models →
-kernels. Every layer may import the leaf modules; leaves import only leaves; kernels import
+Imports run down the picture only: api → engine → scheduler → kv_cache, engine → executor
+→ worker → models → kernels, with `distributed` (the tensor-parallel group) below the
+worker and the models. Every layer may import the leaf modules; leaves import only leaves; kernels import
 nothing of serve but config; nothing imports serve.api. The scheduler, the block allocator
 and the leaves import no torch, not even inside a function, and not through another module.
 """
@@ -21,18 +22,25 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = REPO_ROOT / "serve"
 
-LEAVES = frozenset({"config", "sampling_params", "sequence", "outputs"})
-LAYERS = frozenset({"api", "engine", "scheduler", "kv_cache", "models", "kernels"})
+LEAVES = frozenset({"config", "sampling_params", "sequence", "outputs", "step"})
+LAYERS = frozenset(
+    {"api", "engine", "scheduler", "kv_cache", "executor", "worker", "models", "distributed"}
+    | {"kernels"}
+)
 ROOT = "root"  # serve/__init__.py, and `from serve import Name` re-exports
 EVERYTHING = LAYERS | LEAVES | {ROOT}
 
 # Which groups (a layer, a leaf module, or the root package) each group may import.
 ALLOWED_IMPORTS = {
     "api": EVERYTHING,
-    "engine": {"engine", "scheduler", "kv_cache", "models", "kernels"} | LEAVES,
+    "engine": {"engine", "scheduler", "kv_cache", "executor", "worker", "models", "kernels"}
+    | LEAVES,
     "scheduler": {"scheduler", "kv_cache"} | LEAVES,
     "kv_cache": {"kv_cache"} | LEAVES,
-    "models": {"models", "kernels"} | LEAVES,
+    "executor": {"executor", "worker", "distributed"} | LEAVES,
+    "worker": {"worker", "kv_cache", "models", "distributed", "kernels"} | LEAVES,
+    "models": {"models", "distributed", "kernels"} | LEAVES,
+    "distributed": {"distributed"} | LEAVES,
     "kernels": {"kernels", "config"},
     ROOT: EVERYTHING - {"api"},
     **{leaf: LEAVES for leaf in LEAVES},
@@ -238,6 +246,7 @@ TORCH_FREE_AT_RUNTIME = [
     "serve.sampling_params",
     "serve.sequence",
     "serve.outputs",
+    "serve.step",
     "serve.scheduler.scheduler",
     "serve.kv_cache.block_pool",
     "serve.kv_cache.block_manager",
