@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def request_error_message(error: BaseException) -> str:
+    """What a client is told when processing its request raised `error` in the engine."""
+    return (
+        f"The engine failed while processing this request ({type(error).__name__}: {error}). "
+        "Other requests were not affected; the server log has the details."
+    )
+
+
 @dataclass
 class CompletionOutput:
     index: int

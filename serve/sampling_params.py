@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,6 +255,19 @@ class SamplingParams:
                 f"{controls[0]} does not apply to beam search, which ranks beams by the "
                 "model's own logprobs; leave it unset or sample instead."
             )
+
+    def beam_stop_token_ids(self, eos_token_ids: Iterable[int]) -> set[int]:
+        """The tokens that end a beam: stop_token_ids, and EOS unless ignore_eos."""
+        stop_ids = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            stop_ids |= set(eos_token_ids)
+        return stop_ids
+
+    def num_beam_candidates(self, eos_token_ids: Iterable[int]) -> int:
+        """Candidates a beam search step ranks over all beams, as HF transformers does:
+        enough to fill the beams even if every stop token ranks among them. Each beam's
+        best that many next tokens are all the step can pick from that beam."""
+        return max(2, 1 + len(self.beam_stop_token_ids(eos_token_ids))) * (self.best_of or 1)
 
     @property
     def is_greedy(self) -> bool:

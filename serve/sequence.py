@@ -4,10 +4,11 @@ A request is a `SequenceGroup`. It starts as one sequence; when its prompt has b
 computed, parallel sampling (`best_of` > 1) and beam search fork it into several that
 share the prompt's KV blocks.
 
-Writers (one per field): the scheduler writes `status` and the token counts
-(`num_computed_tokens`, `num_scheduled_tokens`, `num_pending_tokens`); the engine appends
-tokens (which settles a pending one), forks, and sets `finish_reason`; the output deltas
-record what was sent.
+These are the scheduler's (serve/scheduler/): it writes `status` and the token counts
+(`num_computed_tokens`, `num_scheduled_tokens`, `num_pending_tokens`) as it schedules,
+and, as it reads each step's output (`update_from_output`), appends tokens (which settles
+a pending one), forks, and sets `finish_reason`; the output deltas record what was sent.
+The workers keep mirrors of their own (serve/worker/sequence_mirror.py).
 
 With async scheduling the next step is scheduled while the current one runs: a sequence
 then has tokens scheduled but not yet computed, and a token scheduled to be sampled but
@@ -177,6 +178,9 @@ class SequenceGroup:
     # With `prompt_logprobs`: [None, then one entry per prompt token after the first],
     # filled as the prompt is computed (chunk by chunk).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Structured output: the compiled grammar (xgrammar's serialized JSON) the workers
+    # constrain each sequence's tokens with.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = self.seqs[0].prompt_token_ids

@@ -22,10 +22,10 @@ from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreStats, Stop
-from serve.engine.output_deltas import RequestDelta
 from serve.engine.output_streams import EngineFrontEnd, OutputStreams
 from serve.engine.protocol import EngineDeadError, RequestError, request_error_message
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
+from serve.scheduler.output_deltas import RequestDelta
 
 __all__ = ["AsyncEngine", "EngineDeadError"]
 
@@ -36,9 +36,9 @@ class _QueueCommands:
     def __init__(self, commands: queue.SimpleQueue[Command | None]) -> None:
         self.commands = commands
 
-    def get(self, block: bool) -> Command | None:
+    def get(self, block: bool, timeout: float | None = None) -> Command | None:
         try:
-            return self.commands.get(block=block)
+            return self.commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return None
 
@@ -122,3 +122,5 @@ class AsyncEngine(EngineFrontEnd):
         except BaseException as e:  # a fault here ends the engine: fail everyone, loudly
             logger.exception("Engine loop died")
             self._streams.fail_all(EngineDeadError(f"The engine failed: {e!r}"))
+        finally:
+            self.core.shutdown()  # its workers go with it

@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from serve.config import EngineConfig
-from serve.engine.core import LazyStructuredOutput, check_params, check_token_ids
 from serve.engine.core_process import STARTUP_ERROR_TYPES, run_core_process, send_quietly
 from serve.engine.messages import (
     AddRequest,
@@ -40,8 +39,10 @@ from serve.engine.messages import (
 )
 from serve.engine.output_streams import EngineFrontEnd
 from serve.engine.protocol import EngineDeadError, RequestError
-from serve.engine.tokenizer import load_tokenizer
+from serve.engine.validation import check_params, check_token_ids
+from serve.models.tokenizer import load_tokenizer
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
+from serve.worker.structured_output import LazyStructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ class EngineCoreClient(EngineFrontEnd):
         self.vocab_size = ready.vocab_size
         self.max_logprobs = ready.max_logprobs
         self.eos_token_ids = ready.eos_token_ids
-        self._grammars = LazyStructuredOutput(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._grammars = LazyStructuredOutput(
+            lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
         self._threads = [
             threading.Thread(target=self._receive_replies, name="engine-core-receive", daemon=True),
             threading.Thread(target=self._send_commands, name="engine-core-send", daemon=True),

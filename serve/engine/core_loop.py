@@ -4,7 +4,8 @@ The same loop runs on the in-process engine's thread and in a core process; only
 ends differ (a queue or a pipe for commands, stream delivery or a pipe for replies). The
 replies are token deltas: the front end decodes them (output_processor.py).
 It blocks on the command source while idle, so an idle engine costs nothing and wakes
-the moment a request arrives.
+the moment a request arrives; every HEALTH_CHECK_S of idleness it asks the executor
+whether its workers are alive, so a dead worker ends an idle engine too.
 """
 
 from __future__ import annotations
@@ -16,17 +17,19 @@ from typing import Protocol
 
 from serve.engine.core import EngineCore
 from serve.engine.messages import AbortRequest, Command, CoreStats, Stop, StopSequence
-from serve.engine.output_deltas import RequestDelta
+from serve.scheduler.output_deltas import RequestDelta
 
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 5.0  # the stats line
 STATS_PUBLISH_S = 0.5  # CoreStats to the front end, while busy
+HEALTH_CHECK_S = 0.5  # an idle engine's check on its workers
 
 
 class CommandSource(Protocol):
-    def get(self, block: bool) -> Command | None:
-        """The next command; None when there is none and `block` is False."""
+    def get(self, block: bool, timeout: float | None = None) -> Command | None:
+        """The next command; None when there is none (waiting up to `timeout` seconds,
+        or not at all when `block` is False)."""
 
 
 class ReplySink(Protocol):
@@ -53,15 +56,17 @@ def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink)
         if changed and (block or now - published_at >= STATS_PUBLISH_S):
             replies.put_stats(core_stats(core))
             published_at, changed = now, False
-        while (command := commands.get(block)) is not None:
+        timeout = HEALTH_CHECK_S if block else None
+        while (command := commands.get(block, timeout)) is not None:
             changed = True
             if block:
                 stats.start_window(core)  # idle time is not throughput
             if isinstance(command, Stop):
                 return
             _apply(core, command, replies)
-            block = False
+            block, timeout = False, None
         if not core.has_unfinished_requests():
+            core.check_health()  # raises if a worker died while the engine was idle
             continue
         deltas = core.step()
         changed = True

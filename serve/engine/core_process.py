@@ -28,8 +28,8 @@ from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreFailed, CoreReady, CoreStats, RequestFailed
-from serve.engine.output_deltas import RequestDelta
 from serve.engine.protocol import request_error_message
+from serve.scheduler.output_deltas import RequestDelta
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ class _PipeCommands:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
-    def get(self, block: bool) -> Command | None:
-        if block or self.conn.poll():
+    def get(self, block: bool, timeout: float | None = None) -> Command | None:
+        if self.conn.poll(timeout if block else 0):
             return self.conn.recv()  # EOFError once the parent is gone
         return None
 
@@ -100,6 +100,8 @@ def run_core_process(
         logger.exception("The engine core loop died")
         send_quietly(outputs, CoreFailed(type(e).__name__, repr(e)))
         sys.exit(1)
+    finally:
+        core.shutdown()  # its workers go with it
 
 
 def send_quietly(conn: Connection, message: object) -> None:

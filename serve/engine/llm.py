@@ -11,10 +11,10 @@ from tqdm import tqdm
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.messages import AbortRequest, StopSequence
-from serve.engine.output_deltas import RequestDelta
 from serve.engine.output_processor import OutputProcessor
 from serve.outputs import EngineStats, RequestOutput
 from serve.sampling_params import SamplingParams
+from serve.scheduler.output_deltas import RequestDelta
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
 Prompt = str | list[int] | dict[str, Any]
@@ -136,6 +136,11 @@ class LLM:
                 elif isinstance(command, AbortRequest):
                     self.engine.abort_request(command.request_id)  # ended here already
         return outputs
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers (their processes, with tensor parallelism). Idempotent;
+        it also happens at exit."""
+        self.engine.shutdown()
 
     def stats(self) -> EngineStats:
         """KV cache usage, prefix-cache hits and preemptions so far."""

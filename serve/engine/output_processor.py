@@ -25,10 +25,10 @@ from typing import Any
 
 from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from serve.engine.messages import AbortRequest, StopSequence
-from serve.engine.output_deltas import RequestDelta, SeqDelta
 from serve.engine.protocol import request_error_message
 from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import SamplingParams
+from serve.scheduler.output_deltas import RequestDelta, SeqDelta
 from serve.sequence import FinishReason
 
 logger = logging.getLogger(__name__)

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serve.engine.messages import AbortRequest, AddRequest, Command, CoreStats
-from serve.engine.output_deltas import RequestDelta
 from serve.engine.output_processor import OutputProcessor
 from serve.engine.protocol import EngineDeadError, RequestError, RequestTimeoutError
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
+from serve.scheduler.output_deltas import RequestDelta
 
 
 class _Stream:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from serve.engine.messages import CoreStats
-from serve.outputs import RequestOutput
+from serve.outputs import RequestOutput, request_error_message
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -28,12 +28,7 @@ class RequestTimeoutError(RuntimeError):
     """A request ran past its deadline (`--request-timeout`): it was aborted."""
 
 
-def request_error_message(error: BaseException) -> str:
-    """What a client is told when processing its request raised `error` in the engine."""
-    return (
-        f"The engine failed while processing this request ({type(error).__name__}: {error}). "
-        "Other requests were not affected; the server log has the details."
-    )
+__all__ = ["EngineClient", "EngineDeadError", "RequestError", "request_error_message"]
 
 
 class EngineClient(Protocol):

@@ -1,12 +1,18 @@
 """Iteration-level (Orca-style) continuous batching over a paged KV cache.
 
-One scheduling model for every case: each sequence has `num_computed_tokens`, and every
-step decides how many of its remaining tokens to compute — a whole prompt, a prefill
-chunk, one decode token, or a recompute after preemption — within the step's budgets.
+The scheduler is the half of the engine that decides; the workers compute. It owns the
+requests (`SequenceGroup`s), their queues and their KV block tables (through the block
+manager), and runs each step's two ends:
 
-The unit is the request (`SequenceGroup`): its sequences are scheduled together, so the
-beams of a beam search all get their logits in the same step. Each step fills the token
-budget (max_num_batched_tokens) in this order:
+    schedule()                     -> SchedulerOutput (step.py): who computes what, plain data
+    update_from_output(out, result) -> token deltas: tokens appended, stops, forks, beams
+
+One scheduling model covers every case: each sequence has `num_computed_tokens`, and
+every step decides how many of its remaining tokens to compute — a whole prompt, a
+prefill chunk, one decode token, or a recompute after preemption — within the step's
+budgets. The unit is the request: its sequences are scheduled together, so the beams of a
+beam search all get their logits in the same step. Each step fills the token budget
+(max_num_batched_tokens) in this order:
 
 1. running decodes: every running group whose live sequences each need exactly one token,
    oldest first — so a long prompt never holds up the token streams of others;
@@ -20,6 +26,7 @@ Blocks are another matter: running groups take theirs in arrival order, and when
 run out the latest arrivals are preempted — swapped to the CPU when they have several
 sequences (recomputing all of them would cost more than the copy), recomputed otherwise,
 unless `preemption_mode` says. A step that preempts admits nothing and swaps nothing in.
+A group that cannot grow even holding the whole cache ends with finish reason "length".
 
 Chunked prefill (`enable_chunked_prefill`, on by default) lets a prompt or a recompute
 take whatever budget is left, however little, and finish in later steps. Off, a sequence's
@@ -28,25 +35,44 @@ split, and a waiting group that does not fit what is left of the budget waits fo
 step, holding up the groups behind it (FCFS). The engine then requires
 max_num_batched_tokens >= max_model_len, so every prompt fits an empty step.
 
-With async scheduling the engine calls `schedule()` for the next step while the current
-one runs, before its tokens are sampled. A sequence's tokens in flight count as planned
+Scheduling ahead (async scheduling) calls `schedule()` for the next step before the
+current one's output is in. A sequence's tokens in flight count as planned
 (`Sequence.num_planned_tokens`: the next step starts after them), and a token still being
 sampled counts as one to compute (`num_unscheduled_tokens`), so a decode is scheduled for
-a token that does not exist yet; the engine fills it in before the step runs. `update()`
-moves a step's tokens from scheduled to computed once it has run. A victim preempted
+a token that does not exist yet: the workers sampled it and fill it in themselves.
+`update_from_output` moves a step's tokens from scheduled to computed. A victim preempted
 while in flight is computed in vain (recompute), or swapped out after the step has
-written its K/V (the swap-out runs at the start of the next step).
+written its K/V (the swap-out runs at the start of the next step). A step whose sampling
+forks sequences (`SchedulerOutput.forks_sequences`) is not scheduled past.
+
+Writers: everything in a `Sequence` and `SequenceGroup` is written here (serve/sequence.py);
+block tables and ref counts by the block manager; what the workers hold by `WorkerSync`.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import logging
 from collections import deque
+from collections.abc import Iterable, Iterator
 
 from serve.config import SchedulerConfig
 from serve.kv_cache.block_manager import BlockManager
-from serve.scheduler.output import ScheduledSequence, SchedulerOutput
-from serve.sequence import Sequence, SequenceGroup, SequenceStatus
+from serve.outputs import request_error_message
+from serve.sampling_params import SamplingParams
+from serve.scheduler.beam_search import BeamSearch
+from serve.scheduler.output_deltas import (
+    RequestDelta,
+    beam_search_delta,
+    mark_sent,
+    step_delta,
+)
+from serve.scheduler.worker_sync import WorkerSync
+from serve.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
+from serve.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # Blocks kept free when admitting new work beside running work, so that running
 # sequences can grow a little before anything must be preempted (vLLM uses 1%).
@@ -62,6 +88,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         block_manager: BlockManager,
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.preemption_mode = config.preemption_mode
@@ -69,27 +96,104 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.watermark_blocks = int(WATERMARK_FRACTION * block_manager.num_blocks)
+        self.worker_sync = WorkerSync(block_manager)
         # `running` and `swapped` are kept in arrival order, so running[-1] is the latest
         # arrival (the preemption victim); preempted groups rejoin `waiting` at its front.
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self._groups: dict[str, SequenceGroup] = {}  # every unfinished request
+        # Requests whose grammar is still compiling (the engine's): they join `waiting`
+        # once it is ready (`set_grammar`), in arrival order among themselves.
+        self.awaiting_grammar: dict[str, SequenceGroup] = {}
+        self._seqs: dict[int, Sequence] = {}  # their unfinished sequences
+        self._beam_searches: dict[str, BeamSearch] = {}
+        self._next_seq_id = 0
+        # Final messages of requests ended outside update_from_output (a group that cannot
+        # fit the cache, ended while scheduling): the next update returns them.
+        self._ended: list[RequestDelta] = []
+
+    # -- requests ----------------------------------------------------------------------------
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
+        return len(self._groups)
 
-    def add(self, group: SequenceGroup) -> None:
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups or self._ended)
+
+    def get_group(self, request_id: str) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    def get_seq(self, seq_id: int) -> Sequence | None:
+        """An unfinished sequence by id (what a SchedulerOutput names)."""
+        return self._seqs.get(seq_id)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        awaits_grammar: bool = False,
+    ) -> SequenceGroup:
+        """Queue a new request (ValueError if it could never run, or its id is taken).
+        With `awaits_grammar` it waits for `set_grammar` before it can be scheduled."""
+        seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, params, prompt)
+        group = SequenceGroup(request_id, [seq], params, prompt, seq.arrival_time)
+        self.add(group, awaits_grammar)
+        return group
+
+    def set_grammar(self, request_id: str, grammar: str) -> None:
+        """A request's grammar has compiled: it may now be scheduled."""
+        group = self.awaiting_grammar.pop(request_id, None)
+        if group is not None:
+            group.grammar = grammar
+            self.waiting.append(group)
+
+    def fail_request(self, request_id: str, message: str) -> None:
+        """End a request that failed outside the step (its grammar did not compile); its
+        final message, with `message`, comes with the next update."""
+        group = self._groups.get(request_id)
+        if group is not None:
+            self._ended.append(self._fail(group, message))
+
+    def add(self, group: SequenceGroup, awaits_grammar: bool = False) -> None:
+        """Queue a built request: its sequence ids are the caller's (tests build groups)."""
+        if group.request_id in self._groups:
+            raise ValueError(f"A request with id {group.request_id!r} is already running.")
         self.check(group)
+        params = group.sampling_params
+        if params.use_beam_search:
+            (seq,) = group.seqs
+            max_output = self.max_model_len - seq.num_prompt_tokens
+            if params.max_tokens is not None:
+                max_output = min(max_output, params.max_tokens)
+            self._beam_searches[group.request_id] = BeamSearch(
+                params, set(self.eos_token_ids), max_output
+            )
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
         for seq in group.seqs:
             seq.status = SequenceStatus.WAITING
-        self.waiting.append(group)
+            self._seqs[seq.seq_id] = seq
+            self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
+        self._groups[group.request_id] = group
+        if awaits_grammar:
+            self.awaiting_grammar[group.request_id] = group
+        else:
+            self.waiting.append(group)
 
     def check(self, group: SequenceGroup) -> None:
         """Refuse (ValueError) a group that could never run."""
-        num_prompt = len(group.prompt_token_ids)
+        self.check_request(len(group.prompt_token_ids), group.max_num_seqs)
+
+    def check_request(self, num_prompt: int, max_num_seqs: int) -> None:
+        """Refuse (ValueError) a request that could never run: an empty prompt, one that
+        leaves no room for output, or more sequences at once than a step holds."""
         if num_prompt == 0:
             raise ValueError("The prompt is empty: give at least one token.")
         if num_prompt >= self.max_model_len:
@@ -98,36 +202,70 @@ class Scheduler:
                 f"(max_model_len) is {self.max_model_len} tokens, and at least one must be "
                 "left for the output. Shorten the prompt."
             )
-        if group.max_num_seqs > min(self.max_num_seqs, self.max_num_batched_tokens):
+        if max_num_seqs > min(self.max_num_seqs, self.max_num_batched_tokens):
             raise ValueError(
-                f"The request runs {group.max_num_seqs} sequences at once (n, best_of or the "
+                f"The request runs {max_num_seqs} sequences at once (n, best_of or the "
                 f"beam width), more than one step holds (max_num_seqs={self.max_num_seqs}, "
                 f"max_num_batched_tokens={self.max_num_batched_tokens}). Ask for fewer, or "
                 "raise --max-num-seqs."
             )
 
-    # -- the step ----------------------------------------------------------------------------
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """End a request and free its blocks now; its final message (None: no such request)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        self._end(group, FinishReason.ABORT)
+        return self._delta(group)
+
+    def stop_sequence(self, request_id: str, index: int) -> RequestDelta | None:
+        """Finish sequence `index` of a request, whose text the front end found to reach a
+        stop string; its siblings run on. Frees its blocks now. When it was the request's
+        last running sequence the request ends too: returns its final message (siblings
+        that finished since their last message have news)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None  # ended meanwhile
+        if group.sampling_params.use_beam_search or not 0 <= index < len(group.seqs):
+            logger.warning("Request %s has no sequence %d to stop.", request_id, index)
+            return None  # beams have no stop strings, and a front end knows only sent seqs
+        seq = group.seqs[index]
+        if not seq.is_finished:
+            seq.finish_reason = FinishReason.STOP
+            self._finish_seq(seq)
+        mark_sent(seq)  # the front end ended it: its tokens since are dropped there
+        if not group.is_finished:
+            return None
+        delta = self._delta(group)
+        self._remove(group)
+        return delta
+
+    # -- the step: who computes what ----------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        preempted: list[SequenceGroup] = []
+        cannot_fit: list[SequenceGroup] = []
         plans = self._plan_running()
         # Blocks in arrival order, so that preemption takes the latest arrivals: those after
         # `i`, which have allocated nothing yet this step.
         i = 0
         while i < len(self.running):
             group = self.running[i]
-            if group in plans and not self._allocate_or_preempt(group, plans[group], out):
+            if group in plans and not self._allocate_or_preempt(
+                group, plans[group], out, preempted, cannot_fit
+            ):
                 break  # `group` itself was preempted (and all after it)
             i += 1
-        gone = set(out.preempted) | set(out.cannot_fit)
+        gone = set(preempted) | set(cannot_fit)
         for group, plan in plans.items():  # decodes first, then prefills
             if group not in gone:
-                self._schedule(plan, out)
+                self._schedule(group, plan, out)
         budget = self.max_num_batched_tokens - out.num_batched_tokens
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
         seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
-        while not out.preempted and self.swapped and budget > 0:
+        while not preempted and self.swapped and budget > 0:
             group = self.swapped[0]
             plan = self._plan(group, budget)
             if not plan or group.max_num_seqs > seats:
@@ -136,17 +274,19 @@ class Scheduler:
             if needed > self.block_manager.num_free_blocks - self._watermark():
                 if not self.running:  # it holds more than the whole cache: it never will fit
                     self.swapped.pop(0)
-                    out.cannot_fit.append(group)
+                    cannot_fit.append(group)
                     continue
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in += self.block_manager.swap_in(group.live_seqs)
+            for seq in group.live_seqs:
+                self.worker_sync.table_changed(seq.seq_id)
             self._set_running(group)
             seats -= group.max_num_seqs
             self._allocate(plan, out)
-            budget -= self._schedule(plan, out)
+            budget -= self._schedule(group, plan, out)
 
-        while not out.preempted and not self.swapped and self.waiting and budget > 0:
+        while not preempted and not self.swapped and self.waiting and budget > 0:
             group = self.waiting[0]
             if group.max_num_seqs > seats:
                 break
@@ -154,12 +294,17 @@ class Scheduler:
                 if not self.running and not out.scheduled and group.forked:
                     # A recomputed group whose sequences, unshared, outgrow the empty cache.
                     self.waiting.popleft()
-                    out.cannot_fit.append(group)
+                    cannot_fit.append(group)
                     continue
                 break
             self.waiting.popleft()
             seats -= group.max_num_seqs
             budget = self.max_num_batched_tokens - out.num_batched_tokens
+
+        for group in cannot_fit:
+            self._ended.append(self._end_cannot_fit(group))
+        out.preempted_request_ids = [g.request_id for g in preempted]
+        self.worker_sync.flush(out)
         return out
 
     def _plan_running(self) -> dict[SequenceGroup, Plan]:
@@ -214,12 +359,16 @@ class Scheduler:
             return plan
         return [(seq, 1) for seq in live] if len(live) <= budget else []
 
-    def _schedule(self, plan: Plan, out: SchedulerOutput) -> int:
+    def _schedule(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> int:
         for seq, n in plan:
             start = seq.num_planned_tokens
             is_sampled = start + n == seq.num_tokens + seq.num_pending_tokens
-            table = self.block_manager.get_block_table(seq.seq_id)
-            out.scheduled.append(ScheduledSequence(seq, start, n, table, is_sampled))
+            fork_seq_ids: list[int] = []
+            if is_sampled and group.needs_fork:
+                fork_seq_ids = [self._new_seq_id() for _ in range(group.sampling_params.best_of - 1)]
+            if is_sampled and (group.needs_fork or group.sampling_params.use_beam_search):
+                out.forks_sequences = True
+            self.worker_sync.schedule(group, seq, start, n, is_sampled, fork_seq_ids, out)
             seq.num_scheduled_tokens += n
             seq.num_pending_tokens += is_sampled
         return sum(n for _, n in plan)
@@ -227,21 +376,32 @@ class Scheduler:
     def _allocate(self, plan: Plan, out: SchedulerOutput) -> None:
         for seq, n in plan:
             copies = self.block_manager.allocate_slots(seq, seq.num_planned_tokens + n)
+            if copies:  # copy-on-write replaced the block the sequence writes first
+                block_size = self.block_manager.block_size
+                self.worker_sync.table_changed(seq.seq_id, seq.num_planned_tokens // block_size)
             out.blocks_to_copy += copies
 
-    def _allocate_or_preempt(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(
+        self,
+        group: SequenceGroup,
+        plan: Plan,
+        out: SchedulerOutput,
+        preempted: list[SequenceGroup],
+        cannot_fit: list[SequenceGroup],
+    ) -> bool:
         """Grow `group`'s blocks for `plan`, preempting the latest arrivals until they fit.
         Returns False if `group` itself had to go."""
         totals = [(seq, seq.num_planned_tokens + n) for seq, n in plan]
         while not self.block_manager.can_allocate(totals):
             if self.running == [group]:
                 # It holds every block in use and still cannot grow: the cache is too small
-                # for its sequences together, however long it waits. The engine ends it.
+                # for its sequences together, however long it waits.
                 self.running.pop()
-                out.cannot_fit.append(group)
+                cannot_fit.append(group)
                 return False
             victim = self.running.pop()
             self._preempt(victim, out)
+            preempted.append(victim)
             if victim is group:
                 return False
         self._allocate(plan, out)
@@ -276,7 +436,7 @@ class Scheduler:
             seq.num_computed_tokens = bm.take_cached_prefix(seq, hits[seq.seq_id])
         self._set_running(group)
         self._allocate(plan, out)
-        self._schedule(plan, out)
+        self._schedule(group, plan, out)
         return True
 
     def _watermark(self) -> int:
@@ -295,52 +455,253 @@ class Scheduler:
             out.blocks_to_swap_out += copies
             for seq in live:
                 seq.status = SequenceStatus.SWAPPED
+                self.worker_sync.table_changed(seq.seq_id)
             bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
         else:
             # Recompute (or the swap space is full): drop the KV, keep the tokens. A step
             # still computing the sequence computes it in vain.
             for seq in live:
                 self.block_manager.free(seq.seq_id)
+                self.worker_sync.table_changed(seq.seq_id)
                 seq.num_computed_tokens = seq.num_scheduled_tokens = 0
                 seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(group)
-        out.preempted.append(group)
         self.num_preemptions += 1
 
-    # -- after the step --------------------------------------------------------------------------
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the forward pass: the scheduled tokens' K/V are now in the cache (or, for
-        a sequence swapped out meanwhile, in the blocks the swap-out will copy)."""
+    # -- the step: what it produced -----------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[RequestDelta]:
+        """Take in a step that has run: its tokens' K/V are now in the cache; its sampled
+        tokens are appended and the stops they decide applied (EOS, stop token ids,
+        lengths, grammars; stop strings are the front end's, which has the text); first
+        samples of `best_of` fork; beam search advances. Returns the token deltas of the
+        requests that moved, and the final messages of those that ended."""
+        deltas, self._ended = self._ended, []
+        self._settle_computed(out)
+        for request_id, message in result.failed_requests.items():
+            if (group := self._groups.get(request_id)) is not None:
+                deltas.append(self._fail(group, message))
+        self._record_prompt_logprobs(result, deltas)
+        touched: dict[str, SequenceGroup] = {}
+        beam_groups: dict[str, SequenceGroup] = {}
+        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        grammar_ended = set(result.grammar_ended_seq_ids)
         for s in out.scheduled:
-            seq = s.seq
-            if seq.status in (SequenceStatus.FINISHED, SequenceStatus.WAITING):
+            if not s.is_sampled:
+                continue
+            seq = self._seqs.get(s.seq_id)
+            group = None if seq is None else self._groups.get(seq.request_id)
+            if seq is None or group is None:  # ended while its step ran
+                self.worker_sync.discard_forks(s.fork_seq_ids)
+                continue
+            if group.sampling_params.use_beam_search:
+                beam_groups[group.request_id] = group
+                continue
+            with self._request_scope(group, deltas):
+                samples = [seq]
+                if s.fork_seq_ids:
+                    samples += self._fork_samples(group, seq, s.fork_seq_ids)
+                for sample in samples:
+                    self._append_sampled(sample, result, rows, sample.seq_id in grammar_ended)
+                touched[group.request_id] = group
+        candidates = {c.seq_id: c for c in result.beam_candidates}
+        for request_id, group in beam_groups.items():
+            with self._request_scope(group, deltas):
+                self._beam_step(group, [candidates[seq.seq_id] for seq in group.live_seqs])
+                touched[request_id] = group
+        for group in touched.values():
+            if group.request_id not in self._groups:
+                continue  # failed meanwhile; its final message is in `deltas`
+            with self._request_scope(group, deltas):
+                if group.is_finished:
+                    delta = self._delta(group)
+                    self._remove(group)
+                    deltas.append(delta)
+                elif not group.sampling_params.use_beam_search:
+                    deltas.append(self._delta(group))
+        return deltas
+
+    def _settle_computed(self, out: SchedulerOutput) -> None:
+        """The scheduled tokens' K/V are in the cache now (or, for a sequence swapped out
+        meanwhile, in the blocks the swap-out will copy)."""
+        for s in out.scheduled:
+            seq = self._seqs.get(s.seq_id)
+            if seq is None or seq.status in (SequenceStatus.FINISHED, SequenceStatus.WAITING):
                 continue  # ended, or preempted to recompute, while the step ran
             seq.num_computed_tokens += s.num_new_tokens
             seq.num_scheduled_tokens -= s.num_new_tokens
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.mark_computed(seq)
 
-    def fork(self, parent: Sequence, child: Sequence, group: SequenceGroup) -> None:
+    def _record_prompt_logprobs(self, result: ModelRunnerOutput, failed: list[RequestDelta]) -> None:
+        for span in result.prompt_logprobs:
+            seq = self._seqs.get(span.seq_id)
+            group = None if seq is None else self._groups.get(seq.request_id)
+            if group is None or group.prompt_logprobs is None:
+                continue  # ended while its step ran
+            recorded = group.prompt_logprobs
+            end = span.start + 1 + len(span.entries)
+            if len(recorded) >= end:
+                continue  # recomputed after a preemption: already known
+            with self._request_scope(group, failed):
+                recorded.extend(span.entries[len(recorded) - 1 - span.start :])
+
+    def _append_sampled(
+        self, seq: Sequence, result: ModelRunnerOutput, rows: dict[int, int], grammar_ended: bool
+    ) -> None:
+        row = rows[seq.seq_id]  # KeyError: the worker did not sample it (fails the request)
+        token = result.token_ids[row]
+        seq.append_token(token, result.logprobs[row], result.top_logprobs[row])
+        seq.finish_reason = self._stop_reason(seq, token, grammar_ended)
+        if seq.finish_reason is not None:
+            self._finish_seq(seq)
+
+    def _stop_reason(self, seq: Sequence, token: int, grammar_ended: bool) -> FinishReason | None:
+        """The stops that a sampled token decides alone (stop strings are the front end's)."""
+        params = seq.sampling_params
+        if grammar_ended:  # its grammar took a stop token, or refused the token
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.min_tokens:  # vLLM: no stop before min_tokens
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return FinishReason.STOP
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _fork_samples(
+        self, group: SequenceGroup, parent: Sequence, fork_seq_ids: list[int]
+    ) -> list[Sequence]:
+        """Fork the prompt sequence, just prefilled, into `best_of` samples sharing its
+        blocks, with the ids the step gave the workers. Sample i draws from seed + i (when
+        the request has a seed), as the workers did."""
+        seed = group.sampling_params.seed
+        children = []
+        for i, child_id in enumerate(fork_seq_ids, start=1):
+            child = parent.fork(child_id, None if seed is None else seed + i)
+            self._fork(parent, child, group, by_workers=True)
+            children.append(child)
+        group.forked = True
+        return children
+
+    def _fork(
+        self, parent: Sequence, child: Sequence, group: SequenceGroup, by_workers: bool
+    ) -> None:
         """Add `child` (a copy of running `parent`) to `group`, sharing the parent's blocks."""
         self.block_manager.fork(parent, child)
+        self.worker_sync.forked(parent.seq_id, child.seq_id, by_workers)
         group.seqs.append(child)
+        self._seqs[child.seq_id] = child
 
-    def finish_seq(self, seq: Sequence) -> None:
-        """One sequence of a group is done (or a beam dropped): free its blocks now."""
-        self.block_manager.free(seq.seq_id)
-        seq.status = SequenceStatus.FINISHED
+    def _beam_step(self, group: SequenceGroup, candidates: list[BeamCandidates]) -> None:
+        search = self._beam_searches[group.request_id]
+        beams = group.live_seqs
+        continuations = search.step(
+            [seq.output_token_ids for seq in beams],
+            [seq.beam_score for seq in beams],
+            [(c.token_ids, c.logprobs) for c in candidates],
+        )
+        # Forks copy their parent before any parent takes its new token.
+        taken: set[int] = set()
+        next_beams: list[Sequence] = []
+        for c in continuations:
+            parent = beams[c.parent]
+            if c.parent in taken:
+                child = parent.fork(self._new_seq_id())
+                self._fork(parent, child, group, by_workers=False)
+                next_beams.append(child)
+            else:
+                taken.add(c.parent)
+                next_beams.append(parent)
+        for seq, c in zip(next_beams, continuations):
+            seq.append_token(c.token_id, c.token_logprob, None)
+            seq.beam_score = c.score
+            self.worker_sync.appended(seq.seq_id, c.token_id)
+        for i, seq in enumerate(beams):
+            if i not in taken:
+                self._finish_seq(seq)  # a dropped beam frees its blocks now
+        group.seqs = next_beams
+        group.forked = True
 
-    def finish(self, group: SequenceGroup) -> None:
-        """Remove a finished or aborted request and free all its blocks, in this same step."""
+    # -- ending requests ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _request_scope(self, group: SequenceGroup, failed: list[RequestDelta]) -> Iterator[None]:
+        """Work on one request: if it raises, that request alone fails (its final message,
+        with the error, joins `failed`) and the step goes on. Callers check whether the
+        group is still running after the block."""
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, ValueError):
+                logger.warning("Request %s failed: %s", group.request_id, e)
+            else:
+                logger.exception("Request %s failed; the engine runs on", group.request_id)
+            failed.append(self._fail(group, request_error_message(e)))
+
+    def _fail(self, group: SequenceGroup, message: str) -> RequestDelta:
+        """End a request whose processing raised (here or in a worker), freeing its blocks."""
+        if group.request_id in self._groups:
+            self._end(group, FinishReason.ABORT)
+        return RequestDelta(group.request_id, [], True, error=message)
+
+    def _end_cannot_fit(self, group: SequenceGroup) -> RequestDelta:
+        logger.warning(
+            "Request %s: its %d sequences need more KV blocks than the whole cache holds "
+            "(%d); ending them at %d tokens. Raise --kv-cache-memory / "
+            "--gpu-memory-utilization, or lower n, best_of or the beam width.",
+            group.request_id,
+            group.num_live_seqs,
+            self.block_manager.num_blocks,
+            max(seq.num_tokens for seq in group.live_seqs),
+        )
+        self._end(group, FinishReason.LENGTH)
+        return self._delta(group)
+
+    def _end(self, group: SequenceGroup, reason: FinishReason) -> None:
+        """End a request before its sequences finished by themselves (aborted, failed,
+        cannot fit), wherever it is: running, swapped or waiting."""
+        for seq in group.live_seqs:
+            seq.finish_reason = reason
+        self._remove(group)
+
+    def _remove(self, group: SequenceGroup) -> None:
+        """Take a finished or ended request out of every queue, freeing all its blocks."""
         for queue in (self.running, self.swapped):
             if group in queue:
                 queue.remove(group)
         if group in self.waiting:
             self.waiting.remove(group)
+        self.awaiting_grammar.pop(group.request_id, None)
         for seq in group.seqs:
             if not seq.is_finished:
-                self.finish_seq(seq)
+                self._finish_seq(seq)
+        self._groups.pop(group.request_id, None)
+        self._beam_searches.pop(group.request_id, None)
+
+    def _finish_seq(self, seq: Sequence) -> None:
+        """One sequence is done (or a beam dropped): free its blocks now."""
+        self.block_manager.free(seq.seq_id)
+        self.worker_sync.finished(seq.seq_id)
+        self._seqs.pop(seq.seq_id, None)
+        seq.status = SequenceStatus.FINISHED
+
+    def _delta(self, group: SequenceGroup) -> RequestDelta:
+        """The request's news. Beam search sends one message, at the end: the finished
+        hypotheses, best first (or, cut short, the running beams as they are)."""
+        if group.sampling_params.use_beam_search:
+            return beam_search_delta(group, self._beam_searches.get(group.request_id))
+        return step_delta(group)
 
 
 def _is_decoding(group: SequenceGroup) -> bool:

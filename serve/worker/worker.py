@@ -15,10 +15,20 @@ order. Nothing here decides who runs: the SchedulerOutput says, the worker compu
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serve.config import EngineConfig
 from serve.step import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    import torch
+
+    from serve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,21 +49,66 @@ class WorkerConfig:
         return self.rank == 0
 
 
+def resolve_device(device: str, rank: int = 0) -> torch.device:
+    """The device a rank computes on: `auto` is CUDA when there is one; with several
+    ranks on CUDA, rank r takes GPU r."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but CUDA is not available here.")
+        if device == "cuda":
+            return torch.device("cuda", rank)
+    return torch.device(device)
+
+
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
+        self.model_runner: ModelRunner | None = None
 
     def init_device_and_model(self) -> None:
-        raise NotImplementedError
+        import torch
+
+        from serve.models.loader import load_hf_config
+        from serve.worker.cpu_malloc import keep_freed_memory
+        from serve.worker.model_runner import ModelRunner
+
+        config = self.config
+        device = resolve_device(config.engine.device, config.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            keep_freed_memory()
+            if config.world_size > 1:  # the ranks share this machine's cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+        if config.world_size > 1:
+            from serve.distributed.parallel_state import init_tensor_parallel
+
+            assert config.distributed_init_method is not None
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            init_tensor_parallel(
+                config.world_size, config.rank, config.distributed_init_method, backend
+            )
+        hf_config = load_hf_config(config.model_path)
+        self.model_runner = ModelRunner(config, hf_config, device)
 
     def determine_num_blocks(self) -> tuple[int, int]:
-        raise NotImplementedError
+        assert self.model_runner is not None
+        return self.model_runner.determine_num_blocks()
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        raise NotImplementedError
+        assert self.model_runner is not None
+        self.model_runner.initialize_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        raise NotImplementedError
+        assert self.model_runner is not None
+        return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        pass
+        if self.config.world_size > 1:
+            from serve.distributed.parallel_state import destroy_tensor_parallel
+
+            destroy_tensor_parallel()

@@ -68,7 +68,9 @@ def _record_steps(llm: LLM, monkeypatch) -> list[list[Scheduled]]:
         scheduler.block_manager.check_invariants()
         steps.append(
             [
-                Scheduled(s.seq.request_id, s.start, s.num_new_tokens, s.is_sampled)
+                Scheduled(
+                    scheduler.get_seq(s.seq_id).request_id, s.start, s.num_new_tokens, s.is_sampled
+                )
                 for s in out.scheduled
             ]
         )

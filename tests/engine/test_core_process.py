@@ -22,9 +22,9 @@ from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
 from serve.config import EngineConfig
-from serve.engine.core import check_params
 from serve.engine.core_client import EngineCoreClient
 from serve.engine.protocol import EngineDeadError
+from serve.engine.validation import check_params
 from serve.sampling_params import StructuredOutputsParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -1,9 +1,9 @@
 """A fault while the engine processes one request fails that request alone: it ends with
 an error and frees its blocks, and every other request's tokens are what they would have
 been without it. Faults are injected where a request's own data is handled: adding it,
-sampling it, building its token deltas, its beam search, its grammar (in the core), and
-decoding its text (in the front end's output processor, which then aborts it in the
-core)."""
+sampling it and advancing its grammar (in the worker), building its token deltas and
+its beam search (in the scheduler), and decoding its text (in the front end's output
+processor, which then aborts it in the core)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def _all_token_ids(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in out.outputs] for out in outs]
 
 
+def _step_sampler(llm):
+    """The worker's sampling end (the uniproc executor's one worker)."""
+    return llm.engine.executor.worker.model_runner.step_sampler
+
+
 def _assert_isolated(llm, failed, healthy, expected):
     assert failed.finished
     assert failed.error is not None and "InjectedFault" in failed.error
@@ -67,7 +72,10 @@ def _assert_isolated(llm, failed, healthy, expected):
     engine = llm.engine
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.sampler._seq_generators
+    # The worker forgets the failed request's sequences with the next step it runs.
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+    assert not _step_sampler(llm).sampler._seq_generators
+    assert len(engine.executor.worker.model_runner.mirror) == 0
 
 
 def test_a_fault_decoding_one_requests_text(llm, healthy_prompts, expected, monkeypatch):
@@ -88,7 +96,7 @@ def test_a_fault_decoding_one_requests_text(llm, healthy_prompts, expected, monk
 def test_a_fault_sampling_one_request_fails_it_not_its_batch(
     llm, healthy_prompts, expected, monkeypatch
 ):
-    sampler = llm.engine.sampler
+    sampler = _step_sampler(llm).sampler
     process_logits = sampler.process_logits
 
     def faulty_process_logits(logits, seqs, mask):
@@ -102,15 +110,15 @@ def test_a_fault_sampling_one_request_fails_it_not_its_batch(
 
 
 def test_a_fault_building_one_output(llm, healthy_prompts, expected, monkeypatch):
-    engine = llm.engine
-    build = engine._delta
+    scheduler = llm.engine.scheduler
+    build = scheduler._delta
 
     def faulty_delta(group):
         if _poisoned(group.seqs[0]) and group.is_finished:
             raise InjectedFault("cannot build the output")
         return build(group)
 
-    monkeypatch.setattr(engine, "_delta", faulty_delta)
+    monkeypatch.setattr(scheduler, "_delta", faulty_delta)
     failed, healthy = _run_with_poison(llm, healthy_prompts)
     _assert_isolated(llm, failed, healthy, expected)
 
@@ -146,19 +154,19 @@ def test_a_fault_in_one_beam_search(llm, healthy_prompts, monkeypatch):
     expected = _all_token_ids(
         llm.generate([{"prompt_token_ids": p} for p in healthy_prompts], params, use_tqdm=False)
     )
-    engine = llm.engine
-    beam_step = engine._beam_step
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    beam_step = scheduler._beam_step
 
-    def faulty_beam_step(group, logits):
+    def faulty_beam_step(group, candidates):
         if _poisoned(group.seqs[0]) and group.seqs[0].num_output_tokens == 3:
             raise InjectedFault("beam scores")
-        return beam_step(group, logits)
+        return beam_step(group, candidates)
 
-    monkeypatch.setattr(engine, "_beam_step", faulty_beam_step)
+    monkeypatch.setattr(scheduler, "_beam_step", faulty_beam_step)
     failed, healthy = _run_with_poison(llm, healthy_prompts, params)
     assert failed.error is not None and "InjectedFault" in failed.error
     assert _all_token_ids(healthy) == expected
-    assert not engine._beam_searches
+    assert not scheduler._beam_searches
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -171,7 +179,7 @@ def test_a_fault_in_one_grammar(llm, healthy_prompts, monkeypatch):
     params = SamplingParams(
         temperature=0.0, max_tokens=10, structured_outputs=StructuredOutputsParams(json=schema)
     )
-    manager = llm.engine.structured_output
+    manager = _step_sampler(llm).grammars.get()
     accept = manager.accept
     poisoned_ids = set()
 
@@ -185,7 +193,7 @@ def test_a_fault_in_one_grammar(llm, healthy_prompts, monkeypatch):
     def tracking_add(request_id, prompt_token_ids, p, prompt=None):
         add_request(request_id, prompt_token_ids, p, prompt)
         if prompt_token_ids[0] == POISON:
-            poisoned_ids.add(llm.engine._groups[request_id].seqs[0].seq_id)
+            poisoned_ids.add(llm.engine.scheduler.get_group(request_id).seqs[0].seq_id)
 
     clean = llm.generate({"prompt_token_ids": healthy_prompts[0]}, params, use_tqdm=False)
     monkeypatch.setattr(manager, "accept", faulty_accept)
@@ -235,6 +243,6 @@ def test_a_fault_adding_one_request_through_the_loop(tiny_llama, monkeypatch):
         assert engine.is_alive
         manager = engine.core.block_manager
         assert manager.num_free_blocks == manager.num_blocks
-        assert "poisoned" not in engine.core._groups
+        assert engine.core.scheduler.get_group("poisoned") is None
     finally:
         engine.shutdown()

@@ -14,8 +14,8 @@ from tiny_models import build_tokenizer, random_prompts
 from serve import LLM, SamplingParams
 from serve.engine.async_engine import AsyncEngine
 from serve.engine.messages import AbortRequest, StopSequence
-from serve.engine.output_deltas import RequestDelta, SeqDelta
 from serve.engine.output_processor import OutputProcessor
+from serve.scheduler.output_deltas import RequestDelta, SeqDelta
 from serve.sequence import FinishReason
 
 PROMPT_IDS = [5, 6, 7]
@@ -241,11 +241,16 @@ def test_the_core_frees_a_stopped_sequences_blocks(llm, prompt):
         if outs and outs[0].outputs[index].finish_reason == "stop":
             break
     assert not outs[0].finished  # the siblings run on
-    seqs = engine._groups["r"].seqs
+    seqs = engine.scheduler.get_group("r").seqs
     stopped = seqs[index]
     assert stopped.is_finished and not manager.has_table(stopped.seq_id)
-    assert stopped.seq_id not in engine.sampler._seq_generators
     assert all(manager.has_table(s.seq_id) for i, s in enumerate(seqs) if i != index)
+    # The worker forgets it with the next step it runs (its random stream with it).
+    runner = engine.executor.worker.model_runner
+    for _ in range(2):
+        llm.step()
+    assert stopped.seq_id not in runner.step_sampler.sampler._seq_generators
+    assert stopped.seq_id not in runner.mirror.seqs
     while llm.has_unfinished_requests():
         llm.step()
     assert manager.num_free_blocks == manager.num_blocks

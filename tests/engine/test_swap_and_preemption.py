@@ -67,9 +67,10 @@ def _run(llm: LLM, prompts, params) -> tuple[list[list[list[int]]], list[StepRec
 
     def recording_schedule():
         out = original()
+        preempted = [scheduler.get_group(request_id) for request_id in out.preempted_request_ids]
         victims = [
             Victim(len(g.live_seqs), g in scheduler.swapped, g in scheduler.waiting)
-            for g in out.preempted
+            for g in preempted
         ]
         for v in victims:  # the status agrees with the queue
             assert not (v.is_swapped and v.is_waiting)

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from serve.config import ModelConfig
-from serve.engine.tokenizer import eos_token_ids, load_tokenizer
 from serve.models.loader import iterate_weights, load_hf_config
+from serve.models.tokenizer import eos_token_ids, load_tokenizer
 
 # -- pickled weights -------------------------------------------------------------------
 

@@ -1,33 +1,34 @@
-"""The scheduler tests' fake engine: builders, one engine step, and the checks after it.
+"""The scheduler tests' fake worker: builders, one engine step, and the checks after it.
 
-Pure Python (no torch). `run_step` plays the engine: schedule, apply the step's block
-moves and writes to a fake KV cache, note which sequences sample, update, fork groups that sample for the first time into
-`best_of` sequences, append a fake token to each sampled sequence, finish the ones that
-reached `max_tokens` or the context window, end the groups the scheduler found too big
-for the cache; then checks every invariant, the fake KV included: each sequence's blocks
-must hold exactly its computed tokens. Every step must also carry the running decodes
-before other work, and with chunked prefill off never split a prompt.
+Pure Python (no torch). `run_step` plays the engine: schedule, hand the SchedulerOutput to
+a `FakeWorker`, update from the worker's fake output. The fake worker keeps the real
+sequence mirror (serve/worker/sequence_mirror.py), so every step also tests the message
+protocol: the mirror's tokens and block tables must equal the scheduler's. It makes the
+step's block moves and K/V writes in a fake KV cache of token ids, samples the token
+`FAKE_TOKEN + seq_id` for each sampled sequence (and each fork it is told to make), and
+scores beams with pseudo-random candidates. Every invariant is checked after each step,
+the fake KV included: each sequence's blocks must hold exactly its computed tokens. Every
+step must also carry the running decodes before other work, and with chunked prefill off
+never split a prompt.
 """
 
 from __future__ import annotations
 
-import itertools
+import random
 import weakref
-from collections.abc import Callable
 
 from serve.config import SchedulerConfig
 from serve.kv_cache.block_manager import BlockManager
 from serve.sampling_params import SamplingParams
-from serve.scheduler.output import SchedulerOutput
+from serve.scheduler.output_deltas import RequestDelta
 from serve.scheduler.scheduler import Scheduler
 from serve.sequence import Sequence, SequenceGroup, SequenceStatus
+from serve.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
+from serve.worker.sequence_mirror import SequenceMirror
 
 FAKE_TOKEN = 7
-
-# Called once per group that sampled in a step, before the tokens are appended, with the
-# group's sampled sequences: may fork (beam-like) or finish sequences; returns the
-# sequences that take a token.
-OnSample = Callable[[Scheduler, SequenceGroup, list[Sequence]], list[Sequence]]
+FIRST_SCHEDULER_SEQ_ID = 1_000_000
+BEAM_VOCAB = 40  # beams choose among tokens [FAKE_TOKEN, FAKE_TOKEN + BEAM_VOCAB)
 
 
 def make_scheduler(
@@ -40,6 +41,7 @@ def make_scheduler(
     preemption_mode: str | None = None,
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
+    seed: int = 0,
 ) -> Scheduler:
     block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     # As the engine does: one sequence of max_model_len always fits in the cache, and
@@ -53,8 +55,15 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
     )
     sched = Scheduler(config, max_num_batched_tokens, max_model_len, block_manager)
-    _KV[sched] = FakeKV(num_blocks, num_cpu_blocks, block_size)
+    # Tests number their requests' sequences themselves; the scheduler's own ids (forks)
+    # start far above them.
+    sched._next_seq_id = FIRST_SCHEDULER_SEQ_ID
+    _WORKERS[sched] = FakeWorker(num_blocks, num_cpu_blocks, block_size, seed)
     return sched
+
+
+def worker_of(sched: Scheduler) -> FakeWorker:
+    return _WORKERS[sched]
 
 
 def prompt_of(seq_id: int, n: int) -> list[int]:
@@ -67,12 +76,18 @@ def make_group(
     prompt_token_ids: list[int],
     max_tokens: int | None = 4,
     best_of: int = 1,
+    beam_width: int = 0,
 ) -> SequenceGroup:
-    """A one-sequence request (forked into `best_of` after its prompt); arrival order is
-    `seq_id` order."""
-    params = SamplingParams(
-        temperature=1.0 if best_of > 1 else 0.0, n=best_of, max_tokens=max_tokens
-    )
+    """A one-sequence request (forked into `best_of` samples, or `beam_width` beams, after
+    its prompt); arrival order is `seq_id` order."""
+    if beam_width > 1:
+        params = SamplingParams(
+            n=beam_width, use_beam_search=True, temperature=0.0, max_tokens=max_tokens
+        )
+    else:
+        params = SamplingParams(
+            temperature=1.0 if best_of > 1 else 0.0, n=best_of, max_tokens=max_tokens
+        )
     seq = Sequence(seq_id, f"r{seq_id}", prompt_token_ids, params, arrival_time=float(seq_id))
     return SequenceGroup(seq.request_id, [seq], params, arrival_time=float(seq_id))
 
@@ -92,33 +107,30 @@ def add_all(sched: Scheduler, groups: list[SequenceGroup]) -> list[SequenceGroup
     return groups
 
 
-def sample_token(seq: Sequence) -> int:
+def sample_token(seq_id: int) -> int:
     """Forked siblings sample different tokens, so their K/V differ after the fork."""
-    return FAKE_TOKEN + seq.seq_id
+    return FAKE_TOKEN + seq_id
 
 
-_CHILD_IDS = itertools.count(1_000_000)  # above every id a test gives a request
+# -- the fake worker ------------------------------------------------------------------------------
 
 
-def fork(sched: Scheduler, parent: Sequence, group: SequenceGroup) -> Sequence:
-    child = parent.fork(next(_CHILD_IDS))
-    sched.fork(parent, child, group)
-    return child
+class FakeWorker:
+    """The real sequence mirror, and token ids standing in for K/V in each block slot."""
 
-
-# -- the fake KV cache ------------------------------------------------------------------------
-
-
-class FakeKV:
-    """Token ids standing in for K/V: what each device and CPU block slot holds."""
-
-    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int, seed: int) -> None:
         self.block_size = block_size
-        self.device = [[None] * block_size for _ in range(num_blocks)]
-        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.mirror = SequenceMirror()
+        self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.rng = random.Random(seed)
 
-    def apply(self, out: SchedulerOutput) -> None:
-        """The cache engine's moves, in its order, then the forward pass's writes."""
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.mirror.apply(out)
+        return self.run(out)
+
+    def run(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """The step after its news is applied: block moves, K/V writes, fake samples."""
         for device_block, cpu_block in out.blocks_to_swap_out:
             self.cpu[cpu_block] = list(self.device[device_block])
         for cpu_block, device_block in out.blocks_to_swap_in:
@@ -126,10 +138,29 @@ class FakeKV:
         for src, dst in out.blocks_to_copy:
             self.device[dst] = list(self.device[src])
         bs = self.block_size
+        result = ModelRunnerOutput()
         for s in out.scheduled:
-            start = s.start
-            for pos in range(start, start + s.num_new_tokens):
-                self.device[s.block_table[pos // bs]][pos % bs] = s.seq.token_at(pos)
+            seq = self.mirror[s.seq_id]
+            tokens = seq.token_ids_between(s.start, s.start + s.num_new_tokens)
+            assert len(tokens) == s.num_new_tokens, "the worker lacks a token it must compute"
+            for pos, token in zip(range(s.start, s.start + s.num_new_tokens), tokens):
+                self.device[seq.block_table[pos // bs]][pos % bs] = token
+            if not s.is_sampled:
+                continue
+            if seq.sampling_params.use_beam_search:
+                tokens = self.rng.sample(range(FAKE_TOKEN, FAKE_TOKEN + BEAM_VOCAB), 8)
+                logprobs = sorted((-self.rng.random() * 5 for _ in tokens), reverse=True)
+                result.beam_candidates.append(BeamCandidates(s.seq_id, tokens, logprobs))
+                continue
+            for seq_id in [s.seq_id, *s.fork_seq_ids]:
+                if seq_id != s.seq_id:
+                    self.mirror.fork_sample(s.seq_id, seq_id, None)
+                result.seq_ids.append(seq_id)
+                result.token_ids.append(sample_token(seq_id))
+                result.logprobs.append(-1.0)
+                result.top_logprobs.append(None)
+        self.mirror.append_sampled(result.seq_ids, result.token_ids)
+        return result
 
     def check(self, seq: Sequence, table: list[int], on_cpu: bool) -> None:
         blocks, bs = (self.cpu if on_cpu else self.device), self.block_size
@@ -138,7 +169,7 @@ class FakeKV:
         assert held == seq.token_ids_between(0, n), f"seq {seq.seq_id}'s KV is not its tokens"
 
 
-_KV: weakref.WeakKeyDictionary[Scheduler, FakeKV] = weakref.WeakKeyDictionary()
+_WORKERS: weakref.WeakKeyDictionary[Scheduler, FakeWorker] = weakref.WeakKeyDictionary()
 
 
 # -- checks --------------------------------------------------------------------------------------
@@ -146,7 +177,7 @@ _KV: weakref.WeakKeyDictionary[Scheduler, FakeKV] = weakref.WeakKeyDictionary()
 
 def check_state(sched: Scheduler) -> None:
     """What must hold between steps, beyond the block manager's own invariants."""
-    bm, kv = sched.block_manager, _KV[sched]
+    bm, worker = sched.block_manager, _WORKERS[sched]
     bm.check_invariants()
     assert sum(g.max_num_seqs for g in sched.running) <= sched.max_num_seqs
     # Only running sequences hold device blocks and only swapped ones CPU blocks, exactly
@@ -162,7 +193,7 @@ def check_state(sched: Scheduler) -> None:
         for seq in live:
             table = tables[seq.seq_id]
             assert len(table) == bm.num_required_blocks(seq.num_computed_tokens)
-            kv.check(seq, table, on_cpu=status is SequenceStatus.SWAPPED)
+            worker.check(seq, table, on_cpu=status is SequenceStatus.SWAPPED)
     for group in sched.waiting:  # new, or preempted to be recomputed
         assert not group.is_finished
         for seq in group.live_seqs:
@@ -177,87 +208,88 @@ def check_state(sched: Scheduler) -> None:
     assert arrivals == sorted(arrivals)
 
 
-def run_step(sched: Scheduler, on_sample: OnSample | None = None) -> SchedulerOutput:
-    bm = sched.block_manager
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    out, _ = run_step_with_deltas(sched)
+    return out
+
+
+def run_step_with_deltas(sched: Scheduler) -> tuple[SchedulerOutput, list[RequestDelta]]:
+    bm, worker = sched.block_manager, _WORKERS[sched]
     num_unfinished = sched.num_unfinished
     decoding = [g for g in sched.running if is_decoding(g)]
     out = sched.schedule()
-    # A group that cannot grow holding the whole cache: the engine ends it at once.
-    for group in out.cannot_fit:
-        assert group not in sched.running and group not in sched.swapped
-        assert group not in sched.waiting
-        sched.finish(group)
     # Budgets, and progress: with work left, a step always computes something.
     assert out.num_seqs <= sched.max_num_seqs
     assert out.num_batched_tokens <= sched.max_num_batched_tokens
-    assert num_unfinished == 0 or not out.is_empty or out.cannot_fit, (
-        "a step with work left did nothing"
-    )
-    scheduled = [s.seq for s in out.scheduled]
+    ended = num_unfinished - sched.num_unfinished  # groups too big for the cache, ended
+    assert num_unfinished == 0 or not out.is_empty or ended, "a step with work left did nothing"
+    scheduled = [sched.get_seq(s.seq_id) for s in out.scheduled]
     assert len({s.seq_id for s in scheduled}) == len(scheduled)
-    preempted_ids = {s.seq_id for g in out.preempted + out.cannot_fit for s in g.seqs}
+    preempted = [sched.get_group(request_id) for request_id in out.preempted_request_ids]
+    preempted_ids = {s.seq_id for g in preempted for s in g.seqs}
     assert not {s.seq_id for s in scheduled} & preempted_ids
-    for s in out.scheduled:
-        assert s.seq.status is SequenceStatus.RUNNING
-        assert 1 <= s.num_new_tokens <= s.seq.num_uncomputed_tokens
+    for s, seq in zip(out.scheduled, scheduled):
+        assert seq.status is SequenceStatus.RUNNING
+        assert 1 <= s.num_new_tokens <= seq.num_uncomputed_tokens
         if not sched.enable_chunked_prefill:
             # Whole or not at all: a prompt, a recompute, or a catch-up (all but the last).
-            whole = {s.seq.num_uncomputed_tokens}
-            if _group_of(sched, s.seq).num_live_seqs > 1:
-                whole.add(s.seq.num_uncomputed_tokens - 1)
+            whole = {seq.num_uncomputed_tokens}
+            if _group_of(sched, seq).num_live_seqs > 1:
+                whole.add(seq.num_uncomputed_tokens - 1)
             assert s.num_new_tokens in whole, "a prompt was split with chunked prefill off"
-        assert s.block_table == bm.get_block_table(s.seq.seq_id)
-        assert len(s.block_table) == bm.num_required_blocks(s.start + s.num_new_tokens)
-    check_decodes_first(sched, decoding, out)
+        table = bm.get_block_table(seq.seq_id)
+        assert len(table) == bm.num_required_blocks(s.start + s.num_new_tokens)
+    check_decodes_first(sched, decoding, out, preempted)
     # Copy-on-write copies only a partly filled block, the one a sequence writes first.
     bs = bm.block_size
-    first_written = {s.block_table[s.start // bs]: s.start % bs for s in out.scheduled}
+    tables = {s.seq_id: bm.get_block_table(s.seq_id) for s in out.scheduled}
+    first_written = {tables[s.seq_id][s.start // bs]: s.start % bs for s in out.scheduled}
     for _, dst in out.blocks_to_copy:
         assert first_written.get(dst, 0) != 0, f"copy into block {dst} is not copy-on-write"
-    assert not (out.blocks_to_swap_in and out.preempted), "swapped in while preempting"
-    for group in out.preempted:
+    assert not (out.blocks_to_swap_in and preempted), "swapped in while preempting"
+    for group in preempted:
         for seq in group.live_seqs:
             if seq.status is SequenceStatus.SWAPPED:
                 assert group in sched.swapped and bm.is_swapped_out(seq.seq_id)
             else:
                 assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
                 assert group in sched.waiting
-    _KV[sched].apply(out)
-    sampled = [s.seq for s in out.scheduled if s.is_sampled]
-    sched.update(out)
 
-    groups: dict[str, list[Sequence]] = {}
-    for seq in sampled:
-        groups.setdefault(seq.request_id, []).append(seq)
-    for seqs in groups.values():
-        group = _group_of(sched, seqs[0])
-        # A group's sequences sample together, or not at all.
-        assert {s.seq_id for s in seqs} == {s.seq_id for s in group.live_seqs}
-        if group.needs_fork:
-            (parent,) = seqs
-            seqs += [fork(sched, parent, group) for _ in range(group.sampling_params.best_of - 1)]
-            group.forked = True
-        if on_sample is not None:
-            seqs = on_sample(sched, group, seqs)
-        for seq in seqs:
-            seq.append_token(sample_token(seq), 0.0, None)
-            max_tokens = seq.sampling_params.max_tokens
-            if (
-                max_tokens is not None and seq.num_output_tokens >= max_tokens
-            ) or seq.num_tokens >= sched.max_model_len:
-                sched.finish_seq(seq)
-        if group.is_finished:
-            sched.finish(group)
-    sampled_ids = {seq.seq_id for seq in sampled}
-    for s in out.scheduled:
-        if s.seq.is_finished:
+    sampled_ids = {s.seq_id for s in out.scheduled if s.is_sampled}
+    for seq in scheduled:  # a group's sequences sample together, or not at all
+        if seq.seq_id in sampled_ids:
+            group = sched.get_group(seq.request_id)
+            assert {s.seq_id for s in group.live_seqs} <= sampled_ids
+
+    worker.mirror.apply(out)
+    check_mirror(sched, worker)
+    for s in out.scheduled:  # the mirror's tables are the block manager's
+        assert worker.mirror[s.seq_id].block_table == tables[s.seq_id]
+    result = worker.run(out)
+    deltas = sched.update_from_output(out, result)
+    for s, seq in zip(out.scheduled, scheduled):
+        if seq.is_finished:
             continue
-        if s.seq.seq_id in sampled_ids:  # just its new token left to compute
-            assert s.seq.num_uncomputed_tokens == 1
+        if s.is_sampled:  # just its new token left to compute
+            assert seq.num_uncomputed_tokens == 1
         else:  # a prefill chunk (or a catch-up) stopped short of the last token
-            assert s.seq.num_uncomputed_tokens >= 1
+            assert seq.num_uncomputed_tokens >= 1
     check_state(sched)
-    return out
+    return out, deltas
+
+
+def check_mirror(sched: Scheduler, worker: FakeWorker) -> None:
+    """With a step's news applied, the workers' mirror holds every sequence they know,
+    with the scheduler's tokens, and none that has ended."""
+    known = set()
+    for group in [*sched.running, *sched.swapped, *sched.waiting]:
+        for seq in group.live_seqs:
+            if sched.worker_sync.knows(seq.seq_id):
+                known.add(seq.seq_id)
+                mirrored = worker.mirror[seq.seq_id]
+                assert mirrored.output_token_ids == seq.output_token_ids
+                assert mirrored.prompt_token_ids == seq.prompt_token_ids
+    assert set(worker.mirror.seqs) == known, "the mirror holds ended sequences"
 
 
 def is_decoding(group: SequenceGroup) -> bool:
@@ -265,20 +297,23 @@ def is_decoding(group: SequenceGroup) -> bool:
 
 
 def check_decodes_first(
-    sched: Scheduler, decoding: list[SequenceGroup], out: SchedulerOutput
+    sched: Scheduler,
+    decoding: list[SequenceGroup],
+    out: SchedulerOutput,
+    preempted: list[SequenceGroup],
 ) -> None:
     """Decodes take the budget first: `decoding` (the running groups that needed one token
     a sequence before the step) are all scheduled, unless preempted or too wide for what
     older decodes left; and the step lists them before any other work."""
-    scheduled_ids = {s.seq.seq_id for s in out.scheduled}
-    if out.preempted or out.cannot_fit:
+    scheduled_ids = {s.seq_id for s in out.scheduled}
+    if preempted or any(g.is_finished for g in decoding):
         return  # victims' planned tokens are left unused: the sums below don't hold
     decode_tokens = sum(g.num_live_seqs for g in decoding if g.live_seqs[0].seq_id in scheduled_ids)
     for group in decoding:
         if not {s.seq_id for s in group.live_seqs} <= scheduled_ids:
             assert group.num_live_seqs > sched.max_num_batched_tokens - decode_tokens
     decode_ids = {s.seq_id for g in decoding for s in g.live_seqs}
-    kinds = [s.seq.seq_id in decode_ids for s in out.scheduled]
+    kinds = [s.seq_id in decode_ids for s in out.scheduled]
     assert kinds == sorted(kinds, reverse=True), "other work listed before a decode"
 
 
@@ -287,12 +322,10 @@ def _group_of(sched: Scheduler, seq: Sequence) -> SequenceGroup:
     return group
 
 
-def run_to_completion(
-    sched: Scheduler, max_steps: int = 10_000, on_sample: OnSample | None = None
-) -> list[SchedulerOutput]:
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[SchedulerOutput]:
     outs = []
-    while sched.num_unfinished:
-        outs.append(run_step(sched, on_sample))
+    while sched.has_unfinished_requests():
+        outs.append(run_step(sched))
         assert len(outs) < max_steps, "the scheduler stopped making progress"
     return outs
 
@@ -304,7 +337,10 @@ def assert_all_free(sched: Scheduler) -> None:
     assert bm.cpu_pool.num_free_blocks == bm.cpu_pool.num_blocks
     assert not bm.block_tables and not bm.cpu_block_tables
     assert not sched.running and not sched.waiting and not sched.swapped
+    # One more step tells the workers what ended: their mirror is then empty.
+    run_step(sched)
+    assert len(_WORKERS[sched].mirror) == 0
 
 
 def scheduled_ids(out: SchedulerOutput) -> list[tuple[int, int]]:
-    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
+    return [(s.seq_id, s.num_new_tokens) for s in out.scheduled]

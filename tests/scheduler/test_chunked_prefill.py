@@ -21,8 +21,8 @@ from scheduler.harness import (
     scheduled_ids,
 )
 
-from serve.scheduler.output import SchedulerOutput
 from serve.sequence import SequenceGroup, SequenceStatus
+from serve.step import SchedulerOutput
 
 NUM_DECODING = 16
 LONG_PROMPT = 200
@@ -37,7 +37,7 @@ def start_decoding(sched, first_id: int, max_tokens: int) -> list[SequenceGroup]
 
 
 def decode_ids(out: SchedulerOutput) -> list[int]:
-    return [s.seq.seq_id for s in out.scheduled if s.num_new_tokens == 1]
+    return [s.seq_id for s in out.scheduled if s.num_new_tokens == 1]
 
 
 # -- chunking on -------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_a_long_prompt_never_holds_up_sixteen_decodes(budget, block_size, long_a
     while seq.num_output_tokens == 0:
         out = run_step(sched)
         assert decode_ids(out) == [g.seqs[0].seq_id for g in decoding]
-        assert out.scheduled[-1].seq is seq and len(out.scheduled) == NUM_DECODING + 1
+        assert out.scheduled[-1].seq_id == seq.seq_id and len(out.scheduled) == NUM_DECODING + 1
         assert out.num_batched_tokens <= budget
         chunks.append(out.scheduled[-1].num_new_tokens)
     assert chunks == [chunk] * (num_chunks - 1) + [LONG_PROMPT - chunk * (num_chunks - 1)]

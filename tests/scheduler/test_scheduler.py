@@ -22,6 +22,7 @@ from scheduler.harness import (
     run_to_completion,
     sample_token,
     scheduled_ids,
+    worker_of,
 )
 
 from serve.sequence import SequenceGroup, SequenceStatus
@@ -99,7 +100,7 @@ def test_head_of_line_blocks_later_arrivals_that_would_fit():
     assert list(sched.waiting) == [r1, r2]
     while not r0.is_finished:
         out = run_step(sched)
-        assert [s.seq.seq_id for s in out.scheduled] == [0]
+        assert [s.seq_id for s in out.scheduled] == [0]
     out = run_step(sched)
     assert scheduled_ids(out) == [(1, 16), (2, 4)]
     run_to_completion(sched)
@@ -147,12 +148,10 @@ def test_long_prompt_is_prefilled_in_chunks_and_only_the_last_samples():
         chunks.append((s.num_new_tokens, seq.num_output_tokens == 1))
     assert chunks == [(8, False), (8, False), (7, True)]
     # Then one decode token per step.
-    for _ in range(2):
-        out = sched.schedule()
-        assert scheduled_ids(out) == [(0, 1)] and out.scheduled[0].is_sampled
-        sched.update(out)
-        seq.append_token(FAKE_TOKEN, 0.0, None)
-    sched.finish(group)
+    out = run_step(sched)
+    assert scheduled_ids(out) == [(0, 1)] and out.scheduled[0].is_sampled
+    assert seq.output_token_ids == [FAKE_TOKEN, FAKE_TOKEN]  # the worker's sampled tokens
+    sched.abort_request(group.request_id)
     assert_all_free(sched)
 
 
@@ -163,7 +162,7 @@ def test_is_sampled_is_read_before_update():
     out = sched.schedule()
     assert [(s.num_new_tokens, s.is_sampled) for s in out.scheduled] == [(8, False)]
     assert seq.num_computed_tokens == 0  # the scheduler leaves it to update
-    sched.update(out)
+    sched.update_from_output(out, worker_of(sched).execute(out))
     assert seq.num_computed_tokens == 8
     out = sched.schedule()
     assert [(s.num_new_tokens, s.is_sampled) for s in out.scheduled] == [(4, True)]
@@ -201,11 +200,11 @@ def test_preempts_the_latest_arrival_and_requeues_it_first():
     assert scheduled_ids(out) == [(0, 8), (1, 8), (2, 8)]
     assert sched.block_manager.num_free_blocks == 0
     out = run_step(sched)
-    assert out.preempted == [r2]
+    assert out.preempted_request_ids == [r2.request_id]
     assert scheduled_ids(out) == [(0, 1), (1, 1)]  # r2's two blocks went to r0 and r1
     (seq2,) = r2.seqs
     assert seq2.status is SequenceStatus.WAITING and seq2.num_computed_tokens == 0
-    assert seq2.output_token_ids == [sample_token(seq2)]  # recompute keeps the tokens
+    assert seq2.output_token_ids == [sample_token(seq2.seq_id)]  # recompute keeps the tokens
     assert list(sched.waiting) == [r2, r3]
     assert sched.num_preemptions == 1
     assert not sched.block_manager.has_table(seq2.seq_id)
@@ -220,7 +219,7 @@ def test_preempted_sequence_recomputes_prompt_and_outputs_then_samples():
     r0, r1 = add_all(sched, make_groups([8, 8], max_tokens=6))
     run_step(sched)
     out = run_step(sched)
-    assert out.preempted == [r1]
+    assert out.preempted_request_ids == [r1.request_id]
     (seq,) = r1.seqs
     assert seq.num_tokens == 9  # 8 prompt + 1 sampled before the preemption
     while seq.status is SequenceStatus.WAITING:
@@ -236,7 +235,7 @@ def test_a_sequence_that_cannot_grow_preempts_itself():
     run_step(sched)
     out = run_step(sched)
     assert scheduled_ids(out) == [(0, 1)]
-    assert out.preempted == [r1]
+    assert out.preempted_request_ids == [r1.request_id]
     assert list(sched.waiting) == [r1] and sched.running == [r0]
     run_to_completion(sched)
     assert_all_free(sched)
@@ -248,8 +247,8 @@ def test_no_admission_in_a_step_that_preempts():
     run_step(sched)
     (small,) = add_all(sched, make_groups([1], first_id=3))
     out = run_step(sched)
-    assert out.preempted and small.seqs[0].status is SequenceStatus.WAITING
-    assert small.seqs[0] not in [s.seq for s in out.scheduled]
+    assert out.preempted_request_ids and small.seqs[0].status is SequenceStatus.WAITING
+    assert small.seqs[0].seq_id not in [s.seq_id for s in out.scheduled]
 
 
 def test_preemption_never_deadlocks_and_frees_everything():
@@ -270,7 +269,7 @@ def test_admission_keeps_a_watermark_beside_running_work():
     (big,) = add_all(sched, make_groups([99], first_id=1))
     run_step(sched)  # 99 free, 99 needed + 2 watermark: wait
     assert big.seqs[0].status is SequenceStatus.WAITING
-    sched.finish(sched.running[0])
+    sched.abort_request(sched.running[0].request_id)
     run_step(sched)
     assert big.seqs[0].status is SequenceStatus.RUNNING
 
@@ -291,14 +290,14 @@ def test_finish_running_sequence_frees_its_blocks_at_once():
     r0, r1 = add_all(sched, make_groups([10, 6], max_tokens=10))
     run_step(sched)
     assert sched.block_manager.num_free_blocks == 16 - 3 - 2
-    sched.finish(r0)
+    sched.abort_request(r0.request_id)
     assert r0.is_finished and r0 not in sched.running
     assert not sched.block_manager.has_table(r0.seqs[0].seq_id)
     assert sched.block_manager.num_free_blocks == 16 - 2
     check_state(sched)
     out = run_step(sched)
     assert scheduled_ids(out) == [(1, 1)]
-    sched.finish(r1)
+    sched.abort_request(r1.request_id)
     assert_all_free(sched)
 
 
@@ -306,7 +305,7 @@ def test_finish_waiting_sequence_removes_it():
     sched = make_scheduler(max_num_seqs=1)
     r0, r1, r2 = add_all(sched, make_groups([4, 4, 4], max_tokens=3))
     run_step(sched)
-    sched.finish(r1)
+    sched.abort_request(r1.request_id)
     assert r1.is_finished and list(sched.waiting) == [r2]
     check_state(sched)
     run_to_completion(sched)
@@ -319,10 +318,10 @@ def test_finish_preempted_sequence_frees_nothing_twice():
     r0, r1 = add_all(sched, make_groups([8, 8], max_tokens=6))
     run_step(sched)
     out = run_step(sched)
-    assert out.preempted == [r1]
-    sched.finish(r1)  # aborted while waiting to be recomputed
+    assert out.preempted_request_ids == [r1.request_id]
+    sched.abort_request(r1.request_id)  # aborted while waiting to be recomputed
     check_state(sched)
-    sched.finish(r0)
+    sched.abort_request(r0.request_id)
     assert_all_free(sched)
 
 
@@ -332,7 +331,7 @@ def test_finish_mid_chunked_prefill_frees_its_blocks():
     run_step(sched)
     (seq,) = group.seqs
     assert seq.num_computed_tokens == 8 and seq.num_output_tokens == 0
-    sched.finish(group)
+    sched.abort_request(group.request_id)
     assert_all_free(sched)
 
 
@@ -407,7 +406,7 @@ def test_random_arrivals_and_aborts(
         live = [g for g in groups if not g.is_finished]
         if live and data.draw(st.booleans()):
             victim = data.draw(st.sampled_from(live))
-            sched.finish(victim)
+            sched.abort_request(victim.request_id)
             aborted.add(id(victim))
             check_state(sched)
         if sched.num_unfinished:

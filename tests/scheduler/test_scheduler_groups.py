@@ -11,20 +11,20 @@ import pytest
 from scheduler.harness import (
     add_all,
     assert_all_free,
-    fork,
     make_group,
     make_groups,
     make_scheduler,
     prompt_of,
     run_step,
+    run_step_with_deltas,
     run_to_completion,
     sample_token,
     scheduled_ids,
 )
 
-from serve.scheduler.output import SchedulerOutput
 from serve.scheduler.scheduler import Scheduler
-from serve.sequence import Sequence, SequenceGroup, SequenceStatus
+from serve.sequence import FinishReason, SequenceGroup, SequenceStatus
+from serve.step import SchedulerOutput
 
 # -- forks and copy-on-write ----------------------------------------------------------------
 
@@ -32,34 +32,30 @@ from serve.sequence import Sequence, SequenceGroup, SequenceStatus
 def test_a_group_forked_into_four_decodes_all_four_in_one_step():
     sched = make_scheduler(num_blocks=16, block_size=4)
     (group,) = add_all(sched, make_groups([6], max_tokens=3, best_of=4))
-    (parent,) = group.seqs
-    out = sched.schedule()
+    out = run_step(sched)
+    # The prompt's step names three forks; the worker samples the row once per sequence
+    # and the scheduler adds the forks, sharing the prompt's blocks.
     assert scheduled_ids(out) == [(0, 6)] and out.scheduled[0].is_sampled
-    sched.update(out)
-    # The engine forks the prefilled prompt into best_of samples sharing its blocks.
-    children = [parent.fork(seq_id, seed=seq_id) for seq_id in (1, 2, 3)]
-    for child in children:
-        sched.fork(parent, child, group)
-    group.forked = True
-    for seq in group.seqs:
-        seq.append_token(sample_token(seq), 0.0, None)
+    fork_ids = out.scheduled[0].fork_seq_ids
+    assert len(fork_ids) == 3 and out.forks_sequences
+    assert [s.seq_id for s in group.seqs] == [0, *fork_ids]
+    assert [s.output_token_ids for s in group.seqs] == [[sample_token(i)] for i in (0, *fork_ids)]
     bm = sched.block_manager
     assert bm.num_free_blocks == 16 - 2
     full, partial = bm.get_block_table(0)
     assert all(bm.block_pool.ref_count(b) == 4 for b in (full, partial))
 
-    out = sched.schedule()
-    assert scheduled_ids(out) == [(0, 1), (1, 1), (2, 1), (3, 1)]
-    assert all(s.is_sampled for s in out.scheduled)
+    out = run_step(sched)
+    assert scheduled_ids(out) == [(0, 1)] + [(i, 1) for i in fork_ids]
+    assert all(s.is_sampled for s in out.scheduled) and not out.forks_sequences
     # Each writes token 6 into the shared partial block: three copy it, the last writes
     # in place; the full block is never copied.
     assert [src for src, _ in out.blocks_to_copy] == [partial] * 3
     assert bm.block_pool.ref_count(full) == 4 and bm.block_pool.ref_count(partial) == 1
     assert bm.num_free_blocks == 16 - 2 - 3
-    sched.update(out)
-    for seq in group.seqs:
-        seq.append_token(sample_token(seq), 0.0, None)
-    sched.finish(group)
+    # The copies reach the workers as table changes from the written block on.
+    assert [(s.table_start, len(s.block_ids)) for s in out.scheduled] == [(1, 1)] * 3 + [(2, 0)]
+    sched.abort_request(group.request_id)
     assert_all_free(sched)
 
 
@@ -93,7 +89,7 @@ def test_finishing_one_sequence_of_a_group_frees_only_its_blocks():
     run_step(sched)
     first, second = group.seqs
     num_free = sched.block_manager.num_free_blocks
-    sched.finish_seq(second)
+    assert sched.stop_sequence(group.request_id, 1) is None  # its sibling runs on
     assert second.is_finished and group.live_seqs == [first]
     assert sched.block_manager.num_free_blocks == num_free + 1  # its own block only
     out = run_step(sched)
@@ -127,7 +123,7 @@ def test_a_multi_sequence_group_is_swapped_out_and_back_before_new_work():
     early, group = squeeze(sched)
     outs = run_until(sched, lambda: sched.swapped)
     out = outs[-1]
-    assert out.preempted == [group] and sched.swapped == [group]
+    assert out.preempted_request_ids == [group.request_id] and sched.swapped == [group]
     assert len(out.blocks_to_swap_out) == sched.block_manager.num_swap_blocks(
         group.live_seqs, swapped_out=True
     )
@@ -165,7 +161,7 @@ def test_recompute_mode_catches_up_then_samples_all_sequences_together(
     _, group = squeeze(sched)
     outs = run_until(sched, lambda: sched.num_preemptions)
     assert group in sched.waiting
-    assert outs[-1].preempted == [group] and not outs[-1].blocks_to_swap_out
+    assert outs[-1].preempted_request_ids == [group.request_id] and not outs[-1].blocks_to_swap_out
     assert all(s.num_computed_tokens == 0 for s in group.seqs)
     counts = [s.num_output_tokens for s in group.seqs]
     # Readmitted, the sequences catch up on all but their last token, sampling nothing...
@@ -176,7 +172,7 @@ def test_recompute_mode_catches_up_then_samples_all_sequences_together(
     assert caught_up and [s.num_output_tokens for s in group.seqs] == counts
     # ... then all sample in the same step.
     out = run_step(sched)
-    assert {s.seq.seq_id for s in out.scheduled} >= {s.seq_id for s in group.seqs}
+    assert {s.seq_id for s in out.scheduled} >= {s.seq_id for s in group.seqs}
     assert [s.num_output_tokens for s in group.seqs] == [c + 1 for c in counts]
     run_to_completion(sched)
     assert all(s.num_output_tokens == 6 for s in group.seqs)
@@ -190,7 +186,7 @@ def test_swap_mode_swaps_a_single_sequence_too():
     groups = add_all(sched, make_groups([8, 8, 8], max_tokens=5))
     run_step(sched)
     out = run_step(sched)
-    assert out.preempted == [groups[2]] and out.blocks_to_swap_out
+    assert out.preempted_request_ids == [groups[2].request_id] and out.blocks_to_swap_out
     assert sched.swapped == [groups[2]]
     run_to_completion(sched)
     assert_all_free(sched)
@@ -203,7 +199,7 @@ def test_swap_falls_back_to_recompute_when_the_cpu_pool_is_too_small(mode, best_
     )
     _, group = squeeze(sched, best_of)
     outs = run_until(sched, lambda: sched.num_preemptions)
-    assert outs[-1].preempted == [group] and not outs[-1].blocks_to_swap_out
+    assert outs[-1].preempted_request_ids == [group.request_id] and not outs[-1].blocks_to_swap_out
     assert group in sched.waiting and not sched.swapped
     assert all(s.num_computed_tokens == 0 for s in group.seqs)
     run_to_completion(sched)
@@ -225,7 +221,8 @@ def test_a_prefix_cache_hit_lowers_the_first_steps_new_tokens():
     )
     out = run_step(sched)
     assert scheduled_ids(out) == [(1, 3), (2, 5)]
-    assert [s.seq.num_computed_tokens for s in out.scheduled] == [11, 13]  # after update
+    computed = [sched.get_seq(s.seq_id).num_computed_tokens for s in out.scheduled]
+    assert computed == [11, 13]  # after update
     bm = sched.block_manager
     assert bm.get_block_table(1)[:2] == bm.get_block_table(2)[:2]
     assert (bm.prefix_cache.queries, bm.prefix_cache.hits) == (11 + 11 + 13, 16)
@@ -270,7 +267,7 @@ def test_recompute_reuses_the_preempted_sequences_cached_blocks():
     sched = make_scheduler(num_blocks=5, block_size=4, max_model_len=20)
     _, r1 = add_all(sched, make_groups([8, 8], max_tokens=6))
     run_step(sched)
-    assert run_step(sched).preempted == [r1]
+    assert run_step(sched).preempted_request_ids == [r1.request_id]
     num_hits = sched.block_manager.prefix_cache.hits
     outs = run_until(sched, lambda: r1.seqs[0].status is SequenceStatus.RUNNING)
     assert (r1.seqs[0].seq_id, 5) in scheduled_ids(outs[-1])
@@ -287,10 +284,18 @@ def test_a_group_that_cannot_grow_holding_the_whole_cache_is_given_up():
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
     (group,) = add_all(sched, [make_group(0, prompt_of(0, 4), max_tokens=12, best_of=2)])
     (late,) = add_all(sched, make_groups([3], first_id=1))
-    outs = run_until(sched, lambda: group.is_finished)
-    assert outs[-1].cannot_fit == [group] and not outs[-1].preempted
-    assert not any(group in o.preempted for o in outs)  # not swapped out and in forever
+    outs, deltas = [], []
+    while not group.is_finished:
+        out, step_deltas = run_step_with_deltas(sched)
+        outs.append(out)
+        deltas += step_deltas
+        assert len(outs) < 200
+    assert not outs[-1].preempted_request_ids
+    assert not any(group.request_id in o.preempted_request_ids for o in outs)  # not forever
     assert all(s.num_tokens < 16 for s in group.seqs)
+    assert all(s.finish_reason is FinishReason.LENGTH for s in group.seqs)
+    deltas += run_step_with_deltas(sched)[1]  # the final message comes with the next update
+    (final,) = [d for d in deltas if d.request_id == group.request_id and d.finished]
     run_to_completion(sched)
     assert late.seqs[0].num_output_tokens == 4
     assert_all_free(sched)
@@ -336,31 +341,16 @@ def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
 
 def test_a_group_wider_than_the_token_budget_is_refused_or_runs():
     sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=3)
-    (group,) = make_groups([4], best_of=4)
-    try:
-        sched.add(group)
-    except ValueError:
-        return
+    (wide,) = make_groups([4], best_of=4)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=3"):
+        sched.add(wide)
+    (fits,) = add_all(sched, make_groups([4], best_of=3, first_id=1))
     run_to_completion(sched, max_steps=100)
+    assert [s.num_output_tokens for s in fits.seqs] == [4, 4, 4]
+    assert_all_free(sched)
 
 
 # -- random workloads -----------------------------------------------------------------------
-
-
-def beam_like(rng: random.Random):
-    """An `on_sample` hook that, like beam search, sometimes drops a sequence and forks
-    another in its place, keeping the group's width."""
-
-    def on_sample(sched: Scheduler, group: SequenceGroup, seqs: list[Sequence]) -> list[Sequence]:
-        if len(seqs) < 2 or rng.random() < 0.5:
-            return seqs
-        dropped, parent = rng.sample(seqs, 2)
-        child = fork(sched, parent, group)  # forks before the parent takes its token
-        sched.finish_seq(dropped)
-        group.seqs = [s for s in group.seqs if s is not dropped]
-        return [s for s in seqs if s is not dropped] + [child]
-
-    return on_sample
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
@@ -387,7 +377,6 @@ def test_random_workload_with_forks_tiny_cache_and_swap_space(seed, chunked):
         enable_prefix_caching=rng.random() < 0.8,
         enable_chunked_prefill=chunked,
     )
-    on_sample = beam_like(rng)
     groups = []
     shared = [rng.randrange(50) for _ in range(max_model_len)]  # common prefixes
     while len(groups) < 60:
@@ -396,14 +385,18 @@ def test_random_workload_with_forks_tiny_cache_and_swap_space(seed, chunked):
             prompt = shared[: rng.randint(0, n)]
             prompt += [rng.randrange(50) for _ in range(n - len(prompt))]
             max_tokens = rng.randint(1, max_model_len)
-            group = make_group(len(groups), prompt, max_tokens, rng.randint(1, max_best_of))
+            width = rng.randint(1, max_best_of)
+            if rng.random() < 0.3:  # beams fork, drop and copy on write every step
+                group = make_group(len(groups), prompt, max_tokens, beam_width=max(2, width))
+            else:
+                group = make_group(len(groups), prompt, max_tokens, width)
             sched.add(group)
             groups.append(group)
         live = [g for g in groups if not g.is_finished]
         if live and rng.random() < 0.05:
-            sched.finish(rng.choice(live))
+            sched.abort_request(rng.choice(live).request_id)
         if sched.num_unfinished:
-            run_step(sched, on_sample)
-    run_to_completion(sched, max_steps=5_000, on_sample=on_sample)
+            run_step(sched)
+    run_to_completion(sched, max_steps=5_000)
     assert all(g.is_finished for g in groups)
     assert_all_free(sched)

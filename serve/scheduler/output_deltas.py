@@ -14,8 +14,12 @@ Writers: the functions here alone write `Sequence.num_sent_tokens` and `is_finis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from serve.sequence import FinishReason, Sequence, SequenceGroup
+
+if TYPE_CHECKING:
+    from serve.scheduler.beam_search import BeamSearch
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,27 @@ def step_delta(group: SequenceGroup) -> RequestDelta:
             seqs.append(_seq_delta(index, seq, seq.num_sent_tokens))
     prompt_logprobs = group.prompt_logprobs if is_first else None
     return RequestDelta(group.request_id, seqs, group.is_finished, prompt_logprobs)
+
+
+def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> RequestDelta:
+    """Beam search's one message, at the end: the finished hypotheses, best first; or,
+    cut short (aborted, the cache too small), the running beams as they are."""
+    params = group.sampling_params
+    if search is None or not search.is_done:
+        seqs = [whole_seq_delta(i, seq) for i, seq in enumerate(group.seqs[: params.n])]
+        return whole_delta(group, seqs)
+    hypotheses = [
+        SeqDelta(
+            index=i,
+            token_ids=h.token_ids,
+            logprobs=[],
+            top_logprobs=None,
+            finish_reason=FinishReason.STOP if h.ended_by_stop_token else FinishReason.LENGTH,
+            cumulative_logprob=h.cumulative_logprob,
+        )
+        for i, h in enumerate(search.finished[: params.n])
+    ]
+    return whole_delta(group, hypotheses)
 
 
 def whole_delta(group: SequenceGroup, seqs: list[SeqDelta]) -> RequestDelta:

@@ -9,7 +9,7 @@ import pickle
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
-from serve.engine.output_deltas import RequestDelta, SeqDelta, step_delta
+from serve.scheduler.output_deltas import RequestDelta, SeqDelta, step_delta
 from serve.sequence import FinishReason, Sequence, SequenceGroup
 
 

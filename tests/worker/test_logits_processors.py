@@ -11,9 +11,9 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from serve import SamplingParams
-from serve.engine import logits_processors as lp
-from serve.engine.sampler import Sampler
 from serve.sequence import Sequence
+from serve.worker import logits_processors as lp
+from serve.worker.sampler import Sampler
 
 VOCAB = 32
 EOS = (0, 3)

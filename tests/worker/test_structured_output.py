@@ -13,8 +13,8 @@ import pytest
 import torch
 from tiny_models import VOCAB_SIZE, build_tokenizer
 
-from serve.engine.structured_output import StructuredOutputManager
 from serve.sampling_params import StructuredOutputsParams as Spec
+from serve.worker.structured_output import StructuredOutputManager
 
 TINY_EOS = 0
 TINY_VOCAB = VOCAB_SIZE + 8  # a model vocab wider than the tokenizer, as real ones often are
@@ -52,8 +52,8 @@ def tiny():
 @pytest.fixture(scope="module")
 def smol():
     """The default model's tokenizer (vocab 49152, EOS <|im_end|>) and a manager for it."""
-    from serve.engine.tokenizer import load_tokenizer
     from serve.models.default_model import resolve_default_model
+    from serve.models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_default_model())
     manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])

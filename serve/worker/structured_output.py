@@ -2,9 +2,11 @@
 
 Everything xgrammar lives here. Compiling runs in a background thread pool, cached by the
 spec, so the API thread can submit a request's grammar and await the Future while the
-engine thread keeps stepping. The matchers and the bitmask buffer belong to the engine
-thread alone: it starts a matcher when a request is admitted, masks each step's logits,
-advances the matcher with the sampled token and frees it when the sequence ends.
+engine thread keeps stepping; a compiled grammar travels as xgrammar's serialized JSON
+(plain text, in the request's first step to the workers). The matchers and the bitmask
+buffer belong to the driver worker's thread alone: it starts a matcher when it first sees
+a constrained sequence, masks each step's logits, advances the matcher with the sampled
+token and frees it when the sequence ends.
 
 Choices made for every request:
 - JSON schemas and `json_object` compile with `any_whitespace=False`: json.dumps's layout
@@ -21,7 +23,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -69,10 +71,10 @@ class StructuredOutputManager:
         # vocab_size is the model's (the logits' width), which may exceed len(tokenizer):
         # xgrammar masks the ids with no token, as it masks special tokens.
         self.vocab_size = vocab_size
-        tokenizer_info = _tokenizer_info(tokenizer, vocab_size, eos_token_ids)
+        self._tokenizer_info = _tokenizer_info(tokenizer, vocab_size, eos_token_ids)
         # Our cache keys on the spec; xgrammar's own would hold a second copy of each.
         self._compiler = xgr.GrammarCompiler(
-            tokenizer_info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False
+            self._tokenizer_info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False
         )
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()  # guards _compiled, written by submit's callers
@@ -83,8 +85,9 @@ class StructuredOutputManager:
 
     # ---- compiling (any thread) ----
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
-        """A Future of the compiled grammar for `params`, compiled once per distinct spec.
+    def submit(self, params: StructuredOutputsParams) -> Future[str]:
+        """A Future of the compiled grammar for `params` (serialized: what `start` takes),
+        compiled once per distinct spec.
 
         Concurrent submits of one spec share one Future. An invalid spec makes the Future
         raise ValueError; a failed compile is retried by the next submit of that spec.
@@ -105,24 +108,28 @@ class StructuredOutputManager:
             self._compiled.move_to_end(key)
             return future
 
-    def _compile(self, key: SpecKey) -> xgr.CompiledGrammar:
+    def _compile(self, key: SpecKey) -> str:
         kind, spec = key
         try:
             if kind in ("json", "json_object"):
-                return self._compiler.compile_grammar(json_schema_grammar(spec))
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "choice":
-                return self._compiler.compile_grammar(choice_grammar(spec))
-            return self._compiler.compile_grammar(spec)
+                compiled = self._compiler.compile_grammar(json_schema_grammar(spec))
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(spec)
+            elif kind == "choice":
+                compiled = self._compiler.compile_grammar(choice_grammar(spec))
+            else:
+                compiled = self._compiler.compile_grammar(spec)
         except (RuntimeError, ValueError, TypeError) as e:
             message = _CPP_ERROR_PREFIX.sub("", str(e)).strip()
             raise ValueError(f"{_ERROR_NAMES[kind]}: {message}") from None
+        return compiled.serialize_json()
 
     # ---- matchers (engine thread) ----
 
-    def start(self, seq_id: int, compiled: xgr.CompiledGrammar) -> None:
-        """Constrain `seq_id` from its next token on, at the grammar's start."""
+    def start(self, seq_id: int, grammar: str) -> None:
+        """Constrain `seq_id` from its next token on, at the start of `grammar` (as
+        `submit` gives it, from this manager or another built from the same tokenizer)."""
+        compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._tokenizer_info)
         self._matchers[seq_id] = xgr.GrammarMatcher(compiled)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -273,3 +280,27 @@ def _spec_key(params: StructuredOutputsParams) -> SpecKey:
 
 def _has_failed(future: Future) -> bool:
     return future.done() and (future.cancelled() or future.exception() is not None)
+
+
+class LazyStructuredOutput:
+    """A StructuredOutputManager built on first use: importing xgrammar and indexing the
+    vocabulary take seconds that servers without grammars should not pay at start-up.
+    Thread-safe: the engine loop and the API's thread may both be first. `make_tokenizer`
+    is called then, once (a worker loads the tokenizer only if a grammar comes)."""
+
+    def __init__(
+        self, make_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Iterable[int]
+    ) -> None:
+        self._make_tokenizer = make_tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = tuple(eos_token_ids)
+        self._lock = threading.Lock()
+        self.built: StructuredOutputManager | None = None  # None until first use
+
+    def get(self) -> StructuredOutputManager:
+        with self._lock:
+            if self.built is None:
+                self.built = StructuredOutputManager(
+                    self._make_tokenizer(), self._vocab_size, self._eos_token_ids
+                )
+        return self.built

@@ -14,14 +14,18 @@ are engine sequences:
   finished hypothesis (judged at the current length, or at the maximum length for
   `early_stopping="never"` with a positive penalty).
 
-Scores are float32 sums, as HF keeps them, so ties resolve alike.
+Scores are float32 sums, as HF keeps them, so ties resolve alike. The search runs on the
+scheduler's side and never sees logits: each beam's worker-side candidates (its best
+`SamplingParams.num_beam_candidates` next tokens and their log-probabilities) hold every
+candidate the step can rank among the best over all beams. numpy's float32 arithmetic is
+IEEE's, as torch's is on the CPU, so the sums and ratios are HF's to the bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from serve.sampling_params import SamplingParams
 
@@ -48,14 +52,14 @@ class Continuation:
 
 class BeamSearch:
     def __init__(
-        self, params: SamplingParams, stop_token_ids: set[int], max_output_tokens: int
+        self, params: SamplingParams, eos_token_ids: set[int], max_output_tokens: int
     ) -> None:
         self.width = params.best_of
         self.length_penalty = params.length_penalty
         self.early_stopping = params.early_stopping
-        self.stop_token_ids = stop_token_ids
+        self.stop_token_ids = params.beam_stop_token_ids(eos_token_ids)
         self.max_output_tokens = max_output_tokens  # max_tokens, capped by the context window
-        self.num_candidates = max(2, 1 + len(stop_token_ids)) * self.width
+        self.num_candidates = params.num_beam_candidates(eos_token_ids)
         self.finished: list[Hypothesis] = []  # best first, at most `width`
         self.is_done = False
         # HF's `is_early_stop_heuristic_unsatisfied`: once False, nothing more can finish.
@@ -65,32 +69,34 @@ class BeamSearch:
         self,
         output_token_ids: list[list[int]],  # per running beam, all of the same length
         scores: list[float],  # per running beam, its running score
-        logits: torch.Tensor,  # [num_beams, vocab]
+        candidates: list[tuple[list[int], list[float]]],  # per beam: its best (tokens, logprobs)
     ) -> list[Continuation]:
         """Advance one token. Returns the next running beams, best first (empty when done)."""
-        num_beams, vocab = logits.shape
         out_len = len(output_token_ids[0]) + 1  # output length of every candidate
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        totals = logprobs + torch.tensor(scores, dtype=torch.float32)[:, None]
-        top = totals.view(-1).topk(min(self.num_candidates, num_beams * vocab))
+        # One row per (beam, token) candidate, ranked by total score, then as HF's top-k
+        # over the flattened [beam, vocab] scores: lower beam, then lower token, first.
+        beams = np.concatenate([np.full(len(t), b) for b, (t, _) in enumerate(candidates)])
+        tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t, _ in candidates])
+        logprobs = np.concatenate([np.asarray(lp, dtype=np.float32) for _, lp in candidates])
+        totals = logprobs + np.asarray(scores, dtype=np.float32)[beams]  # float32, as HF
+        order = np.lexsort((tokens, beams, -totals))[: self.num_candidates]
         # Divided in float32, as HF does, so that rankings of near-equal scores agree.
-        penalized = (top.values / out_len**self.length_penalty).tolist()
-        candidates = list(zip(top.values.tolist(), top.indices.tolist(), penalized))
+        penalized = totals[order] / np.float32(out_len**self.length_penalty)
         at_length_limit = out_len >= self.max_output_tokens
 
         running: list[Continuation] = []
         new_finished: list[Hypothesis] = []
         num_ended = 0
-        for rank, (total, flat_index, score) in enumerate(candidates):
-            parent, token = divmod(flat_index, vocab)
+        for rank, (row, score) in enumerate(zip(order.tolist(), penalized.tolist())):
+            parent, token, total = int(beams[row]), int(tokens[row]), float(totals[row])
             is_stop = token in self.stop_token_ids
             if is_stop or at_length_limit:
                 num_ended += 1
                 if rank < self.width:
-                    tokens = [*output_token_ids[parent], token]
-                    new_finished.append(Hypothesis(tokens, total, score, is_stop))
+                    tokens_out = [*output_token_ids[parent], token]
+                    new_finished.append(Hypothesis(tokens_out, total, score, is_stop))
             elif len(running) < self.width:
-                running.append(Continuation(parent, token, total, logprobs[parent, token].item()))
+                running.append(Continuation(parent, token, total, float(logprobs[row])))
 
         full = len(self.finished) == self.width
         if self._can_improve and not (full and self.early_stopping is True):
@@ -103,12 +109,12 @@ class BeamSearch:
                 best_length = self.max_output_tokens
             else:
                 best_length = out_len
-            best_score = torch.tensor(running[0].score, dtype=torch.float32)
-            best_possible = (best_score / best_length**self.length_penalty).item()
+            best_score = np.float32(running[0].score)
+            best_possible = float(best_score / np.float32(best_length**self.length_penalty))
             self._can_improve = best_possible > self.finished[-1].score
 
         all_finished_and_eager = len(self.finished) == self.width and self.early_stopping is True
-        if not self._can_improve or all_finished_and_eager or num_ended == len(candidates):
+        if not self._can_improve or all_finished_and_eager or num_ended == len(order):
             self.is_done = True
             return []
         return running

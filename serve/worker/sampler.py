@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from serve.engine import logits_processors as lp
 from serve.sequence import Sequence
+from serve.worker import logits_processors as lp
 
 # Edits processed logits [num_seqs, vocab] in place, setting disallowed tokens to -inf.
 LogitsMask = Callable[[torch.Tensor], None]

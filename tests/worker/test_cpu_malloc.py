@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from serve.engine.cpu_malloc import keep_freed_memory
+from serve.worker.cpu_malloc import keep_freed_memory
 
 
 @pytest.mark.skipif(

@@ -1,0 +1,84 @@
+"""Request and context checks that both the API process and the engine core run, so that
+a bad request is refused before it is sent, with the same message it would get here."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from serve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _out_of_vocab(token_ids: Iterable[int], vocab_size: int) -> list[int]:
+    return [t for t in token_ids if not 0 <= t < vocab_size]
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str = "Token ids") -> None:
+    bad = _out_of_vocab(token_ids, vocab_size)
+    if bad:
+        raise ValueError(f"{what} must be in [0, {vocab_size}); got {bad[:5]}.")
+
+
+def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
+    """What SamplingParams cannot check alone: token ids against the vocabulary and logprob
+    counts against --max-logprobs. Each message starts with the field's name."""
+    for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        bad = _out_of_vocab(getattr(params, name) or [], vocab_size)
+        if bad:
+            raise ValueError(f"{name} must name token ids in [0, {vocab_size}); got {bad[:5]}.")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > max_logprobs:
+            raise ValueError(
+                f"{name} asks for {value} alternatives; this server returns at most "
+                f"{max_logprobs} (--max-logprobs)."
+            )
+
+
+def fit_max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
+    """The context window the engine can honour: the user's, or the model's fitted to the cache."""
+    if requested is not None:
+        if requested > model_limit:
+            raise ValueError(
+                f"max_model_len={requested} is longer than this model supports ({model_limit}, "
+                "its max_position_embeddings or sliding window). Lower --max-model-len."
+            )
+        if requested > cache_tokens:
+            raise ValueError(
+                f"The KV cache holds {cache_tokens} tokens, fewer than one sequence of "
+                f"max_model_len={requested}. Lower --max-model-len to at most {cache_tokens}, "
+                "or raise --kv-cache-memory (CPU) / --gpu-memory-utilization (GPU)."
+            )
+        return requested
+    if model_limit > cache_tokens:
+        logger.warning(
+            "The KV cache holds %d tokens, fewer than the model's context of %d: "
+            "max_model_len is set to %d. Raise the KV cache memory for longer contexts.",
+            cache_tokens,
+            model_limit,
+            cache_tokens,
+        )
+        return cache_tokens
+    return model_limit
+
+
+def fit_max_num_batched_tokens(
+    requested: int | None, default: int, max_model_len: int, enable_chunked_prefill: bool
+) -> int:
+    """The step's token budget. Unchunked, a prompt runs whole in one step: a step must
+    hold the longest one."""
+    budget = requested or default
+    if enable_chunked_prefill:
+        return budget
+    if requested is None:
+        return max(budget, max_model_len)
+    if budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens={budget} is less than max_model_len={max_model_len}: "
+            "with chunked prefill off a prompt is computed whole in one step, so a long one "
+            f"could never run. Raise --max-num-batched-tokens to at least {max_model_len}, "
+            "lower --max-model-len, or turn chunked prefill on (--enable-chunked-prefill)."
+        )
+    return budget

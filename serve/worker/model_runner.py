@@ -1,0 +1,242 @@
+"""ModelRunner: one rank's model and KV cache; turns a SchedulerOutput into one batched
+forward pass, and (on the driver) the step's sampled tokens.
+
+    execute_model(out):
+        mirror.apply(out)          the scheduler's news: new sequences, forks, tables, ends
+        block moves                swap out, swap in, copy on write
+        inputs from the mirror     tokens, positions, slots, block tables (model_inputs.py)
+        forward, logits            every rank (tensor parallel: collectives inside)
+        sample                     the driver (step_sampler.py); the tokens are broadcast
+        mirror.append_sampled      every rank, so every mirror stays the same
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from serve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
+from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
+from serve.models.forward_context import forward_context
+from serve.models.loader import load_model
+from serve.models.tokenizer import load_tokenizer
+from serve.step import ModelRunnerOutput, SchedulerOutput
+from serve.worker.model_inputs import build_model_inputs
+from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
+from serve.worker.step_sampler import StepSampler
+from serve.worker.structured_output import LazyStructuredOutput
+
+if TYPE_CHECKING:
+    from serve.worker.worker import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig, hf_config: Any, device: torch.device) -> None:
+        self.config, self.device = config, device
+        engine = config.engine
+        self.block_size = engine.cache.block_size
+        self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
+        attn = self.model.attention_layers
+        self.dtype = next(self.model.parameters()).dtype
+        self.num_layers = len(attn)
+        self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim  # this rank's
+        self.cache_engine: CacheEngine | None = None
+        self.mirror = SequenceMirror()
+        self.step_sampler: StepSampler | None = None
+        if config.is_driver:
+            tokenizer_path = engine.model.tokenizer or config.model_path
+            grammars = LazyStructuredOutput(
+                lambda: load_tokenizer(tokenizer_path),
+                int(hf_config.vocab_size),
+                config.eos_token_ids,
+            )
+            self.step_sampler = StepSampler(engine.model.seed, config.eos_token_ids, grammars)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return kv_bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+
+    # -- the KV cache ----------------------------------------------------------------------------
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """KV blocks this rank has room for: on the device (or in CPU memory on CPU), and in
+        the CPU swap space. On CPU, --kv-cache-memory is shared out among the ranks."""
+        cache = self.config.engine.cache
+        num_cpu_blocks = cache.swap_space_bytes // self.bytes_per_block
+        if cache.num_gpu_blocks_override is not None:
+            return cache.num_gpu_blocks_override, num_cpu_blocks
+        if self.device.type == "cuda":
+            budget = self._profile_free_cuda_memory()
+        else:
+            total = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            budget = total / self.config.world_size
+        num_blocks = int(budget // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"No room for a single KV block ({self.bytes_per_block} bytes) in the "
+                f"{budget / 2**30:.2f} GiB left for the KV cache. Raise --kv-cache-memory "
+                "or --gpu-memory-utilization."
+            )
+        return num_blocks, num_cpu_blocks
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_engine = CacheEngine(
+            self.num_layers,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+            num_cpu_blocks,
+        )
+        for layer, kv_cache in zip(self.model.attention_layers, self.cache_engine.kv_caches):
+            layer.kv_cache = kv_cache
+
+    def _profile_free_cuda_memory(self) -> float:
+        """Total memory x utilisation, minus the peak of a forward pass at full token budget."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        engine = self.config.engine
+        num_tokens = engine.scheduler.max_num_batched_tokens or 8192
+        dummy = CacheEngine(
+            self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
+        )
+        layers = self.model.attention_layers
+        for layer, kv_cache in zip(layers, dummy.kv_caches):
+            layer.kv_cache = kv_cache
+        num_table_blocks = -(-num_tokens // self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            block_tables=torch.zeros((1, num_table_blocks), dtype=torch.long, device=self.device),
+            seq_lens=torch.tensor([num_tokens], device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], device=self.device),
+            seq_lens_cpu=[num_tokens],
+            query_lens_cpu=[num_tokens],
+            num_decode_seqs=0,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), forward_context(meta):
+            self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device)))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        for layer in layers:
+            layer.kv_cache = None
+        del dummy
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return total * engine.cache.gpu_memory_utilization - peak
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step. The driver returns its output; the other ranks None."""
+        start = time.perf_counter()
+        output = ModelRunnerOutput() if self.step_sampler is not None else None
+        forgotten = self.mirror.apply(out)
+        if self.step_sampler is not None:
+            assert output is not None
+            self.step_sampler.forget(forgotten)
+            for new in out.new_seqs:
+                seq = self.mirror[new.seq_id]
+                self.step_sampler.start(seq, new.grammar, output.failed_requests)
+        if out.is_empty:
+            self._move_blocks(out)
+            return output
+        inputs = build_model_inputs(out, self.mirror, self.block_size, self.device)
+        prepared = time.perf_counter()
+        self._move_blocks(out)
+        with forward_context(inputs.meta):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        prompt_logits = None
+        if inputs.prompt_logits_indices is not None:
+            prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices])
+        forwarded = time.perf_counter()
+
+        rows = self._sampled_rows(out, inputs.sampled_seqs)
+        sampled = [seq for row in rows if not _is_beam(row[0]) for seq in row]
+        token_ids = None
+        if self.step_sampler is not None:
+            assert output is not None and logits is not None
+            prompt = None if prompt_logits is None else prompt_logits.float()
+            self.step_sampler.sample(logits.float(), rows, prompt, inputs.prompt_spans, output)
+            token_ids = output.token_ids
+            output.prepare_s = prepared - start
+            output.forward_s = forwarded - prepared
+        token_ids = self._share_sampled(token_ids, len(sampled))
+        self.mirror.append_sampled([seq.seq_id for seq in sampled], token_ids)
+        return output
+
+    def _sampled_rows(
+        self, out: SchedulerOutput, sampled_seqs: list[MirroredSequence]
+    ) -> list[list[MirroredSequence]]:
+        """Who samples each logits row: its sequence, and for a first sample of `best_of`
+        the forks the scheduler named, made here (sample i draws from seed + i)."""
+        forks = {s.seq_id: s.fork_seq_ids for s in out.scheduled if s.fork_seq_ids}
+        rows = []
+        for seq in sampled_seqs:
+            row = [seq]
+            seed = seq.sampling_params.seed
+            for i, child_id in enumerate(forks.get(seq.seq_id, ()), start=1):
+                child = self.mirror.fork_sample(seq.seq_id, child_id, None if seed is None else seed + i)
+                if self.step_sampler is not None:
+                    self.step_sampler.fork(seq, child)
+                row.append(child)
+            rows.append(row)
+        return rows
+
+    def _share_sampled(self, token_ids: list[int] | None, count: int) -> list[int]:
+        """The driver's sampled tokens, on every rank (a broadcast when there are several)."""
+        if self.config.world_size == 1:
+            assert token_ids is not None
+            return token_ids
+        from serve.distributed.parallel_state import get_tp_group
+
+        if token_ids is not None:
+            tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        else:
+            tensor = torch.empty(count, dtype=torch.long, device=self.device)
+        return get_tp_group().broadcast(tensor, src=0).tolist()
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, then copy on write: swap-outs read blocks that the scheduler
+        has already handed to others, who may overwrite them with the later moves."""
+        if not out.has_block_moves:
+            return
+        assert self.cache_engine is not None
+        device_caches = self.cache_engine.kv_caches
+        swap_caches = self.cache_engine.swap_caches
+        for pairs, src_caches, dst_caches in (
+            (out.blocks_to_swap_out, device_caches, swap_caches),
+            (out.blocks_to_swap_in, swap_caches, device_caches),
+        ):
+            if not pairs:
+                continue
+            src_ids, dst_ids = zip(*pairs)
+            for src_kv, dst_kv in zip(src_caches, dst_caches):
+                src_index = torch.tensor(src_ids, device=src_kv[0].device)
+                dst_index = torch.tensor(dst_ids, device=dst_kv[0].device)
+                for src, dst in zip(src_kv, dst_kv):
+                    swap_blocks(src, dst, src_index, dst_index)
+        if out.blocks_to_copy:
+            src_ids, dst_ids = zip(*out.blocks_to_copy)
+            copy_blocks(
+                device_caches,
+                torch.tensor(src_ids, device=self.device),
+                torch.tensor(dst_ids, device=self.device),
+            )
+
+
+def _is_beam(seq: MirroredSequence) -> bool:
+    return seq.sampling_params.use_beam_search

@@ -1,0 +1,191 @@
+"""The driver worker's end of a step: from logits to the step's ModelRunnerOutput.
+
+Each sampled sequence's row is sampled with its own controls (sampler.py), masked by its
+grammar (structured_output.py), which then takes the token; a first sample of `best_of`
+samples the row once per fork, each fork with its own seed; beams are scored, not sampled:
+each beam's best candidates go back for the scheduler's beam search. Prompt logprobs come
+from the prompt rows. Everything goes back as plain data (step.py).
+
+A fault in one request's own work (its sampling parameters, its grammar) fails that
+request alone: a batch that raises is re-sampled one row at a time to find it, and the
+request is reported in `failed_requests`; its rows get the placeholder token 0, which no
+one reads (the scheduler ends the request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+from serve.outputs import request_error_message
+from serve.step import BeamCandidates, ModelRunnerOutput, PromptLogprobs
+from serve.worker.logprobs import token_logprobs
+from serve.worker.model_inputs import PromptSpan
+from serve.worker.sampler import Sampler
+from serve.worker.sequence_mirror import MirroredSequence
+from serve.worker.structured_output import LazyStructuredOutput
+
+logger = logging.getLogger(__name__)
+
+PLACEHOLDER_TOKEN = 0  # a failed request's rows: ended by the scheduler, never read
+
+class StepSampler:
+    def __init__(
+        self, seed: int, eos_token_ids: Iterable[int], grammars: LazyStructuredOutput
+    ) -> None:
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampler = Sampler(seed, self.eos_token_ids)
+        self.grammars = grammars
+
+    # -- per-sequence state ------------------------------------------------------------------
+
+    def start(self, seq: MirroredSequence, grammar: str | None, failed: dict[str, str]) -> None:
+        """A sequence seen for the first time: its grammar's matcher starts."""
+        if grammar is not None:
+            with _request_scope(seq.request_id, failed):
+                self.grammars.get().start(seq.seq_id, grammar)
+
+    def fork(self, parent: MirroredSequence, child: MirroredSequence) -> None:
+        """`child` samples from here on as `parent` would, with its own random stream."""
+        manager = self.grammars.built
+        if manager is not None and manager.has(parent.seq_id):
+            manager.fork(parent.seq_id, child.seq_id)
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.sampler.free(seq_id)
+            if self.grammars.built is not None:
+                self.grammars.built.free(seq_id)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [num_sampled, vocab] float32, row i for rows[i]'s sequences
+        rows: list[list[MirroredSequence]],  # per logits row: who samples it (forks share one)
+        prompt_logits: torch.Tensor | None,  # [sum of span counts, vocab]
+        prompt_spans: list[PromptSpan],
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Fill `output` with the step's tokens (row order), beam candidates and prompt
+        logprobs; advance the grammars."""
+        start = time.perf_counter()
+        failed = output.failed_requests
+        self._prompt_logprobs(prompt_logits, prompt_spans, output)
+        sample_rows: list[int] = []
+        seqs: list[MirroredSequence] = []
+        for row, row_seqs in enumerate(rows):
+            if row_seqs[0].sampling_params.use_beam_search:
+                self._beam_candidates(logits[row], row_seqs[0], output)
+                continue
+            sample_rows += [row] * len(row_seqs)
+            seqs += row_seqs
+        for seq, token, logprob, top in self._sample_rows(logits, sample_rows, seqs, failed):
+            output.seq_ids.append(seq.seq_id)
+            output.token_ids.append(token)
+            output.logprobs.append(logprob)
+            output.top_logprobs.append(top)
+            if seq.sampling_params.structured_outputs is not None and seq.request_id not in failed:
+                with _request_scope(seq.request_id, failed):
+                    if self._grammar_ended(seq, token):
+                        output.grammar_ended_seq_ids.append(seq.seq_id)
+        output.sample_s += time.perf_counter() - start
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        rows: list[int],
+        seqs: list[MirroredSequence],
+        failed: dict[str, str],
+    ) -> list[tuple[MirroredSequence, int, float, dict[int, float] | None]]:
+        """Each sequence's token, logprob and top logprobs, in order. If the batch raises,
+        each sequence is sampled alone to find the requests at fault: they fail (their
+        rows get the placeholder token), the rest of the batch runs on."""
+        if not seqs:
+            return []
+        try:
+            batch = logits  # one row a sequence already: no copy (a copy of big logits is slow)
+            if rows != list(range(len(logits))):  # forks share a row; beams have none
+                batch = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            out = self.sampler(batch, seqs, self._grammar_mask(seqs))
+            return list(zip(seqs, out.token_ids, out.logprobs, out.top_logprobs))
+        except Exception:
+            logger.warning(
+                "Sampling a batch of %d sequences failed; sampling them one at a time",
+                len(seqs),
+                exc_info=True,
+            )
+        results = []
+        for row, seq in zip(rows, seqs):
+            sampled = None
+            if seq.request_id not in failed:
+                with _request_scope(seq.request_id, failed):
+                    one = self.sampler(logits[row : row + 1], [seq], self._grammar_mask([seq]))
+                    sampled = (seq, one.token_ids[0], one.logprobs[0], one.top_logprobs[0])
+            results.append(sampled or (seq, PLACEHOLDER_TOKEN, 0.0, None))
+        return results
+
+    def _grammar_mask(self, seqs: list[MirroredSequence]) -> Callable[[torch.Tensor], None] | None:
+        """The sampler's hook that masks what each constrained sequence's grammar forbids;
+        None when no sequence in the batch has a grammar."""
+        manager = self.grammars.built
+        if manager is None or not any(manager.has(seq.seq_id) for seq in seqs):
+            return None
+        seq_ids = [seq.seq_id for seq in seqs]
+        return lambda logits: manager.mask_logits(logits, seq_ids)
+
+    def _grammar_ended(self, seq: MirroredSequence, token: int) -> bool:
+        """Advance the sequence's grammar by `token`: True once the grammar is complete
+        (it took a stop token) or if it refused the token, which the mask should prevent."""
+        manager = self.grammars.get()
+        if not manager.has(seq.seq_id):
+            return False
+        if not manager.accept(seq.seq_id, token):
+            logger.warning(
+                "Request %s: token %d does not fit its structured output; ending it.",
+                seq.request_id,
+                token,
+            )
+            return True
+        return manager.is_terminated(seq.seq_id)
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, seq: MirroredSequence, output: ModelRunnerOutput
+    ) -> None:
+        """A beam's best next tokens by log-probability, as many as the step may rank."""
+        with _request_scope(seq.request_id, output.failed_requests):
+            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
+            k = min(seq.sampling_params.num_beam_candidates(self.eos_token_ids), logprobs.numel())
+            top = logprobs.topk(k)
+            output.beam_candidates.append(
+                BeamCandidates(seq.seq_id, top.indices.tolist(), top.values.tolist())
+            )
+
+    def _prompt_logprobs(
+        self,
+        prompt_logits: torch.Tensor | None,
+        spans: list[PromptSpan],
+        output: ModelRunnerOutput,
+    ) -> None:
+        for span in spans:
+            seq = span.seq
+            with _request_scope(seq.request_id, output.failed_requests):
+                assert prompt_logits is not None
+                rows = prompt_logits[span.offset : span.offset + span.count]
+                targets = seq.prompt_token_ids[span.start + 1 : span.start + span.count + 1]
+                entries = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
+                output.prompt_logprobs.append(PromptLogprobs(seq.seq_id, span.start, entries))
+
+
+@contextlib.contextmanager
+def _request_scope(request_id: str, failed: dict[str, str]) -> Iterator[None]:
+    """Work on one request's own data: if it raises, that request alone fails."""
+    try:
+        yield
+    except Exception as e:
+        logger.exception("Request %s failed in the worker; the batch runs on", request_id)
+        failed.setdefault(request_id, request_error_message(e))
