@@ -59,3 +59,12 @@ def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def tp2_ranks():
+    """Two CPU ranks in one gloo tensor-parallel group, started once (see rank_pool.py)."""
+    from rank_pool import RankPool
+
+    with RankPool(world_size=2) as pool:
+        yield pool

@@ -1,4 +1,9 @@
-"""Find a model's files and load its weights into one of our model classes."""
+"""Find a model's files and load its weights into one of our model classes.
+
+Weights stream in as lazy checkpoint tensors (lazy_tensor.py); each parameter's
+`weight_loader` reads the part its rank holds, so a tensor-parallel rank never holds a
+full copy of a sharded weight. Which checkpoint name feeds which parameter is the model's
+declaration (`packed_modules_mapping`), applied by its `load_weights`."""
 
 from __future__ import annotations
 
@@ -15,6 +20,9 @@ import torch
 from torch import nn
 
 from serve.config import ModelConfig
+from serve.distributed.parallel_state import get_tp_group
+from serve.models.lazy_tensor import InMemoryTensor, LazyTensor, SafetensorsTensor
+from serve.models.partition import check_tensor_parallel
 from serve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -119,9 +127,12 @@ def _weight_files(path: Path, load_format: str, allow_pickle: bool) -> tuple[lis
     return pickles, False
 
 
-def iterate_weights(
+def iterate_checkpoint(
     path: Path, load_format: str = "auto", *, allow_pickle: bool = False
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, LazyTensor]]:
+    """Every checkpoint tensor by name, unread: a weight loader reads the part its rank
+    holds (safetensors slices are read from the memory-mapped file, nothing more). Each
+    tensor is valid until the iterator moves to the next file."""
     files, is_safetensors = _weight_files(path, load_format, allow_pickle)
     for file in files:
         if is_safetensors:
@@ -129,9 +140,19 @@ def iterate_weights(
 
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, SafetensorsTensor(f, name)
         else:
-            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            for name, tensor in state.items():
+                yield name, InMemoryTensor(tensor)
+
+
+def iterate_weights(
+    path: Path, load_format: str = "auto", *, allow_pickle: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every checkpoint tensor by name, read whole."""
+    for name, lazy in iterate_checkpoint(path, load_format, allow_pickle=allow_pickle):
+        yield name, lazy.load()
 
 
 @contextmanager
@@ -145,10 +166,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.device) -> nn.Module:
+    """This rank's shard of the model, on `device`. Under tensor parallelism, every rank
+    calls it after `init_tensor_parallel`; each reads only its own slices."""
+    check_tensor_parallel(hf_config, get_tp_group().world_size)
     dtype = resolve_dtype(config.dtype, hf_config)
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     with _default_dtype(dtype), torch.device(device):
         model = model_class(hf_config)
-    weights = iterate_weights(path, config.load_format, allow_pickle=config.allow_pickle_weights)
-    model.load_weights(weights)
+    model.load_weights(
+        iterate_checkpoint(path, config.load_format, allow_pickle=config.allow_pickle_weights)
+    )
     return model.eval()

@@ -1,55 +1,205 @@
-"""Linear layers that know how to load their HF weights, including fused projections."""
+"""Linear layers split over the tensor-parallel ranks, each loading only its rank's slice.
+
+The Megatron pairing: a column-parallel layer splits its output features (no
+communication; each rank computes its own heads / intermediate columns), and the
+row-parallel layer after it splits its input features and all-reduces the partial sums.
+So an attention block or an MLP costs one all-reduce.
+
+Every parameter carries `weight_loader(param, loaded, shard_name=None)`: `loaded` is a
+checkpoint tensor (a `LazyTensor`, or a plain tensor) of the full, unsharded shape, and
+the loader reads only the rows or columns this rank holds. Fused layers (q/k/v,
+gate/up) take one checkpoint tensor per named shard. Layers read the rank and world size
+from `get_tp_group()` when constructed: build them after `init_tensor_parallel`.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from serve import kernels
+from serve.distributed.parallel_state import get_tp_group
+from serve.models.lazy_tensor import LazyTensor, as_lazy
+from serve.models.partition import first_kv_head, num_kv_heads_per_rank, split_evenly
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-    param.data.copy_(loaded)
+def _parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
 
 
-class Linear(nn.Module):
+def check_checkpoint_shape(loaded: LazyTensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(
+            f"{what}: checkpoint shape {tuple(loaded.shape)} does not match the expected "
+            f"(unsharded) shape {tuple(expected)}"
+        )
+
+
+def default_weight_loader(
+    param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
+) -> None:
+    """A replicated parameter: every rank reads the whole checkpoint tensor."""
+    if shard_name is not None:
+        raise ValueError(f"a replicated parameter has no shard {shard_name!r}")
+    loaded = as_lazy(loaded)
+    check_checkpoint_shape(loaded, tuple(param.shape), "weight")
+    param.data.copy_(loaded.load())
+
+
+class ReplicatedLinear(nn.Module):
+    """The whole weight on every rank: for layers too small or too odd to split."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight = _parameter(out_features, in_features)
+        self.weight.weight_loader = default_weight_loader
+        self.bias = _parameter(out_features) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         return kernels.linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input stacked into one matmul (q/k/v, gate/up).
+@dataclass(frozen=True)
+class OutputShard:
+    """The output rows of one checkpoint tensor (q_proj, gate_proj, ...) this rank holds."""
 
-    Each HF checkpoint tensor is one shard, named by `shard_names`; `weight_loader` copies it
-    into its rows.
+    name: str | None  # the shard name weight loaders are called with; None: unfused
+    num_rows: int  # the checkpoint tensor's rows, all ranks together
+    start: int  # the first checkpoint row this rank holds
+    num_local_rows: int
+
+
+def _even_shard(name: str | None, num_rows: int) -> OutputShard:
+    tp = get_tp_group()
+    num_local_rows = split_evenly(num_rows, tp.world_size, name or "out_features")
+    return OutputShard(name, num_rows, tp.rank * num_local_rows, num_local_rows)
+
+
+class _ColumnShardedLinear(nn.Module):
+    """Output features split over ranks; one or more checkpoint tensors stacked.
+
+    This rank's weight is its shards' row ranges stacked in order, [sum of local rows, in]:
+    for q/k/v at rank r, [q rows of r; k rows of r; v rows of r]. The output stays split
+    (no communication): `split` cuts it into the shards.
     """
+
+    def __init__(self, in_features: int, shards: list[OutputShard], bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = [s.num_local_rows for s in shards]
+        offsets = [sum(self.output_sizes[:i]) for i in range(len(shards))]
+        self._shards = {s.name: (offset, s) for s, offset in zip(shards, offsets)}
+        self.weight = _parameter(sum(self.output_sizes), in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _parameter(sum(self.output_sizes)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
+        return kernels.linear(x, self.weight, self.bias)
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.split(self.output_sizes, dim=-1)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
+    ) -> None:
+        if shard_name not in self._shards:
+            raise ValueError(f"no shard {shard_name!r} here; shards: {list(self._shards)}")
+        offset, shard = self._shards[shard_name]
+        loaded = as_lazy(loaded)
+        what = shard_name or "weight"
+        check_checkpoint_shape(loaded, (shard.num_rows, *param.shape[1:]), what)
+        rows = loaded.narrow(0, shard.start, shard.num_local_rows)
+        param.data.narrow(0, offset, shard.num_local_rows).copy_(rows)
+
+
+class ColumnParallelLinear(_ColumnShardedLinear):
+    """y_r = x W_r^T: rank r holds output rows [r * out / tp, (r + 1) * out / tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, [_even_shard(None, out_features)], bias)
+
+
+class MergedColumnParallelLinear(_ColumnShardedLinear):
+    """Several projections of the same input in one matmul (gate/up), each split evenly:
+    rank r's output is [gate_r | up_r], ready for SiluAndMul."""
 
     def __init__(
         self, in_features: int, output_sizes: list[int], shard_names: list[str], bias: bool = False
     ) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
-        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
-        self._shards = {n: (o, s) for n, o, s in zip(shard_names, offsets, output_sizes)}
-        self.weight.weight_loader = self.weight_loader
-        if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+        shards = [_even_shard(name, size) for name, size in zip(shard_names, output_sizes)]
+        super().__init__(in_features, shards, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_name: str) -> None:
-        offset, size = self._shards[shard_name]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded.shape:
+
+class QKVParallelLinear(_ColumnShardedLinear):
+    """q/k/v in one matmul, split by heads. Query heads split evenly; KV heads split evenly,
+    or are replicated when there are more ranks than KV heads (partition.py's table).
+
+    `num_heads` / `num_kv_heads` are this rank's counts.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+    ) -> None:
+        tp = get_tp_group()
+        num_local_heads = split_evenly(num_heads, tp.world_size, "num_attention_heads")
+        if num_kv_heads % tp.world_size and tp.world_size % num_kv_heads:
             raise ValueError(
-                f"{shard_name} shard shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
+                f"num_key_value_heads {num_kv_heads} and tensor_parallel_size {tp.world_size}: "
+                "neither divides the other."
             )
-        target.copy_(loaded)
+        num_local_kv_heads = num_kv_heads_per_rank(num_kv_heads, tp.world_size)
+        kv_start = first_kv_head(num_kv_heads, tp.world_size, tp.rank) * head_dim
+        q_rows, kv_rows = num_local_heads * head_dim, num_local_kv_heads * head_dim
+        shards = [
+            OutputShard("q", num_heads * head_dim, tp.rank * q_rows, q_rows),
+            OutputShard("k", num_kv_heads * head_dim, kv_start, kv_rows),
+            OutputShard("v", num_kv_heads * head_dim, kv_start, kv_rows),
+        ]
+        super().__init__(hidden_size, shards, bias)
+        self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_local_heads, num_local_kv_heads
 
-    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return x.split(self.output_sizes, dim=-1)
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of x_r W_r^T (+ bias): rank r holds input columns
+    [r * in / tp, (r + 1) * in / tp) and takes the matching slice of x (the split output
+    of the column-parallel layer before it). The partial sums are all-reduced; the bias,
+    replicated, is added once, after the reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.in_features, self.out_features = in_features, out_features
+        self.num_local_inputs = split_evenly(in_features, self.tp.world_size, "in_features")
+        self.input_start = self.tp.rank * self.num_local_inputs
+        self.weight = _parameter(out_features, self.num_local_inputs)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _parameter(out_features) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
+        if self.tp.world_size == 1:
+            return kernels.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(kernels.linear(x, self.weight))  # [T, out], summed
+        return out if self.bias is None else out + self.bias
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
+    ) -> None:
+        if shard_name is not None:
+            raise ValueError(f"a row-parallel weight has no shard {shard_name!r}")
+        loaded = as_lazy(loaded)
+        check_checkpoint_shape(loaded, (self.out_features, self.in_features), "weight")
+        param.data.copy_(loaded.narrow(1, self.input_start, self.num_local_inputs))

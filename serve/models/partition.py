@@ -1,0 +1,67 @@
+"""How a model's dimensions split over tensor-parallel ranks, and the start-up check that
+they can. Torch-free: the engine may check a config before any worker starts.
+
+Attention heads split evenly. KV heads split evenly too, or, when there are more ranks
+than KV heads, each KV head is replicated on `tp_size // num_kv_heads` consecutive ranks:
+
+| num_kv_heads | tp_size | KV heads per rank | rank r holds KV heads       |
+|--------------|---------|-------------------|-----------------------------|
+| 8            | 2       | 4                 | 4r .. 4r + 3                |
+| 2            | 2       | 1                 | r                           |
+| 1            | 2       | 1 (replicated)    | 0                           |
+| 2            | 4       | 1 (replicated)    | r // 2                      |
+
+The vocabulary is padded up to a multiple of `VOCAB_PADDING`, then split into equal
+contiguous row ranges; the padding rows are zero and their logits are cut off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VOCAB_PADDING = 64
+
+
+def split_evenly(size: int, tp_size: int, what: str) -> int:
+    """`size` / `tp_size`, the share of each rank; ValueError naming `what` if uneven."""
+    if size % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} must divide {what} {size}.")
+    return size // tp_size
+
+
+def pad_vocab_size(vocab_size: int, multiple: int = VOCAB_PADDING) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    return max(1, num_kv_heads // tp_size)
+
+
+def first_kv_head(num_kv_heads: int, tp_size: int, rank: int) -> int:
+    """The first KV head rank `rank` holds (see the table above)."""
+    num_replicas = max(1, tp_size // num_kv_heads)
+    return (rank // num_replicas) * num_kv_heads_per_rank(num_kv_heads, tp_size)
+
+
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """Raise ValueError, naming the numbers, when the model cannot split over `tp_size`
+    ranks. Reads the same config fields, with the same defaults, as the model classes."""
+    if tp_size < 1:
+        raise ValueError(f"tensor_parallel_size must be positive, got {tp_size}.")
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    split_evenly(num_heads, tp_size, "num_attention_heads")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"num_key_value_heads {num_kv_heads} must be divisible by tensor_parallel_size "
+            f"{tp_size}, or tensor_parallel_size by num_key_value_heads."
+        )
+    intermediate_size = getattr(hf_config, "intermediate_size", None)
+    if intermediate_size is not None:
+        split_evenly(int(intermediate_size), tp_size, "intermediate_size")
+    padded_vocab = pad_vocab_size(int(hf_config.vocab_size))
+    if padded_vocab % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} must divide the padded vocabulary {padded_vocab} "
+            f"(vocab_size {hf_config.vocab_size} padded to a multiple of {VOCAB_PADDING})."
+        )
