@@ -28,6 +28,7 @@ from serve.engine.validation import (
 from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
+from serve.models.partition import check_tensor_parallel
 from serve.models.tokenizer import eos_token_ids, load_tokenizer
 from serve.outputs import EngineStats, StepTimes, request_error_message
 from serve.sampling_params import SamplingParams
@@ -50,10 +51,7 @@ class EngineCore:
         self.model_path = resolve_model_path(config.model.model, config.model.load_format)
         hf_config = load_hf_config(self.model_path)
         tp_size = config.parallel.tensor_parallel_size
-        if tp_size > 1:
-            from serve.models.parallel_checks import check_tensor_parallel
-
-            check_tensor_parallel(hf_config, tp_size)
+        check_tensor_parallel(hf_config, tp_size)  # before any worker starts
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
         self.vocab_size = int(hf_config.vocab_size)
