@@ -89,7 +89,6 @@ class EngineCore:
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
         )
         self._compiling: dict[str, concurrent.futures.Future[str]] = {}  # request id -> grammar
-        self.num_generated_tokens = 0  # sampled tokens, beams included, since start
         self.step_times = StepTimes()
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: _Step | None = None  # has run; its output not yet taken in
@@ -166,6 +165,11 @@ class EngineCore:
             or self._in_flight is not None
             or self._ahead is not None
         )
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens given to sequences since start (beams included; none dropped after a stop)."""
+        return self.scheduler.num_generated_tokens
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -289,7 +293,6 @@ class EngineCore:
     def _update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestDelta]:
         start = time.perf_counter()
         deltas = self.scheduler.update_from_output(out, result)
-        self.num_generated_tokens += len(result.seq_ids) + len(result.beam_candidates)
         self.step_times.output_s += time.perf_counter() - start
         return deltas
 

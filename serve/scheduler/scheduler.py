@@ -105,6 +105,7 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # tokens appended to sequences, beams included
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished request
         # Requests whose grammar is still compiling (the engine's): they join `waiting`
         # once it is ready (`set_grammar`), in arrival order among themselves.
@@ -558,6 +559,7 @@ class Scheduler:
         row = rows[seq.seq_id]  # KeyError: the worker did not sample it (fails the request)
         token = result.token_ids[row]
         seq.append_token(token, result.logprobs[row], result.top_logprobs[row])
+        self.num_generated_tokens += 1
         seq.finish_reason = self._stop_reason(seq, token, grammar_ended)
         if seq.finish_reason is not None:
             self._finish_seq(seq)
@@ -623,6 +625,7 @@ class Scheduler:
             else:
                 taken.add(c.parent)
                 next_beams.append(parent)
+        self.num_generated_tokens += len(beams)  # each beam's logits gave this step's choice
         for seq, c in zip(next_beams, continuations):
             seq.append_token(c.token_id, c.token_logprob, None)
             seq.beam_score = c.score

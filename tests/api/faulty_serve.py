@@ -23,16 +23,16 @@ class InjectedFault(RuntimeError):
 def _inject(fault: str) -> None:
     kind, _, arg = fault.partition(":")
     if kind == "forward-once-exists":
-        from serve.engine.model_runner import ModelRunner
+        from serve.worker.model_runner import ModelRunner
 
-        run = ModelRunner.run
+        run = ModelRunner.execute_model
 
         def faulty_run(self, *args, **kwargs):
             if os.path.exists(arg):
                 raise InjectedFault("CUDA error: an illegal memory access was encountered")
             return run(self, *args, **kwargs)
 
-        ModelRunner.run = faulty_run
+        ModelRunner.execute_model = faulty_run
     elif kind == "decode-prompt":
         from serve.engine.detokenizer import IncrementalDetokenizer
 
