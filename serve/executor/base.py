@@ -31,7 +31,15 @@ DEFAULT_WORKER_CLASS = "serve.worker.worker.Worker"
 
 
 class WorkerFailedError(RuntimeError):
-    """A worker died or raised: the engine cannot go on (its ranks are out of step)."""
+    """A worker died or raised: the engine cannot go on (its ranks are out of step).
+
+    `rank`: the failed rank (the first, when several failed); `error_type`: the class name
+    of what it raised, None when it died without a word (killed, crashed)."""
+
+    def __init__(self, message: str, rank: int | None = None, error_type: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
 
 
 class Executor(abc.ABC):
