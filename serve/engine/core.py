@@ -20,6 +20,7 @@ import time
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.validation import (
+    check_gpu_count,
     check_params,
     check_token_ids,
     fit_max_model_len,
@@ -56,6 +57,10 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
         self.vocab_size = int(hf_config.vocab_size)
         device_type = resolve_device(config.device).type
+        if device_type == "cuda" and config.parallel.executor_backend != "ray":
+            import torch
+
+            check_gpu_count(tp_size, torch.cuda.device_count())
         worker_config = WorkerConfig(
             config, str(self.model_path), tuple(sorted(self.eos_token_ids)), world_size=tp_size
         )

@@ -82,3 +82,15 @@ def fit_max_num_batched_tokens(
             "lower --max-model-len, or turn chunked prefill on (--enable-chunked-prefill)."
         )
     return budget
+
+
+def check_gpu_count(tensor_parallel_size: int, num_gpus: int) -> None:
+    """One GPU a rank: refuse more ranks than this machine has GPUs (the `mp` executor
+    runs every rank here)."""
+    if tensor_parallel_size > num_gpus:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} runs one rank per GPU, but this "
+            f"machine has {num_gpus} GPU{'s' if num_gpus != 1 else ''}. Lower "
+            "--tensor-parallel-size, or use --distributed-executor-backend ray to span "
+            "machines."
+        )

@@ -58,11 +58,20 @@ class Executor(abc.ABC):
 
     @staticmethod
     def create(worker_config: WorkerConfig, worker_class: str = DEFAULT_WORKER_CLASS) -> Executor:
-        """The executor `worker_config.engine.parallel` asks for, with its workers started."""
+        """The executor `worker_config.engine.parallel` asks for, with its workers started.
+        A rank that could not start for a reason the user can fix (ValueError: the cache
+        too small; FileNotFoundError, OSError: the weights) raises that type, with the
+        rank's message, as a single rank would."""
         backend = worker_config.engine.parallel.executor_backend
         module_name, class_name = _EXECUTORS[backend]
         executor_class = getattr(importlib.import_module(module_name), class_name)
-        return executor_class(worker_config, worker_class)
+        try:
+            return executor_class(worker_config, worker_class)
+        except WorkerFailedError as e:
+            user_error = _USER_ERRORS.get(e.error_type or "")
+            if user_error is None:
+                raise
+            raise user_error(str(e)) from e
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -77,6 +86,10 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Stop every worker; no process is left behind. Idempotent."""
 
+
+_USER_ERRORS: dict[str, type[Exception]] = {
+    kind.__name__: kind for kind in (ValueError, FileNotFoundError, OSError)
+}
 
 _EXECUTORS = {
     "uniproc": ("serve.executor.uniproc", "UniprocExecutor"),

@@ -105,6 +105,9 @@ def run_worker_process(args: WorkerProcessArgs) -> None:
     1 after reporting an error."""
     die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        # Every rank is on this machine: gloo's pairs talk over loopback, never a NIC.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     logging.basicConfig(
         level=args.log_level, **({"format": args.log_format} if args.log_format else {})
     )

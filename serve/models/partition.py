@@ -25,7 +25,10 @@ VOCAB_PADDING = 64
 def split_evenly(size: int, tp_size: int, what: str) -> int:
     """`size` / `tp_size`, the share of each rank; ValueError naming `what` if uneven."""
     if size % tp_size:
-        raise ValueError(f"tensor_parallel_size {tp_size} must divide {what} {size}.")
+        raise ValueError(
+            f"tensor_parallel_size {tp_size} must divide {what} {size}: choose a "
+            "tensor-parallel size that divides this model's dimensions."
+        )
     return size // tp_size
 
 

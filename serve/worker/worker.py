@@ -16,7 +16,6 @@ order. Nothing here decides who runs: the SchedulerOutput says, the worker compu
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,7 +50,8 @@ class WorkerConfig:
 
 def resolve_device(device: str, rank: int = 0) -> torch.device:
     """The device a rank computes on: `auto` is CUDA when there is one; with several
-    ranks on CUDA, rank r takes GPU r."""
+    ranks on CUDA, rank r takes the r-th GPU it can see (modulo the count: a Ray actor
+    sees only its own GPU, as cuda:0)."""
     import torch
 
     if device == "auto":
@@ -60,7 +60,7 @@ def resolve_device(device: str, rank: int = 0) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r} was asked for, but CUDA is not available here.")
         if device == "cuda":
-            return torch.device("cuda", rank)
+            return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device(device)
 
 
@@ -81,9 +81,7 @@ class Worker:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:
-            keep_freed_memory()
-            if config.world_size > 1:  # the ranks share this machine's cores
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+            keep_freed_memory()  # (the executor gives co-located ranks their share of cores)
         if config.world_size > 1:
             from serve.distributed.parallel_state import init_tensor_parallel
 
