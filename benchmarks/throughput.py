@@ -78,6 +78,14 @@ def parse_args() -> argparse.Namespace:
         help="also run serve one step at a time (async_scheduling=False), alternating with "
         "the default twice each",
     )
+    p.add_argument(
+        "--compare-tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also run serve at tensor_parallel_size N (one process per rank), after the "
+        "one-rank run, and report the ratio",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args()
 
@@ -270,7 +278,7 @@ def main() -> None:
         f"output_tokens={num_output}"
     )
 
-    serve = mixed = None
+    serve = mixed = parallel = None
     serial: list[Result] = []
     if not args.skip_serve:
         llm = load_serve(args.model, args.dtype, requests)
@@ -283,16 +291,27 @@ def main() -> None:
             again = run_serve(llm, requests, plain_params(requests))
             serial.append(run_serve(serial_llm, requests, plain_params(requests), "serial"))
             serve = max(serve, again, key=lambda r: r.output_tokens_per_s)
+        if args.compare_tp:
+            llm.shutdown()
+            tp_llm = load_serve(
+                args.model, args.dtype, requests, tensor_parallel_size=args.compare_tp
+            )
+            name = f"serve tp={args.compare_tp}"
+            parallel = run_serve(tp_llm, requests, plain_params(requests), name)
+            tp_llm.shutdown()
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     hf = None if args.skip_hf else run_hf_sweep(model_dir, args.dtype, requests, tokenizer, sizes)
     best_serial = max(serial, key=lambda r: r.output_tokens_per_s) if serial else None
-    results = [r for r in (serve, mixed, best_serial, hf) if r is not None]
+    results = [r for r in (serve, mixed, best_serial, parallel, hf) if r is not None]
     print_table(results)
     serial_ratio = (
         serve.output_tokens_per_s / best_serial.output_tokens_per_s if best_serial else None
     )
     if serial_ratio is not None:
         print(f"async / serial steps output tokens/s (best of two each): {serial_ratio:.2f}x")
+    tp_ratio = parallel.output_tokens_per_s / serve.output_tokens_per_s if parallel else None
+    if tp_ratio is not None:
+        print(f"tp={args.compare_tp} / one rank output tokens/s: {tp_ratio:.2f}x")
     ratio = serve.output_tokens_per_s / hf.output_tokens_per_s if serve and hf else None
     if ratio is not None:
         print(f"serve / HF output tokens/s: {ratio:.2f}x")
@@ -307,6 +326,7 @@ def main() -> None:
             "serve_over_hf_output_tokens_per_s": ratio,
             "mix_over_plain_output_tokens_per_s": mix_ratio,
             "async_over_serial_output_tokens_per_s": serial_ratio,
+            "tp_over_one_rank_output_tokens_per_s": tp_ratio,
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")

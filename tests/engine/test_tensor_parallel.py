@@ -44,12 +44,24 @@ def _workload() -> list[tuple[list[int], SamplingParams]]:
     for i, prompt in enumerate(prompts):
         kind = i % 6
         if kind in (0, 1):
-            work.append(((shared if i % 4 == 0 else []) + prompt, GREEDY))
+            work.append((shared + prompt, GREEDY))  # later ones find it cached
         elif kind == 2:
             params = SamplingParams(n=3, temperature=0.9, seed=i, max_tokens=MAX_TOKENS)
             work.append((prompt, params))
         elif kind == 3:
             params = SamplingParams(n=1, best_of=3, temperature=1.0, seed=i, max_tokens=8)
+            work.append((prompt, params))
+        elif kind == 4 and i % 12 == 10:  # every logits control, in the worker
+            params = SamplingParams(
+                temperature=0.0,
+                max_tokens=MAX_TOKENS,
+                min_tokens=4,
+                repetition_penalty=1.3,
+                frequency_penalty=0.5,
+                logit_bias={17: 5.0, 40: -100.0},
+                bad_words=["the", "a"],
+                logprobs=3,
+            )
             work.append((prompt, params))
         elif kind == 4:
             beams = SamplingParams(n=3, best_of=3, use_beam_search=True, temperature=0.0)
@@ -142,7 +154,8 @@ def test_beams_equal_hf_at_tp2(runs):
 
 
 def test_every_output_equals_one_ranks(runs):
-    """Seeded samples (n=3, best_of), beams and the JSON schema: token for token."""
+    """Seeded samples (n=3, best_of), beams, logits controls and the JSON schema: token
+    for token."""
     _, one, two = runs
     assert two["tokens"] == one["tokens"]
     assert two["texts"] == one["texts"]

@@ -146,13 +146,17 @@ def test_a_rank_that_raises_fails_the_step_with_its_error(no_leftovers):
 
 
 def test_a_rank_that_fails_to_start_fails_the_constructor(no_leftovers):
+    """A rank's ValueError (a start-up problem the user can fix, like a cache too small)
+    keeps its type, as it would at one rank; the cause is the rank's failure."""
     t0 = time.monotonic()
-    with pytest.raises(WorkerFailedError) as raised:
+    with pytest.raises(ValueError) as raised:
         start("FailsToStartWorker")  # rank 0 waits in the rendezvous for rank 1
     assert str(raised.value) == (
         "The workers could not start: Worker rank 1 raised ValueError: rank 1 cannot start: injected"
     )
-    assert (raised.value.rank, raised.value.error_type) == (1, "ValueError")
+    cause = raised.value.__cause__
+    assert isinstance(cause, WorkerFailedError)
+    assert (cause.rank, cause.error_type) == (1, "ValueError")
     assert time.monotonic() - t0 < 60  # not the group's timeout
 
 
