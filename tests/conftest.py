@@ -49,6 +49,29 @@ def tiny_qwen2(tiny_model_factory):
     return tiny_model_factory("qwen2")
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray instance for one test module: 2 CPUs, no dashboard, its node on
+    127.0.0.1, gloo between its actors over loopback; skipped where ray is not installed."""
+    # Read once, when ray is imported: off, a local node registers as 127.0.0.1 (not the
+    # machine's routable address), so the tests' traffic stays on loopback.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'serve[ray]'")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("RAY_ADDRESS", raising=False)
+        # Ray's worker processes inherit these, to import serve and the tests' workers.
+        paths = [repo, os.path.join(repo, "tests"), os.environ.get("PYTHONPATH", "")]
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
+        patch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        ray.init(num_cpus=2, include_dashboard=False)
+        try:
+            assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+            yield ray
+        finally:
+            ray.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA; without it they are skipped, not failed."""
     gpu_items = [item for item in items if "gpu" in item.keywords]

@@ -21,7 +21,16 @@ from __future__ import annotations
 import abc
 import importlib
 import logging
+from collections.abc import Callable, Sequence
 
+from serve.executor.messages import (
+    DetermineNumBlocks,
+    InitDeviceAndModel,
+    InitializeCache,
+    NumBlocks,
+    WorkerCommand,
+    WorkerReply,
+)
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.worker import WorkerConfig
 
@@ -72,6 +81,28 @@ class Executor(abc.ABC):
             if user_error is None:
                 raise
             raise user_error(str(e)) from e
+
+    def _start_every_rank(
+        self, call_every_rank: Callable[[WorkerCommand], Sequence[WorkerReply | None]]
+    ) -> None:
+        """The start-up every multi-rank kind shares: the device, the group and the model
+        on every rank, then the smallest block counts of all ranks on every rank. A failure
+        stops whatever started (`shutdown`) before it propagates."""
+        try:
+            call_every_rank(InitDeviceAndModel())
+            counts = call_every_rank(DetermineNumBlocks())
+            assert all(isinstance(c, NumBlocks) for c in counts)
+            self.num_blocks = min(c.num_blocks for c in counts)  # type: ignore[union-attr]
+            self.num_cpu_blocks = min(c.num_cpu_blocks for c in counts)  # type: ignore[union-attr]
+            call_every_rank(InitializeCache(self.num_blocks, self.num_cpu_blocks))
+        except WorkerFailedError as e:
+            self.shutdown()
+            raise WorkerFailedError(
+                f"The workers could not start: {e}", e.rank, e.error_type
+            ) from None
+        except BaseException:
+            self.shutdown()
+            raise
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -40,14 +40,10 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
-from serve.executor.base import DEFAULT_WORKER_CLASS, Executor, WorkerFailedError
+from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.executor.failures import FAILURE_GRACE_S, FailureLatch, RankFailure
 from serve.executor.messages import (
-    DetermineNumBlocks,
     ExecuteModel,
-    InitDeviceAndModel,
-    InitializeCache,
-    NumBlocks,
     Shutdown,
     StepDone,
     WorkerCommand,
@@ -95,20 +91,10 @@ class MultiprocExecutor(Executor):
                     distributed_init_method=init_method,
                 )
                 self._ranks.append(_start_rank(context, config, worker_class))
-            self._call_every_rank(InitDeviceAndModel())
-            counts = self._call_every_rank(DetermineNumBlocks())
-            assert all(isinstance(c, NumBlocks) for c in counts)
-            self.num_blocks = min(c.num_blocks for c in counts)  # type: ignore[union-attr]
-            self.num_cpu_blocks = min(c.num_cpu_blocks for c in counts)  # type: ignore[union-attr]
-            self._call_every_rank(InitializeCache(self.num_blocks, self.num_cpu_blocks))
-        except WorkerFailedError as e:
-            self.shutdown()
-            raise WorkerFailedError(
-                f"The workers could not start: {e}", e.rank, e.error_type
-            ) from None
         except BaseException:
             self.shutdown()
             raise
+        self._start_every_rank(self._call_every_rank)
 
     @property
     def worker_pids(self) -> list[int | None]:

@@ -33,14 +33,10 @@ import socket
 from dataclasses import replace
 from typing import Any
 
-from serve.executor.base import DEFAULT_WORKER_CLASS, Executor, WorkerFailedError
+from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.executor.failures import FAILURE_GRACE_S, FailureLatch, RankFailure
 from serve.executor.messages import (
-    DetermineNumBlocks,
     ExecuteModel,
-    InitDeviceAndModel,
-    InitializeCache,
-    NumBlocks,
     Shutdown,
     StepDone,
     WorkerCommand,
@@ -151,20 +147,10 @@ class RayExecutor(Executor):
                 for rank in range(world_size)
             ]
             self._wait_all([a.start.remote(c, worker_class) for a, c in zip(self._actors, configs)])
-            self._call_every_rank(InitDeviceAndModel())
-            counts = self._call_every_rank(DetermineNumBlocks())
-            assert all(isinstance(c, NumBlocks) for c in counts)
-            self.num_blocks = min(c.num_blocks for c in counts)  # type: ignore[union-attr]
-            self.num_cpu_blocks = min(c.num_cpu_blocks for c in counts)  # type: ignore[union-attr]
-            self._call_every_rank(InitializeCache(self.num_blocks, self.num_cpu_blocks))
-        except WorkerFailedError as e:
-            self.shutdown()
-            raise WorkerFailedError(
-                f"The workers could not start: {e}", e.rank, e.error_type
-            ) from None
         except BaseException:
             self.shutdown()
             raise
+        self._start_every_rank(self._call_every_rank)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._latch.raise_if_set()

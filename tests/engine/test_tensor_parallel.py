@@ -11,8 +11,6 @@ the ranks) and 1 (replicated on both).
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 from tiny_models import hf_beam_search, hf_greedy, random_prompts
@@ -166,24 +164,6 @@ def test_every_output_equals_one_ranks(runs):
 
 
 # -- Ray ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a node on 127.0.0.1
-    ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'serve[ray]'")
-    repo = Path(__file__).resolve().parents[2]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("RAY_ADDRESS", raising=False)
-        paths = [str(repo), os.environ.get("PYTHONPATH", "")]  # Ray's workers import serve
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
-        patch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        ray.init(num_cpus=2, include_dashboard=False)
-        try:
-            assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
-            yield
-        finally:
-            ray.shutdown()
 
 
 def test_ray_executor_runs_the_workload_as_one_rank_does(local_ray, tiny_model_factory):

@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -33,24 +32,8 @@ from executor.fake_workers import digest  # noqa: E402
 from serve.executor.base import Executor, WorkerFailedError  # noqa: E402
 from serve.executor.ray_executor import RayExecutor  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 NOTICE_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    with pytest.MonkeyPatch.context() as patch:
-        patch.delenv("RAY_ADDRESS", raising=False)
-        # Ray's worker processes inherit this, to import serve and the fake workers.
-        paths = [str(REPO_ROOT), str(REPO_ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
-        ray.init(num_cpus=2, include_dashboard=False)
-        try:
-            assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
-            yield
-        finally:
-            ray.shutdown()
 
 
 def start(worker: str) -> RayExecutor:
