@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
+import pytest
 from api.conftest import start_server, stop_process
 
 TP2 = ("--tensor-parallel-size", "2")
@@ -121,5 +122,27 @@ def test_a_killed_worker_rank_fails_requests_and_the_server_exits(tiny_llama, tm
         assert "rank 1" in server.log()
         gone, alive = psutil.wait_procs([core, *ranks], timeout=10)
         assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        stop_process(server.process)
+
+
+def test_a_ray_server_answers_and_sigterm_leaves_no_process(tiny_llama, tmp_path):
+    """With `--distributed-executor-backend ray` the core starts a local Ray instance; on
+    SIGTERM the ranks, Ray's own processes and the core all go, and the server exits 0."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install 'serve[ray]'")
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": "lo"}
+    args = (*TP2, "--distributed-executor-backend", "ray")
+    server = start_server(tiny_llama, args, env, tmp_path)
+    try:
+        reply = server.client().completions.create(
+            model=server.model, prompt="Once upon a time", max_tokens=8, temperature=0
+        )
+        assert reply.usage.completion_tokens == 8
+        everything = psutil.Process(server.process.pid).children(recursive=True)
+        assert len(everything) >= 4  # the core, Ray's daemons, two rank actors
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(everything, timeout=15)
+        assert not alive, f"left behind: {[p.cmdline()[:3] for p in alive]}"
     finally:
         stop_process(server.process)
