@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from serve.sampling_params import SamplingParams
@@ -49,28 +51,53 @@ def test_defaults_are_valid():
     assert not params.ignore_eos
 
 
+SMALLEST_FLOAT = math.ulp(0.0)
+ABOVE_ONE = math.nextafter(1.0, 2.0)
+
+
 @pytest.mark.parametrize(
-    "kwargs",
+    ("field", "boundary", "kept_as", "beyond", "others"),
     [
-        {"top_p": 1.0},
-        {"top_p": 0.01},
-        {"min_p": 0.0},
-        {"min_p": 1.0},
-        {"top_k": 1},
-        {"max_tokens": 1},
-        {"max_tokens": None},
-        {"temperature": 0.0},
-        {"seed": 0},
-        {"logprobs": 0},
-        {"stop_token_ids": [0, 7]},
+        ("n", 1, 1, 0, {}),
+        ("best_of", 2, 2, 1, {"n": 2}),  # best_of >= n
+        ("temperature", 0.0, 0.0, -SMALLEST_FLOAT, {}),
+        ("top_p", 1.0, 1.0, ABOVE_ONE, {}),
+        ("top_p", SMALLEST_FLOAT, SMALLEST_FLOAT, 0.0, {}),  # (0, 1]: 0 itself is refused
+        ("top_k", -1, 0, -2, {}),  # -1 means disabled, stored as 0
+        ("min_p", 0.0, 0.0, -SMALLEST_FLOAT, {}),
+        ("min_p", 1.0, 1.0, ABOVE_ONE, {}),
+        ("max_tokens", 1, 1, 0, {}),
+        ("min_tokens", 0, 0, -1, {}),
+        ("min_tokens", 5, 5, 6, {"max_tokens": 5}),  # min_tokens <= max_tokens
+        ("logprobs", 0, 0, -1, {}),
+        ("prompt_logprobs", 0, 0, -1, {}),
+        ("seed", 2**63 - 1, 2**63 - 1, 2**63, {}),
+        ("seed", -(2**63), -(2**63), -(2**63) - 1, {}),
+        ("presence_penalty", 2.0, 2.0, math.nextafter(2.0, 3.0), {}),
+        ("presence_penalty", -2.0, -2.0, math.nextafter(-2.0, -3.0), {}),
+        ("frequency_penalty", 2.0, 2.0, math.nextafter(2.0, 3.0), {}),
+        ("frequency_penalty", -2.0, -2.0, math.nextafter(-2.0, -3.0), {}),
+        ("repetition_penalty", SMALLEST_FLOAT, SMALLEST_FLOAT, 0.0, {}),
+        ("logit_bias", {0: 100.0}, {0: 100.0}, {0: math.nextafter(100.0, 101.0)}, {}),
+        ("logit_bias", {7: -100.0}, {7: -100.0}, {7: math.nextafter(-100.0, -101.0)}, {}),
+        ("logit_bias", {"3": 1}, {3: 1.0}, {-1: 1.0}, {}),  # JSON's string keys become ids
+        ("stop_token_ids", [0, 7], [0, 7], [-1, 7], {}),
+        ("allowed_token_ids", [0], [0], [-1], {}),
     ],
 )
-def test_boundary_values_are_valid(kwargs):
-    SamplingParams(**kwargs)
+def test_boundary_value_is_kept_and_one_beyond_is_refused(field, boundary, kept_as, beyond, others):
+    """Other fields keep their defaults (temperature 1: sampling), so greedy's reset of
+    top_p, top_k and min_p cannot hide what was kept."""
+    assert getattr(SamplingParams(**others, **{field: boundary}), field) == kept_as
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        SamplingParams(**others, **{field: beyond})
 
 
-def test_top_k_minus_one_means_disabled():
-    assert SamplingParams(top_k=-1).top_k == 0
+@pytest.mark.parametrize(("field", "value"), [("max_tokens", None), ("top_k", 0), ("top_k", 1)])
+def test_values_with_no_refused_neighbour_are_kept(field, value):
+    """max_tokens None: until the context window is full; top_k 0: disabled, so 1 (the
+    smallest enabled top_k) is no boundary."""
+    assert getattr(SamplingParams(**{field: value}), field) == value
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-6])

@@ -293,23 +293,47 @@ def test_multi_turn_renders_on_a_template_without_tools(hermes_server, tokenizer
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "22"},
     ]
-    body = {"model": hermes_server.model, "messages": messages, "max_tokens": 3}
-    with httpx.Client(base_url=hermes_server.url, timeout=60) as http:
-        plain = http.post("/v1/chat/completions", json=body)
-        with_tools = http.post(
-            "/v1/chat/completions", json={**body, "tools": [WEATHER_TOOL], "tool_choice": "none"}
-        )
-    assert plain.status_code == 200, plain.text
-    assert with_tools.status_code == 200, with_tools.text
-    assert plain.json()["choices"][0]["message"]["content"] is not None
-    num_plain = plain.json()["usage"]["prompt_tokens"]
-    assert with_tools.json()["usage"]["prompt_tokens"] > num_plain + 50  # the tools' block
     text = tokenizer.apply_chat_template(
         [*WEATHER_QUESTION, {"role": "assistant", "content": HERMES_CALL}, messages[2]],
         tokenize=False,
         add_generation_prompt=True,
     )
-    assert num_plain == len(tokenizer(text, add_special_tokens=False).input_ids)
+    rendered = tokenizer(text, add_special_tokens=False).input_ids
+    body = {
+        "model": hermes_server.model,
+        "messages": messages,
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+    }
+    with httpx.Client(base_url=hermes_server.url, timeout=60) as http:
+        plain = http.post("/v1/chat/completions", json=body)
+        with_tools = http.post(
+            "/v1/chat/completions", json={**body, "tools": [WEATHER_TOOL], "tool_choice": "none"}
+        )
+        # The same greedy continuation of the expected rendering, given as token ids.
+        expected = http.post(
+            "/v1/completions",
+            json={
+                "model": hermes_server.model,
+                "prompt": rendered,
+                "max_tokens": 3,
+                "temperature": 0,
+                "logprobs": 0,
+            },
+        )
+    assert plain.status_code == 200, plain.text
+    assert with_tools.status_code == 200, with_tools.text
+    assert expected.status_code == 200, expected.text
+    num_plain = plain.json()["usage"]["prompt_tokens"]
+    assert num_plain == len(rendered)
+    assert with_tools.json()["usage"]["prompt_tokens"] > num_plain + 50  # the tools' block
+    # The model answered that very prompt: its reply, and the logprob of every token of
+    # it, are those of the completion of the rendering.
+    answer, completion = plain.json()["choices"][0], expected.json()["choices"][0]
+    assert answer["message"]["content"] and answer["message"]["content"] == completion["text"]
+    logprobs = [entry["logprob"] for entry in answer["logprobs"]["content"]]
+    assert logprobs == pytest.approx(completion["logprobs"]["token_logprobs"], abs=1e-5)
 
 
 # --- requests the server refuses ------------------------------------------------------------

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from tiny_models import random_prompts
+from tiny_models import hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
 from serve.config import EngineConfig
@@ -69,13 +69,16 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(engine):
     _wait_until(lambda: manager.num_free_blocks == manager.num_blocks)
 
 
-def test_invalid_prompt_fails_only_that_request(engine):
+def test_invalid_prompt_fails_only_that_request(engine, tiny_llama):
     async def run():
         with pytest.raises(ValueError, match="max_model_len"):
             await _final(engine, "too-long", [5] * 200)
         return await _final(engine, "fine", [5, 6, 7])
 
-    assert asyncio.run(run()).finished
+    fine = asyncio.run(run())
+    assert fine.finished and fine.outputs[0].finish_reason == "length"
+    expected = hf_greedy(tiny_llama, [5, 6, 7], GREEDY.max_tokens, ignore_eos=True)
+    assert fine.outputs[0].token_ids == expected  # the same as if it were alone
 
 
 def test_engine_fault_fails_in_flight_requests_and_health(engine, monkeypatch):

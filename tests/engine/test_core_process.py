@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from tiny_models import random_prompts
+from tiny_models import hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
 from serve.config import EngineConfig
@@ -152,13 +152,16 @@ def test_leaving_a_stream_early_aborts_it_in_the_core(client):
     assert observed_at_start < LONG.max_tokens // 2, "the left request kept running"
 
 
-def test_a_refused_request_fails_alone(client):
+def test_a_refused_request_fails_alone(client, tiny_llama):
     async def run():
         with pytest.raises(ValueError, match="max_model_len"):
             await _final(client, "too-long", [5] * 600)
         return await _final(client, "fine", [5, 6, 7])
 
-    assert asyncio.run(run()).finished
+    fine = asyncio.run(run())
+    assert fine.finished and fine.outputs[0].finish_reason == "length"
+    expected = hf_greedy(tiny_llama, [5, 6, 7], GREEDY.max_tokens, ignore_eos=True)
+    assert fine.outputs[0].token_ids == expected  # the same as if it were alone
 
 
 @pytest.mark.parametrize(

@@ -66,13 +66,17 @@ def test_prompt_logprobs_equal_hf_log_softmax(model, prompts):
 def test_prompt_logprobs_survive_a_prefix_cache_hit(model, prompts):
     """A prompt already in the prefix cache is computed again when its logprobs are asked
     for: no position comes back missing."""
-    _, llm = model
+    path, llm = model
     prompt = {"prompt_token_ids": prompts[3]}
     llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     with_logprobs = SamplingParams(temperature=0.0, prompt_logprobs=0, max_tokens=1)
     first = llm.generate(prompt, with_logprobs, use_tqdm=False)[0].prompt_logprobs
     again = llm.generate(prompt, with_logprobs, use_tqdm=False)[0].prompt_logprobs
-    assert len(first) == len(prompts[3]) and all(e is not None for e in first[1:])
+    assert len(first) == len(prompts[3]) and first[0] is None
+    reference = hf_log_softmax(path, prompts[3])
+    for pos in range(1, len(prompts[3])):
+        token = prompts[3][pos]
+        assert first[pos][token] == pytest.approx(reference[pos - 1][token].item(), abs=TOLERANCE)
     assert again == first
 
 

@@ -84,9 +84,12 @@ def test_engine_steps_send_tokens_and_no_text(tiny_llama):
                 assert len(seq.token_ids) <= 1 and len(seq.logprobs) == len(seq.token_ids)
                 sent.setdefault((delta.request_id, seq.index), []).extend(seq.token_ids)
         finals.update({o.request_id: o for o in llm._process(deltas) if o.finished})
+    assert set(finals) == {"r0", "r1", "r2"}
     for request_id, out in finals.items():
         for c in out.outputs:
             got = sent[(request_id, c.index)]
             assert got[: len(c.token_ids)] == c.token_ids  # after a stop string: dropped
-    assert finals["r0"].outputs[0].text
+    # The text is the front end's decoding of the ids it was sent.
+    r0 = finals["r0"].outputs[0]
+    assert len(r0.token_ids) == 12 and r0.text == llm.get_tokenizer().decode(r0.token_ids)
     assert len(finals["r1"].outputs) == 3

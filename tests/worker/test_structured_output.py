@@ -128,9 +128,14 @@ def test_one_compile_per_spec_off_the_callers_thread(tiny):
 
 
 def test_concurrent_submits_of_one_spec_share_one_future(tiny):
-    release = threading.Event()
+    release, calls = threading.Event(), []
     compile_ = tiny._compile
-    tiny._compile = lambda key: release.wait(10) and compile_(key)
+
+    def held_compile(key):
+        calls.append(key)
+        return release.wait(10) and compile_(key)
+
+    tiny._compile = held_compile
     futures = [None] * 4
 
     def submit(i):
@@ -144,7 +149,14 @@ def test_concurrent_submits_of_one_spec_share_one_future(tiny):
     assert all(future is futures[0] for future in futures)
     assert not futures[0].done()  # the callers did not wait for the compile
     release.set()
-    assert futures[0].result(timeout=60) is not None
+    grammar = futures[0].result(timeout=60)
+    assert len(calls) == 1
+    # The shared result is the grammar itself: a matcher started from it allows exactly
+    # the tokens that begin one of the choices.
+    tiny.start(0, grammar)
+    logits = torch.randn(1, TINY_VOCAB)
+    tiny.mask_logits(logits, [0])
+    assert finite(logits[0]) == choice_prefix_tokens(build_tokenizer(), ("yes", "no"))
 
 
 @pytest.mark.parametrize(
