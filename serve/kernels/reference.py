@@ -60,7 +60,7 @@ def swap_blocks(
 
 # Bytes of one prefill tile's [heads, tile, context] score matrix: a tile holds as many
 # queries as fit, so a long context's temporaries stay under glibc's mmap threshold and
-# are reused from the heap step after step (serve/engine/cpu_malloc.py).
+# are reused from the heap step after step (serve/worker/cpu_malloc.py).
 _SCORES_BYTES = 16 << 20
 # Decodes run in groups of this many, sorted by length, so padding to the group's longest
 # context wastes little while the whole group is one batched matmul.
