@@ -215,14 +215,14 @@ class SchedulerConfig:
         "(off: a prompt runs whole in one step, so --max-num-batched-tokens "
         "must be at least --max-model-len, and defaults to it)",
     )
-    # On: while a step's forward runs, a helper thread builds the previous step's token
-    # deltas (they come one step later) and schedules the next step and builds its inputs,
-    # its sampled tokens filled in when it runs. Off: one step at a time.
+    # On: while the workers run a step, a helper thread takes the previous step's output
+    # in (its deltas come one step later) and schedules the next step, whose tokens still
+    # being sampled the workers fill in themselves. Off: one step at a time.
     async_scheduling: bool = setting(
         True,
-        "while a step's forward pass runs, schedule the next step and build its inputs, "
-        "and build the previous step's token deltas, on a helper thread (steps that fork "
-        "beams or best_of samples are not scheduled past)",
+        "while the workers run a step, take in the previous step's output and schedule the "
+        "next one on a helper thread (steps that fork beams or best_of samples are not "
+        "scheduled past)",
     )
 
     def __post_init__(self) -> None:
