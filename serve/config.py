@@ -123,6 +123,7 @@ class ModelConfig:
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
 PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
 
 
 @dataclass(frozen=True)
@@ -225,8 +226,28 @@ class SchedulerConfig:
         "scheduled past)",
     )
 
+    scheduling_policy: str = setting(
+        "fcfs",
+        "who runs first: fcfs (arrival order); priority (each request's `priority`, lower "
+        "first, ties by arrival; a waiting request preempts running ones of lower priority "
+        "when the cache or the batch is full); sjf (shortest predicted output first, learned "
+        "online from this server's finished requests; fcfs until it has seen enough)",
+        choices=SCHEDULING_POLICIES,
+    )
+    sjf_max_wait_s: float = setting(
+        30.0,
+        "with --scheduling-policy sjf: a waiting request's rank improves with its wait and "
+        "reaches the front of the queue after this many seconds, so no request starves "
+        "behind shorter ones",
+        metavar="SECONDS",
+    )
+
     def __post_init__(self) -> None:
         _check_choices(self)
+        if not self.sjf_max_wait_s > 0:
+            raise InvalidSettingError(
+                "sjf_max_wait_s", f"must be a positive number of seconds, got {self.sjf_max_wait_s}."
+            )
         if self.max_num_seqs < 1:
             raise InvalidSettingError("max_num_seqs", f"must be positive, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

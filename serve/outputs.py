@@ -48,6 +48,34 @@ class RequestOutput:
         return sum(len(o.token_ids) for o in self.outputs)
 
 
+QUEUE_TIME_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+MAX_PRIORITY_LABELS = 16  # distinct priorities with their own series; later ones share one
+
+
+@dataclass
+class QueueTimes:
+    """Seconds from arrival to first being scheduled, a histogram per priority (the
+    scheduler's; plain data for /metrics). `counts[label][i]` counts the waits of at most
+    QUEUE_TIME_BUCKETS_S[i] seconds, the last entry all of them."""
+
+    counts: dict[str, list[int]] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, priority: int, wait_s: float) -> None:
+        label = str(priority)
+        if label not in self.counts and len(self.counts) >= MAX_PRIORITY_LABELS:
+            label = "other"  # a client's integers must not grow the series without bound
+        counts = self.counts.setdefault(label, [0] * (len(QUEUE_TIME_BUCKETS_S) + 1))
+        for i, bound in enumerate(QUEUE_TIME_BUCKETS_S):
+            if wait_s <= bound:
+                counts[i] += 1
+        counts[-1] += 1
+        self.sums[label] = self.sums.get(label, 0.0) + wait_s
+
+    def copy(self) -> QueueTimes:
+        return QueueTimes({k: list(v) for k, v in self.counts.items()}, dict(self.sums))
+
+
 @dataclass
 class EngineStats:
     """The KV cache and scheduler at one moment (`LLM.stats()`, the stats line, metrics)."""
@@ -64,6 +92,10 @@ class EngineStats:
     num_waiting: int = 0
     num_swapped: int = 0
     num_cpu_blocks_used: int = 0  # swap space in use
+    queue_times: QueueTimes = field(default_factory=QueueTimes)
+    # --scheduling-policy sjf: the output-length predictor's mean absolute error in tokens
+    # (None until it predicts).
+    sjf_predictor_mae_tokens: float | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

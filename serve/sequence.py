@@ -173,6 +173,9 @@ class SequenceGroup:
     sampling_params: SamplingParams
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # --scheduling-policy priority: lower runs first (vLLM's convention); 0 otherwise.
+    priority: int = 0
+    started: bool = False  # scheduled at least once (a preempted request stays started)
     # Set once the prompt sequence has been forked into `best_of` samples or beams.
     forked: bool = False
     # With `prompt_logprobs`: [None, then one entry per prompt token after the first],

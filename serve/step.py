@@ -152,6 +152,10 @@ class ModelRunnerOutput:
     # Requests whose own processing raised in the worker (their sampling, their grammar):
     # request id -> what the client is told. They end; the rest of the batch runs on.
     failed_requests: dict[str, str] = field(default_factory=dict)
+    # --scheduling-policy sjf: the model's final hidden state at the last prompt token of
+    # each sequence that sampled its first token this step (seq id -> hidden state), a
+    # feature of its output-length prediction.
+    prompt_hidden_states: dict[int, list[float]] = field(default_factory=dict)
     prepare_s: float = 0.0  # host time building the inputs
     forward_s: float = 0.0  # block moves, the forward pass and the logits
     sample_s: float = 0.0  # logits processing, sampling, logprobs

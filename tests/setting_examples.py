@@ -35,6 +35,8 @@ EXAMPLES = {
     "preemption_mode": Example(("--preemption-mode", "recompute"), "recompute"),
     "enable_chunked_prefill": Example(("--no-enable-chunked-prefill",), False),
     "async_scheduling": Example(("--no-async-scheduling",), False),
+    "scheduling_policy": Example(("--scheduling-policy", "priority"), "priority"),
+    "sjf_max_wait_s": Example(("--sjf-max-wait-s", "12.5"), 12.5),
     "tensor_parallel_size": Example(("--tensor-parallel-size", "2"), 2),
     "distributed_executor_backend": Example(("--distributed-executor-backend", "mp"), "mp"),
     "device": Example(("--device", "cpu"), "cpu"),

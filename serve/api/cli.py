@@ -264,6 +264,7 @@ def _load(args: argparse.Namespace):
         max_body_bytes=args.max_request_body_bytes,
         request_timeout_s=args.request_timeout,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        scheduling_policy=config.scheduler.scheduling_policy,
         limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
     )
     return build_app(engine, settings), settings

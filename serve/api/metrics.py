@@ -11,10 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from serve.engine.protocol import EngineClient
+from serve.outputs import QUEUE_TIME_BUCKETS_S, QueueTimes
 
 _STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
@@ -82,6 +88,14 @@ class _EngineCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        yield _queue_time_histogram(e.queue_times)
+        if e.sjf_predictor_mae_tokens is not None:
+            yield GaugeMetricFamily(
+                "serve_sjf_predictor_mae_tokens",
+                "sjf: mean absolute error, in tokens, of the output lengths predicted for "
+                "the last 256 requests when they were admitted.",
+                value=e.sjf_predictor_mae_tokens,
+            )
         phases = CounterMetricFamily(
             "serve_engine_step_seconds",
             "Seconds spent in each phase of the engine's steps.",
@@ -90,6 +104,19 @@ class _EngineCollector(Collector):
         for phase in _STEP_PHASES:
             phases.add_metric([phase], getattr(stats.step_times, f"{phase}_s"))
         yield phases
+
+
+def _queue_time_histogram(queue_times: QueueTimes) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "serve_request_queue_time_seconds",
+        "Seconds from a request's arrival at the engine to its first scheduled step, by "
+        "priority (0 unless --scheduling-policy priority).",
+        labels=["priority"],
+    )
+    for label, counts in sorted(queue_times.counts.items()):
+        bounds = [str(b) for b in QUEUE_TIME_BUCKETS_S] + ["+Inf"]
+        family.add_metric([label], list(zip(bounds, counts)), queue_times.sums[label])
+    return family
 
 
 class ServerMetrics:

@@ -104,6 +104,8 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's extra: with --scheduling-policy priority, lower runs first.
+    priority: int = 0
 
     @field_validator("logit_bias")
     @classmethod

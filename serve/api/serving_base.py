@@ -21,6 +21,7 @@ from serve.engine.protocol import (
     RequestError,
     RequestTimeoutError,
 )
+from serve.engine.validation import check_priority
 from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import StructuredOutputsParams
 
@@ -43,12 +44,19 @@ class ServerSettings:
     max_body_bytes: int | None = None
     request_timeout_s: float | None = None  # a generation request's deadline; None: none
     grammar_compile_timeout_s: float | None = None  # compiling a request's grammar
+    scheduling_policy: str = "fcfs"  # a request's `priority` is refused under the others
     limits: RequestLimits = field(default_factory=RequestLimits)
 
 
-def check_limits(request: SamplingRequest, limits: RequestLimits) -> None:
-    """A 400 naming the flag for a request that asks for more than this server allows.
-    Cheap: checked before the prompt is tokenized."""
+def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:
+    """A 400 naming the flag for a request that asks for more than this server allows,
+    or for a `priority` it does not schedule by. Cheap: checked before the prompt is
+    tokenized."""
+    try:
+        check_priority(request.priority, settings.scheduling_policy)
+    except ValueError as e:
+        raise APIError(400, str(e), param="priority") from None
+    limits = settings.limits
     for name, value in (("n", request.n), ("best_of", request.best_of)):
         if value is not None and value > limits.max_n:
             raise APIError(
@@ -429,7 +437,9 @@ def open_stream(
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
-    return engine.generate(request_id, prompt_token_ids, params, prompt, timeout_s)
+    return engine.generate(
+        request_id, prompt_token_ids, params, prompt, timeout_s, priority=request.priority
+    )
 
 
 def _param_named(message: str, request: SamplingRequest) -> str | None:

@@ -86,7 +86,7 @@ class ChatHandler:
 
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         check_model(request.model, self.settings)
-        check_limits(request, self.settings.limits)
+        check_limits(request, self.settings)
         if request.chat_template is not None and not self.settings.trust_request_chat_template:
             raise APIError(
                 400,

@@ -64,7 +64,7 @@ class CompletionHandler:
 
     def prepare(self, request: CompletionRequest) -> list[tuple[str, list[int], int]]:
         check_model(request.model, self.settings)
-        check_limits(request, self.settings.limits)
+        check_limits(request, self.settings)
         if request.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix")
         if request.echo and request.logprobs is not None and request.stream:

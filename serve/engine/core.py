@@ -22,6 +22,7 @@ from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.validation import (
     check_gpu_count,
     check_params,
+    check_priority,
     check_token_ids,
     fit_max_model_len,
     fit_max_num_batched_tokens,
@@ -125,11 +126,13 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request (ValueError if it is invalid). One with a grammar joins the
         scheduler's queue once its grammar has compiled."""
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
         self.check_params(params)
+        check_priority(priority, self.config.scheduler.scheduling_policy)
         # Everything that can fail comes before the request is registered anywhere, so a
         # failure leaves no trace of it.
         if params.bad_words:
@@ -138,7 +141,12 @@ class EngineCore:
         if params.structured_outputs is not None:
             grammar = self.structured_output.submit(params.structured_outputs)
         self.scheduler.add_request(
-            request_id, prompt_token_ids, params, prompt, awaits_grammar=grammar is not None
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            awaits_grammar=grammar is not None,
+            priority=priority,
         )
         if grammar is not None:
             self._compiling[request_id] = grammar
@@ -195,6 +203,8 @@ class EngineCore:
             num_waiting=len(sched.waiting) + len(sched.awaiting_grammar),
             num_swapped=len(sched.swapped),
             num_cpu_blocks_used=bm.cpu_pool.num_used_blocks,
+            queue_times=sched.queue_times.copy(),
+            sjf_predictor_mae_tokens=sched.policy.predictor_error,
         )
 
     def reset_peak(self) -> None:
@@ -207,6 +217,7 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the workers. Idempotent."""
         self._helper.shutdown(wait=True)
+        self.scheduler.policy.close()
         self.executor.shutdown()
 
     # -- the step ------------------------------------------------------------------------

@@ -90,7 +90,11 @@ def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
         return
     try:
         core.add_request(
-            command.request_id, command.prompt_token_ids, command.params, command.prompt
+            command.request_id,
+            command.prompt_token_ids,
+            command.params,
+            command.prompt,
+            command.priority,
         )
     except ValueError as e:
         replies.request_failed(command.request_id, e)

@@ -47,9 +47,11 @@ class LLM:
         prompts: Prompt | SequenceABC[Prompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in the order given. `sampling_params` is one for
-        all prompts or a list with one per prompt."""
+        all prompts or a list with one per prompt; `priority` (with
+        `scheduling_policy="priority"`) one per prompt, lower first."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -66,8 +68,13 @@ class LLM:
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                     "give one for all or one per prompt."
                 )
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(
+                f"Got {len(priorities)} priorities for {len(prompts)} prompts; give one per prompt."
+            )
         requests = [(*self._tokenize(p), params) for p, params in zip(prompts, params_list)]
-        return self._run(requests, use_tqdm)
+        return self._run(requests, use_tqdm, priorities)
 
     def beam_search(
         self,
@@ -103,8 +110,9 @@ class LLM:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt)
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt, priority)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -192,7 +200,10 @@ class LLM:
         )
 
     def _run(
-        self, requests: list[tuple[str | None, list[int], SamplingParams]], use_tqdm: bool
+        self,
+        requests: list[tuple[str | None, list[int], SamplingParams]],
+        use_tqdm: bool,
+        priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"offline-{next(self._request_ids)}" for _ in requests]
         # Compile every grammar up front (in the background, all at once), so a bad one
@@ -201,8 +212,8 @@ class LLM:
         for future in [self.engine.structured_output.submit(spec) for spec in specs]:
             future.result()
         try:
-            for request_id, (text, token_ids, params) in zip(ids, requests):
-                self.add_request(request_id, token_ids, params, text)
+            for i, (request_id, (text, token_ids, params)) in enumerate(zip(ids, requests)):
+                self.add_request(request_id, token_ids, params, text, priorities[i] if priorities else 0)
         except Exception:
             for request_id in ids:
                 self.abort_request(request_id)

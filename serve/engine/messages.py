@@ -22,6 +22,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    priority: int = 0  # --scheduling-policy priority: lower runs first
 
 
 @dataclass(frozen=True)

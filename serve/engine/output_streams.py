@@ -161,9 +161,10 @@ class EngineFrontEnd:
         params: SamplingParams,
         prompt: str | None = None,
         timeout_s: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes or `timeout_s` passes.
         Closing or cancelling the iterator early aborts the request in the core and
         frees its blocks."""
-        add = AddRequest(request_id, list(prompt_token_ids), params, prompt)
+        add = AddRequest(request_id, list(prompt_token_ids), params, prompt, priority)
         return self._streams.generate(add, timeout_s)

@@ -60,6 +60,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         prompt: str | None = None,
         timeout_s: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing the iterator early
         aborts the request. Raises ValueError for a request the engine refuses,

@@ -37,6 +37,19 @@ def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> 
             )
 
 
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A request's `priority` means something only to the priority policy; elsewhere a
+    non-zero one is refused rather than silently ignored (as vLLM does)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an integer, got {priority!r}.")
+    if priority != 0 and scheduling_policy != "priority":
+        raise ValueError(
+            f"priority is {priority}, but this server schedules {scheduling_policy}: a "
+            "request's priority is used only with --scheduling-policy priority. Leave it "
+            "out (or 0), or restart the server with that policy."
+        )
+
+
 def fit_max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
     """The context window the engine can honour: the user's, or the model's fitted to the cache."""
     if requested is not None:

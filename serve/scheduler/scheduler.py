@@ -54,12 +54,13 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from serve.config import SchedulerConfig
 from serve.kv_cache.block_manager import BlockManager
-from serve.outputs import request_error_message
+from serve.outputs import QueueTimes, request_error_message
 from serve.sampling_params import SamplingParams
 from serve.scheduler.beam_search import BeamSearch
 from serve.scheduler.output_deltas import (
@@ -68,6 +69,7 @@ from serve.scheduler.output_deltas import (
     mark_sent,
     step_delta,
 )
+from serve.scheduler.policy import make_policy
 from serve.scheduler.worker_sync import WorkerSync
 from serve.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from serve.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
@@ -89,6 +91,7 @@ class Scheduler:
         max_model_len: int,
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.preemption_mode = config.preemption_mode
@@ -99,12 +102,15 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.watermark_blocks = int(WATERMARK_FRACTION * block_manager.num_blocks)
         self.worker_sync = WorkerSync(block_manager)
-        # `running` and `swapped` are kept in arrival order, so running[-1] is the latest
-        # arrival (the preemption victim); preempted groups rejoin `waiting` at its front.
+        # Who runs first (policy.py). `running` and `swapped` are kept in its rank order,
+        # so running[-1] is the preemption victim; `waiting` is put in its order each step.
+        self.policy = make_policy(config, max_model_len)
+        self.clock = clock  # the time the policy ages waiting requests by
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
+        self.queue_times = QueueTimes()  # arrival to first scheduled, by priority
         self.num_generated_tokens = 0  # tokens appended to sequences, beams included
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished request
         # Requests whose grammar is still compiling (the engine's): they join `waiting`
@@ -140,11 +146,14 @@ class Scheduler:
         params: SamplingParams,
         prompt: str | None = None,
         awaits_grammar: bool = False,
+        priority: int = 0,
     ) -> SequenceGroup:
         """Queue a new request (ValueError if it could never run, or its id is taken).
         With `awaits_grammar` it waits for `set_grammar` before it can be scheduled."""
         seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, params, prompt)
-        group = SequenceGroup(request_id, [seq], params, prompt, seq.arrival_time)
+        group = SequenceGroup(
+            request_id, [seq], params, prompt, seq.arrival_time, priority=priority
+        )
         self.add(group, awaits_grammar)
         return group
 
@@ -183,6 +192,7 @@ class Scheduler:
             self._seqs[seq.seq_id] = seq
             self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
         self._groups[group.request_id] = group
+        self.policy.on_add(group)
         if awaits_grammar:
             self.awaiting_grammar[group.request_id] = group
         else:
@@ -247,6 +257,13 @@ class Scheduler:
         out = SchedulerOutput()
         preempted: list[SequenceGroup] = []
         cannot_fit: list[SequenceGroup] = []
+        now = self.clock()
+        self.running = self.policy.order(self.running)
+        self.swapped = self.policy.order(self.swapped)
+        # Yielding to a waiting request of higher rank is not thrashing: unlike `preempted`,
+        # it does not hold admissions back (they are what it is for).
+        yielded = self._preempt_for_waiting(out) if self.policy.preempts_for_waiting else []
+        self.waiting = deque(self.policy.order_waiting(self.waiting, now))
         plans = self._plan_running()
         # Blocks in arrival order, so that preemption takes the latest arrivals: those after
         # `i`, which have allocated nothing yet this step.
@@ -265,9 +282,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.num_batched_tokens
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
+        # Swapped groups come back before waiting ones of the same rank or worse.
         seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
         while not preempted and self.swapped and budget > 0:
             group = self.swapped[0]
+            if self.waiting and self.policy.rank(self.waiting[0]) < self.policy.rank(group):
+                break  # a waiting group ranks first: it goes (or waits) first
             plan = self._plan(group, budget)
             if not plan or group.max_num_seqs > seats:
                 break
@@ -287,8 +307,10 @@ class Scheduler:
             self._allocate(plan, out)
             budget -= self._schedule(group, plan, out)
 
-        while not preempted and not self.swapped and self.waiting and budget > 0:
+        while not preempted and self.waiting and budget > 0:
             group = self.waiting[0]
+            if self.swapped and self.policy.rank(self.swapped[0]) <= self.policy.rank(group):
+                break  # a swapped group ranks first and could not come back
             if group.max_num_seqs > seats:
                 break
             if not self._admit(group, budget, out):
@@ -304,7 +326,7 @@ class Scheduler:
 
         for group in cannot_fit:
             self._ended.append(self._end_cannot_fit(group))
-        out.preempted_request_ids = [g.request_id for g in preempted]
+        out.preempted_request_ids = [g.request_id for g in yielded + preempted]
         self.worker_sync.flush(out)
         return out
 
@@ -416,8 +438,11 @@ class Scheduler:
             totals, swapped_out=True
         )
 
-    def _admit(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> bool:
-        """Start a waiting group: take its cached prefixes, allocate its first chunk."""
+    def _admission(
+        self, group: SequenceGroup, budget: int
+    ) -> tuple[dict[int, list[int]], Plan, int] | None:
+        """What starting a waiting group takes: its cached prefixes (by seq id), its first
+        chunk's plan and the free blocks both use. None if no token of it fits `budget`."""
         bm = self.block_manager
         live = group.live_seqs
         # Prompt logprobs need the logits of every prompt position, so nothing is skipped.
@@ -426,19 +451,67 @@ class Scheduler:
         cached = {seq.seq_id: len(hits[seq.seq_id]) * bm.block_size for seq in live}
         plan = self._plan(group, budget, cached)
         if not plan:
-            return False
+            return None
         new_tokens = {seq.seq_id: n for seq, n in plan}
         needed = bm.num_blocks_to_admit(
             (hits[seq.seq_id], cached[seq.seq_id] + new_tokens.get(seq.seq_id, 0)) for seq in live
         )
+        return hits, plan, needed
+
+    def _admit(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> bool:
+        """Start a waiting group: take its cached prefixes, allocate its first chunk."""
+        bm = self.block_manager
+        admission = self._admission(group, budget)
+        if admission is None:
+            return False
+        hits, plan, needed = admission
         if needed > bm.num_free_blocks - self._watermark():
             return False
-        for seq in live:
+        for seq in group.live_seqs:
             seq.num_computed_tokens = bm.take_cached_prefix(seq, hits[seq.seq_id])
+        self.policy.on_admit(group)
+        if not group.started:
+            group.started = True
+            self.queue_times.observe(group.priority, self.clock() - group.arrival_time)
         self._set_running(group)
         self._allocate(plan, out)
         self._schedule(group, plan, out)
         return True
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> list[SequenceGroup]:
+        """The best-ranked waiting group, if it could not start for want of batch seats or
+        blocks, takes them from the worst-ranked running groups that rank below it (vLLM's
+        priority preemption). Returns the groups preempted."""
+        if not self.waiting:
+            return []
+        head = min(self.waiting, key=self.policy.rank)
+        rank = self.policy.rank(head)
+        yielded: list[SequenceGroup] = []
+        while (
+            self.running
+            and self.policy.rank(self.running[-1]) > rank
+            and not self._could_start(head)
+        ):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            yielded.append(victim)
+        return yielded
+
+    def _could_start(self, group: SequenceGroup) -> bool:
+        """Whether `group` would be admitted beside the running groups this step: a seat in
+        the batch, and blocks for its first chunk once the running decodes have grown."""
+        seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
+        if group.max_num_seqs > seats:
+            return False
+        decodes = [g for g in self.running if _is_decoding(g)]
+        budget = self.max_num_batched_tokens - sum(g.num_live_seqs for g in decodes)
+        admission = self._admission(group, budget)
+        if admission is None:
+            return True  # the token budget, not blocks or seats, holds it back this step
+        growth = self.block_manager.num_blocks_needed(
+            [(seq, seq.num_planned_tokens + 1) for g in decodes for seq in g.live_seqs]
+        )
+        return admission[2] + growth <= self.block_manager.num_free_blocks - self._watermark()
 
     def _watermark(self) -> int:
         return self.watermark_blocks if self.running else 0
@@ -446,7 +519,7 @@ class Scheduler:
     def _set_running(self, group: SequenceGroup) -> None:
         for seq in group.live_seqs:
             seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, group, key=lambda g: g.arrival_time)
+        bisect.insort(self.running, group, key=self.policy.rank)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         live = group.live_seqs
@@ -457,7 +530,7 @@ class Scheduler:
             for seq in live:
                 seq.status = SequenceStatus.SWAPPED
                 self.worker_sync.table_changed(seq.seq_id)
-            bisect.insort(self.swapped, group, key=lambda g: g.arrival_time)
+            bisect.insort(self.swapped, group, key=self.policy.rank)
         else:
             # Recompute (or the swap space is full): drop the KV, keep the tokens. A step
             # still computing the sequence computes it in vain.
@@ -489,6 +562,10 @@ class Scheduler:
             if (group := self._groups.get(request_id)) is not None:
                 deltas.append(self._fail(group, message))
         self._record_prompt_logprobs(result, deltas)
+        for seq_id, hidden in result.prompt_hidden_states.items():
+            seq = self._seqs.get(seq_id)
+            if seq is not None and (group := self._groups.get(seq.request_id)) is not None:
+                self.policy.on_prompt_hidden_state(group, hidden)
         touched: dict[str, SequenceGroup] = {}
         beam_groups: dict[str, SequenceGroup] = {}
         rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
@@ -689,7 +766,8 @@ class Scheduler:
         for seq in group.seqs:
             if not seq.is_finished:
                 self._finish_seq(seq)
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self.policy.on_finish(group)
         self._beam_searches.pop(group.request_id, None)
 
     def _finish_seq(self, seq: Sequence) -> None:

@@ -26,7 +26,7 @@ from serve.models.forward_context import forward_context
 from serve.models.loader import load_model
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
-from serve.worker.model_inputs import build_model_inputs
+from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 from serve.worker.step_sampler import StepSampler
 from serve.worker.structured_output import LazyStructuredOutput
@@ -171,12 +171,26 @@ class ModelRunner:
             assert output is not None and logits is not None
             prompt = None if prompt_logits is None else prompt_logits.float()
             self.step_sampler.sample(logits.float(), rows, prompt, inputs.prompt_spans, output)
+            if self.config.engine.scheduler.scheduling_policy == "sjf":
+                self._record_prompt_hidden_states(hidden[inputs.logits_indices], inputs, output)
             token_ids = output.token_ids
             output.prepare_s = prepared - start
             output.forward_s = forwarded - prepared
         token_ids = self._share_sampled(token_ids, len(sampled))
         self.mirror.append_sampled([seq.seq_id for seq in sampled], token_ids)
         return output
+
+    @staticmethod
+    def _record_prompt_hidden_states(
+        last_hidden: torch.Tensor, inputs: ModelInputs, output: ModelRunnerOutput
+    ) -> None:
+        """The hidden state at the last prompt token of the sequences sampling their first
+        token (recomputes after a preemption have sampled before: not again)."""
+        rows = [i for i, seq in enumerate(inputs.sampled_seqs) if seq.num_output_tokens == 0]
+        if rows:
+            states = last_hidden[rows].float().cpu().tolist()
+            for i, state in zip(rows, states):
+                output.prompt_hidden_states[inputs.sampled_seqs[i].seq_id] = state
 
     def _sampled_rows(
         self, out: SchedulerOutput, sampled_seqs: list[MirroredSequence]

@@ -15,7 +15,9 @@ never split a prompt.
 from __future__ import annotations
 
 import random
+import time
 import weakref
+from collections.abc import Callable
 
 from serve.config import SchedulerConfig
 from serve.kv_cache.block_manager import BlockManager
@@ -42,6 +44,9 @@ def make_scheduler(
     enable_prefix_caching: bool = True,
     enable_chunked_prefill: bool = True,
     seed: int = 0,
+    scheduling_policy: str = "fcfs",
+    sjf_max_wait_s: float = 30.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Scheduler:
     block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     # As the engine does: one sequence of max_model_len always fits in the cache, and
@@ -53,8 +58,10 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         preemption_mode=preemption_mode,
         enable_chunked_prefill=enable_chunked_prefill,
+        scheduling_policy=scheduling_policy,
+        sjf_max_wait_s=sjf_max_wait_s,
     )
-    sched = Scheduler(config, max_num_batched_tokens, max_model_len, block_manager)
+    sched = Scheduler(config, max_num_batched_tokens, max_model_len, block_manager, clock=clock)
     # Tests number their requests' sequences themselves; the scheduler's own ids (forks)
     # start far above them.
     sched._next_seq_id = FIRST_SCHEDULER_SEQ_ID
@@ -77,6 +84,7 @@ def make_group(
     max_tokens: int | None = 4,
     best_of: int = 1,
     beam_width: int = 0,
+    priority: int = 0,
 ) -> SequenceGroup:
     """A one-sequence request (forked into `best_of` samples, or `beam_width` beams, after
     its prompt); arrival order is `seq_id` order."""
@@ -89,7 +97,9 @@ def make_group(
             temperature=1.0 if best_of > 1 else 0.0, n=best_of, max_tokens=max_tokens
         )
     seq = Sequence(seq_id, f"r{seq_id}", prompt_token_ids, params, arrival_time=float(seq_id))
-    return SequenceGroup(seq.request_id, [seq], params, arrival_time=float(seq_id))
+    return SequenceGroup(
+        seq.request_id, [seq], params, arrival_time=float(seq_id), priority=priority
+    )
 
 
 def make_groups(
@@ -198,14 +208,20 @@ def check_state(sched: Scheduler) -> None:
         assert not group.is_finished
         for seq in group.live_seqs:
             assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
-    # Arrival order: running, then swapped, then waiting. Not quite with swapping: swapped
-    # groups come back before the recompute-preempted groups (as in vLLM), which may have
-    # arrived earlier.
-    queues = (sched.running, sched.swapped, sched.waiting)
-    if bm.cpu_pool.num_blocks:
-        queues = (sched.running, sched.swapped)
-    arrivals = [g.arrival_time for q in queues for g in q]
-    assert arrivals == sorted(arrivals)
+    # fcfs: arrival order, running, then swapped, then waiting. Not quite with swapping:
+    # swapped groups come back before the recompute-preempted groups (as in vLLM), which
+    # may have arrived earlier. priority: running and swapped in rank order (sjf's ranks
+    # move as requests generate).
+    if sched.policy.name == "fcfs":
+        queues = (sched.running, sched.swapped, sched.waiting)
+        if bm.cpu_pool.num_blocks:
+            queues = (sched.running, sched.swapped)
+        arrivals = [g.arrival_time for q in queues for g in q]
+        assert arrivals == sorted(arrivals)
+    elif sched.policy.name == "priority":
+        for queue in (sched.running, sched.swapped):
+            ranks = [sched.policy.rank(g) for g in queue]
+            assert ranks == sorted(ranks)
 
 
 def run_step(sched: Scheduler) -> SchedulerOutput:

@@ -1,0 +1,201 @@
+"""Who runs first: the order of the scheduler's queues under each --scheduling-policy.
+
+The scheduler keeps its queues in the policy's order: `running` and `swapped` by `rank`
+(the last running group is the first preempted), `waiting` as `order_waiting` returns it
+each step. Everything else about a step (budgets, decodes before prefill chunks, block
+accounting, chunking, prefix hits, swap) is the scheduler's and the same for all.
+
+- fcfs: arrival order.
+- priority: the request's `priority` (lower first), then arrival (vLLM's semantics). A
+  waiting request that cannot start for want of blocks or batch seats preempts running
+  requests of lower priority (`preempts_for_waiting`).
+- sjf: shortest predicted remaining output first (length_predictor.py). A waiting
+  request's rank shrinks linearly with its wait and is 0 after `max_wait_s`, where it is
+  ahead of every request that has not waited that long (arrival order among those): no
+  request waits past the bound for shorter ones. Until the predictor has learned, every
+  rank is 0: arrival order.
+
+Writers: the per-request state here (features, predictions) is the policy's, written on
+the scheduler's thread; the predictor's model, by its refit thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from serve.config import SchedulerConfig
+from serve.scheduler.length_predictor import (
+    HiddenProjection,
+    OutputLengthPredictor,
+    prompt_features,
+)
+from serve.sequence import FinishReason, SequenceGroup
+
+Rank = tuple[float, ...]
+
+
+class SchedulingPolicy:
+    """First come, first served; the base of the others."""
+
+    name = "fcfs"
+    preempts_for_waiting = False
+
+    def rank(self, group: SequenceGroup) -> Rank:
+        """Order of running and swapped groups: lower runs first, the last is preempted first."""
+        return (group.arrival_time,)
+
+    def order(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
+        """Running or swapped groups, in `rank` order."""
+        return sorted(groups, key=self.rank)
+
+    def order_waiting(self, waiting: Iterable[SequenceGroup], now: float) -> list[SequenceGroup]:
+        """The waiting queue, first to be admitted first."""
+        return self.order(waiting)
+
+    def on_add(self, group: SequenceGroup) -> None:
+        """A request was queued."""
+
+    def on_admit(self, group: SequenceGroup) -> None:
+        """A waiting request was admitted (it may be again, after a preemption)."""
+
+    def on_prompt_hidden_state(self, group: SequenceGroup, hidden: list[float]) -> None:
+        """The model's final hidden state at the request's last prompt token."""
+
+    def on_finish(self, group: SequenceGroup) -> None:
+        """A request ended (finished, aborted or failed)."""
+
+    @property
+    def wants_prompt_hidden_states(self) -> bool:
+        return False
+
+    @property
+    def predictor_error(self) -> float | None:
+        """sjf: the predictor's mean absolute error in tokens, once it predicts."""
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class PriorityPolicy(SchedulingPolicy):
+    name = "priority"
+    preempts_for_waiting = True
+
+    def rank(self, group: SequenceGroup) -> Rank:
+        return (group.priority, group.arrival_time)
+
+
+@dataclass
+class _Prediction:
+    features: np.ndarray
+    hidden: np.ndarray | None = None
+    tokens: float | None = None  # expected output tokens, whole request
+    version: int = -1  # the predictor's version `tokens` came from
+    at_admission: float | None = None  # for the error gauge
+
+
+class ShortestJobFirstPolicy(SchedulingPolicy):
+    name = "sjf"
+
+    def __init__(
+        self,
+        max_model_len: int,
+        max_wait_s: float,
+        predictor: OutputLengthPredictor | None = None,
+    ) -> None:
+        self.max_model_len = max_model_len
+        self.max_wait_s = max_wait_s
+        self.predictor = predictor or OutputLengthPredictor()
+        self._projection: HiddenProjection | None = None
+        self._requests: dict[str, _Prediction] = {}
+
+    def rank(self, group: SequenceGroup) -> Rank:
+        return (self._remaining(group) or 0.0, group.arrival_time)
+
+    def order(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
+        groups = list(groups)
+        self._refresh(groups)
+        return sorted(groups, key=self.rank)
+
+    def order_waiting(self, waiting: Iterable[SequenceGroup], now: float) -> list[SequenceGroup]:
+        groups = list(waiting)
+        self._refresh(groups)
+
+        def key(group: SequenceGroup) -> Rank:
+            aging = max(0.0, 1.0 - (now - group.arrival_time) / self.max_wait_s)
+            return ((self._remaining(group) or 0.0) * aging, group.arrival_time)
+
+        return sorted(groups, key=key)
+
+    def on_add(self, group: SequenceGroup) -> None:
+        params = group.sampling_params
+        room = self.max_model_len - len(group.prompt_token_ids)
+        cap = room if params.max_tokens is None else min(room, params.max_tokens)
+        self._requests[group.request_id] = _Prediction(prompt_features(group.prompt_token_ids, cap))
+
+    def on_admit(self, group: SequenceGroup) -> None:
+        entry = self._requests.get(group.request_id)
+        if entry is not None and entry.at_admission is None:
+            self._refresh([group])
+            entry.at_admission = entry.tokens
+
+    @property
+    def wants_prompt_hidden_states(self) -> bool:
+        return True
+
+    def on_prompt_hidden_state(self, group: SequenceGroup, hidden: list[float]) -> None:
+        entry = self._requests.get(group.request_id)
+        if entry is None:
+            return
+        if self._projection is None:
+            self._projection = HiddenProjection(len(hidden))
+        entry.hidden = self._projection(hidden)
+        entry.version = -1  # predict again, with the hidden state
+
+    def on_finish(self, group: SequenceGroup) -> None:
+        entry = self._requests.pop(group.request_id, None)
+        if entry is None or any(s.finish_reason is FinishReason.ABORT for s in group.seqs):
+            return  # aborted or failed: its length says nothing of the request
+        length = max(seq.num_output_tokens for seq in group.seqs)
+        self.predictor.observe(entry.features, entry.hidden, length, entry.at_admission)
+
+    @property
+    def predictor_error(self) -> float | None:
+        return self.predictor.mean_absolute_error if self.predictor.is_active else None
+
+    def close(self) -> None:
+        self.predictor.close()
+
+    def _remaining(self, group: SequenceGroup) -> float | None:
+        entry = self._requests.get(group.request_id)
+        if entry is None or entry.tokens is None:
+            return None
+        generated = max(seq.num_output_tokens for seq in group.seqs)
+        return max(1.0, entry.tokens - generated)
+
+    def _refresh(self, groups: list[SequenceGroup]) -> None:
+        """Predict, in one batch, for the groups whose prediction predates the model."""
+        version = self.predictor.version
+        stale = [
+            (g.request_id, e)
+            for g in groups
+            if (e := self._requests.get(g.request_id)) is not None and e.version != version
+        ]
+        if not stale:
+            return
+        predictions = self.predictor.predict_many(
+            [e.features for _, e in stale], [e.hidden for _, e in stale]
+        )
+        for (_, entry), tokens in zip(stale, predictions):
+            entry.tokens, entry.version = tokens, version
+
+
+def make_policy(config: SchedulerConfig, max_model_len: int) -> SchedulingPolicy:
+    if config.scheduling_policy == "priority":
+        return PriorityPolicy()
+    if config.scheduling_policy == "sjf":
+        return ShortestJobFirstPolicy(max_model_len, config.sjf_max_wait_s)
+    return SchedulingPolicy()
