@@ -15,24 +15,27 @@ beam search all get their logits in the same step. Each step fills the token bud
 (max_num_batched_tokens) in this order:
 
 1. running decodes: every running group whose live sequences each need exactly one token,
-   oldest first — so a long prompt never holds up the token streams of others;
-2. running prefills (prompt chunks, recomputes catching up), oldest first, with what the
+   in rank order — so a long prompt never holds up the token streams of others;
+2. running prefills (prompt chunks, recomputes catching up), in rank order, with what the
    decodes left;
-3. swapped groups coming back, when their blocks fit, before any new work is admitted;
-4. waiting groups admitted FCFS, each taking the longest prefix already in the prefix
-   cache, with what is left of the budgets.
+3. swapped groups coming back, when their blocks fit, before waiting work of a worse rank;
+4. waiting groups admitted in the policy's order, each taking the longest prefix already
+   in the prefix cache, with what is left of the budgets.
 
-Blocks are another matter: running groups take theirs in arrival order, and when blocks
-run out the latest arrivals are preempted — swapped to the CPU when they have several
-sequences (recomputing all of them would cost more than the copy), recomputed otherwise,
-unless `preemption_mode` says. A step that preempts admits nothing and swaps nothing in.
+The rank is the scheduling policy's (policy.py): arrival under fcfs (the default), the
+request's priority then arrival, or sjf's predicted remaining output. Blocks are another
+matter: running groups take theirs in rank order, and when blocks run out the worst-ranked
+are preempted — swapped to the CPU when they have several sequences (recomputing all of
+them would cost more than the copy), recomputed otherwise, unless `preemption_mode` says.
+A step that preempts for blocks admits nothing and swaps nothing in. Under priority, a
+waiting request that lacks seats or blocks first preempts running ones of a worse rank.
 A group that cannot grow even holding the whole cache ends with finish reason "length".
 
 Chunked prefill (`enable_chunked_prefill`, on by default) lets a prompt or a recompute
 take whatever budget is left, however little, and finish in later steps. Off, a sequence's
 remaining prompt (or catch-up) is scheduled whole or not at all: a running prefill is not
 split, and a waiting group that does not fit what is left of the budget waits for a later
-step, holding up the groups behind it (FCFS). The engine then requires
+step, holding up the groups behind it. The engine then requires
 max_num_batched_tokens >= max_model_len, so every prompt fits an empty step.
 
 Scheduling ahead (async scheduling) calls `schedule()` for the next step before the
@@ -265,8 +268,8 @@ class Scheduler:
         yielded = self._preempt_for_waiting(out) if self.policy.preempts_for_waiting else []
         self.waiting = deque(self.policy.order_waiting(self.waiting, now))
         plans = self._plan_running()
-        # Blocks in arrival order, so that preemption takes the latest arrivals: those after
-        # `i`, which have allocated nothing yet this step.
+        # Blocks in rank order, so that preemption takes the worst-ranked: those after `i`,
+        # which have allocated nothing yet this step.
         i = 0
         while i < len(self.running):
             group = self.running[i]
@@ -333,7 +336,7 @@ class Scheduler:
     def _plan_running(self) -> dict[SequenceGroup, Plan]:
         """The running groups' share of the token budget: every decode that fits (a group
         of several sequences may not, when older decodes took the budget), then prefills
-        FCFS, up to the first that does not fit."""
+        in rank order, up to the first that does not fit."""
         plans: dict[SequenceGroup, Plan] = {}
         budget = self.max_num_batched_tokens
         for group in self.running:
@@ -412,7 +415,7 @@ class Scheduler:
         preempted: list[SequenceGroup],
         cannot_fit: list[SequenceGroup],
     ) -> bool:
-        """Grow `group`'s blocks for `plan`, preempting the latest arrivals until they fit.
+        """Grow `group`'s blocks for `plan`, preempting the worst-ranked until they fit.
         Returns False if `group` itself had to go."""
         totals = [(seq, seq.num_planned_tokens + n) for seq, n in plan]
         while not self.block_manager.can_allocate(totals):

@@ -1,0 +1,212 @@
+"""sjf against fcfs on a mixed workload: short answers and long essays, Poisson arrivals.
+
+Half the requests ask for a one-word answer and get a few tokens, half ask for an essay
+and get hundreds (lengths forced with `max_tokens` + `ignore_eos`, so both runs do the
+same work); the class shows in the prompt's wording. Each policy gets a server of its own
+(same flags otherwise), a warm-up of requests from the same mix (sjf's predictor learns
+from them; fcfs gets them too), then the measured requests at `--load` times the
+capacity measured first (all requests of a calibration set at once, under fcfs).
+
+    python benchmarks/scheduling.py --max-num-seqs 16 --num-requests 240
+
+Reports, per policy: throughput, mean and p90 of E2E latency and TTFT, for all requests
+and per class, and the longest queue wait the server's histogram allows (its
+`serve_request_queue_time_seconds` bucket bound), against --sjf-max-wait-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+from server_process import start_server, stop_server
+from serving import RequestResult, latency_stats, send
+from workload import Request
+
+TOPICS = (
+    "the ocean", "mountains", "the moon", "trains", "coffee", "libraries", "rivers", "bees",
+    "winter", "bridges", "the desert", "music", "gardens", "volcanoes", "clocks", "islands",
+    "forests", "cities", "rain", "paper", "glass", "salt", "maps", "lighthouses",
+)
+SHORT_ASKS = (
+    "Answer in one word: what colour is {}?",
+    "One word only: is {} big or small?",
+    "Reply with a single word that describes {}.",
+)
+LONG_ASKS = (
+    "Write a long, detailed essay about the history of {}, with many paragraphs.",
+    "Write an extended story of several pages about {}, full of detail.",
+    "Compose a thorough, multi-section report on {} and everything around it.",
+)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: serve's default model")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--num-requests", type=int, default=240, help="measured, per policy")
+    p.add_argument("--num-warmup", type=int, default=64, help="sent first, not measured")
+    p.add_argument("--num-calibration", type=int, default=64)
+    p.add_argument("--load", type=float, default=0.8, help="arrival rate / capacity")
+    p.add_argument("--short", type=int, nargs=2, default=(2, 8), help="output token range")
+    p.add_argument("--long", type=int, nargs=2, default=(150, 250), help="output token range")
+    p.add_argument("--sjf-max-wait-s", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    return p.parse_args()
+
+
+def make_mix(n: int, args: argparse.Namespace, seed: int) -> list[tuple[str, bool, int]]:
+    """(prompt text, is_long, output tokens) for n requests, half of each class."""
+    rng = random.Random(seed)
+    mix = []
+    for i in range(n):
+        is_long = i % 2 == 1
+        ask = rng.choice(LONG_ASKS if is_long else SHORT_ASKS).format(rng.choice(TOPICS))
+        low, high = args.long if is_long else args.short
+        mix.append((ask, is_long, rng.randint(low, high)))
+    rng.shuffle(mix)
+    return mix
+
+
+async def tokenize(client: httpx.AsyncClient, model: str, text: str) -> list[int]:
+    body = {"model": model, "messages": [{"role": "user", "content": text}]}
+    response = await client.post("/tokenize", json=body)
+    response.raise_for_status()
+    return response.json()["tokens"]
+
+
+async def run_mix(
+    client: httpx.AsyncClient, model: str, mix: list[tuple[str, bool, int]], rate: float, seed: int
+) -> tuple[list[tuple[bool, RequestResult]], float]:
+    prompts = {text: await tokenize(client, model, text) for text, _, _ in mix}
+    arrivals = random.Random(seed)
+    start = time.perf_counter()
+    tasks = []
+    for text, is_long, num_tokens in mix:
+        request = Request(prompts[text], num_tokens)
+        tasks.append((is_long, asyncio.create_task(send(client, model, request, 0.0))))
+        if rate != float("inf"):
+            await asyncio.sleep(arrivals.expovariate(rate))
+    results = [(is_long, await task) for is_long, task in tasks]
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[tuple[bool, RequestResult]], duration_s: float) -> dict:
+    ok = [(is_long, r) for is_long, r in results if r.is_success]
+    summary = {
+        "num_successful": len(ok),
+        "num_failed": len(results) - len(ok),
+        "duration_s": duration_s,
+        "requests_per_s": len(ok) / duration_s,
+        "output_tokens_per_s": sum(r.num_output_tokens for _, r in ok) / duration_s,
+    }
+    for name, keep in (("all", lambda _: True), ("short", lambda x: not x), ("long", bool)):
+        chosen = [r for is_long, r in ok if keep(is_long)]
+        summary[name] = {
+            "e2e_ms": latency_stats([r.e2e_s for r in chosen]),
+            "ttft_ms": latency_stats([r.ttft_s for r in chosen if r.ttft_s is not None]),
+        }
+    return summary
+
+
+def longest_queue_wait_bound(metrics_text: str) -> float:
+    """The smallest histogram bound that every observed queue wait is under."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[float, float] = {}
+    count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != "serve_request_queue_time_seconds":
+            continue
+        for s in family.samples:
+            if s.name.endswith("_bucket"):
+                bound = float(s.labels["le"])
+                totals[bound] = totals.get(bound, 0.0) + s.value
+            elif s.name.endswith("_count"):
+                count += s.value
+    return min((b for b, c in totals.items() if c >= count), default=float("inf"))
+
+
+async def measure(url: str, mix, rate: float, args, seed: int) -> tuple[dict, float]:
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        warmup = make_mix(args.num_warmup, args, seed=args.seed + 100)
+        if warmup:
+            await run_mix(client, model, warmup, rate, seed=args.seed + 101)
+        results, duration = await run_mix(client, model, mix, rate, seed=seed)
+        metrics = (await client.get("/metrics")).text
+    return summarize(results, duration), longest_queue_wait_bound(metrics)
+
+
+def main() -> None:
+    args = parse_args()
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-scheduling-"))
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--sjf-max-wait-s", str(args.sjf_max_wait_s)]
+    report: dict = {
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+    }
+
+    process, url, _ = start_server(args.model, [*flags, "--scheduling-policy", "fcfs"], log_dir, "calibrate")
+    try:
+        calibration = make_mix(args.num_calibration, args, seed=args.seed + 200)
+
+        async def calibrate() -> float:
+            async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                results, duration = await run_mix(client, model, calibration, float("inf"), 0)
+            return sum(r.is_success for _, r in results) / duration
+
+        capacity = asyncio.run(calibrate())
+    finally:
+        stop_server(process)
+    rate = args.load * capacity
+    report.update(capacity_requests_per_s=capacity, rate_requests_per_s=rate)
+    print(f"capacity {capacity:.2f} req/s; sending {rate:.2f} req/s", flush=True)
+
+    mix = make_mix(args.num_requests, args, seed=args.seed)
+    for policy in ("fcfs", "sjf"):
+        process, url, _ = start_server(
+            args.model, [*flags, "--scheduling-policy", policy], log_dir, policy
+        )
+        try:
+            summary, wait_bound = asyncio.run(measure(url, mix, rate, args, seed=args.seed + 1))
+        finally:
+            stop_server(process)
+        summary["longest_queue_wait_at_most_s"] = wait_bound
+        report[policy] = summary
+        a = summary["all"]
+        print(
+            f"{policy}: {summary['requests_per_s']:.2f} req/s, "
+            f"{summary['output_tokens_per_s']:.0f} tok/s; E2E mean {a['e2e_ms']['mean']:.0f} "
+            f"p90 {a['e2e_ms']['p90']:.0f} ms; TTFT mean {a['ttft_ms']['mean']:.0f} "
+            f"p90 {a['ttft_ms']['p90']:.0f} ms; short E2E mean "
+            f"{summary['short']['e2e_ms']['mean']:.0f} ms, long "
+            f"{summary['long']['e2e_ms']['mean']:.0f} ms; queue wait <= {wait_bound} s; "
+            f"failed {summary['num_failed']}",
+            flush=True,
+        )
+    fcfs, sjf = report["fcfs"]["all"], report["sjf"]["all"]
+    report["sjf_over_fcfs"] = {
+        "e2e_mean": sjf["e2e_ms"]["mean"] / fcfs["e2e_ms"]["mean"],
+        "e2e_p90": sjf["e2e_ms"]["p90"] / fcfs["e2e_ms"]["p90"],
+        "ttft_mean": sjf["ttft_ms"]["mean"] / fcfs["ttft_ms"]["mean"],
+        "ttft_p90": sjf["ttft_ms"]["p90"] / fcfs["ttft_ms"]["p90"],
+        "throughput": report["sjf"]["requests_per_s"] / report["fcfs"]["requests_per_s"],
+    }
+    print("sjf / fcfs:", json.dumps(report["sjf_over_fcfs"], indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
