@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from api.openai_errors import assert_openai_error
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve.api.server import build_app
 from serve.api.serving_base import ServerSettings
