@@ -173,30 +173,24 @@ def job(seq_id: int, prompt: list[int], length: int, arrival: float) -> Sequence
     return group
 
 
-def test_sjf_is_fcfs_while_the_predictor_is_cold() -> None:
-    now = [0.0]
-    sched = sjf_scheduler(30.0, lambda: now[0], trained=False)
-    groups = [
-        job(0, long_prompt(0), LONG, 0.0),
-        job(1, short_prompt(1), SHORT, 1.0),
-        job(2, long_prompt(2), LONG, 2.0),
-        job(3, short_prompt(3), SHORT, 3.0),
+def long_and_short_jobs() -> list[SequenceGroup]:
+    """Long, short, long, short, one second apart."""
+    return [
+        job(i, (short_prompt if i % 2 else long_prompt)(i), SHORT if i % 2 else LONG, float(i))
+        for i in range(4)
     ]
-    add_all(sched, groups)
+
+
+def test_sjf_is_fcfs_while_the_predictor_is_cold() -> None:
+    sched = sjf_scheduler(30.0, lambda: 0.0, trained=False)
+    groups = add_all(sched, long_and_short_jobs())
     assert start_order(sched, groups) == ["r0", "r1", "r2", "r3"]
     assert_all_free(sched)
 
 
 def test_sjf_runs_shorter_predicted_jobs_first() -> None:
-    now = [0.0]
-    sched = sjf_scheduler(30.0, lambda: now[0])
-    groups = [
-        job(0, long_prompt(0), LONG, 0.0),
-        job(1, short_prompt(1), SHORT, 1.0),
-        job(2, long_prompt(2), LONG, 2.0),
-        job(3, short_prompt(3), SHORT, 3.0),
-    ]
-    add_all(sched, groups)
+    sched = sjf_scheduler(30.0, lambda: 0.0)
+    groups = add_all(sched, long_and_short_jobs())
     assert start_order(sched, groups) == ["r1", "r3", "r0", "r2"]
     # Each finished request taught the predictor, which reports its error.
     error = sched.policy.predictor_error
