@@ -13,6 +13,7 @@ from tiny_models import hf_greedy, random_prompts
 from serve import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+SMALL = {"kv_cache_memory": "8MiB", "max_model_len": 64}  # not the 4 GiB default
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_outputs_equal_hf_whatever_runs_first(tiny_llama, prompts, hf_outputs, p
 
 def test_priority_decides_who_finishes_first(tiny_llama, prompts):
     """One sequence at a time: requests run one by one, lowest priority value first."""
-    llm = LLM(model=str(tiny_llama), max_num_seqs=1, scheduling_policy="priority")
+    llm = LLM(model=str(tiny_llama), max_num_seqs=1, scheduling_policy="priority", **SMALL)
     try:
         priority = [5, 1, 3, 0, 4, 2, 7, 6]
         for i, (prompt, p) in enumerate(zip(prompts, priority)):
@@ -69,7 +70,7 @@ def test_priority_decides_who_finishes_first(tiny_llama, prompts):
 
 
 def test_a_priority_under_another_policy_is_refused(tiny_llama, prompts):
-    llm = LLM(model=str(tiny_llama))
+    llm = LLM(model=str(tiny_llama), **SMALL)
     try:
         with pytest.raises(ValueError, match="--scheduling-policy priority"):
             llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[0, 1])
@@ -83,7 +84,7 @@ def test_a_priority_under_another_policy_is_refused(tiny_llama, prompts):
 
 
 def test_sjf_learns_from_the_models_hidden_states(tiny_llama, prompts):
-    llm = LLM(model=str(tiny_llama), scheduling_policy="sjf")
+    llm = LLM(model=str(tiny_llama), scheduling_policy="sjf", **SMALL)
     try:
         policy = llm.engine.scheduler.policy
         llm.generate(prompts, GREEDY, use_tqdm=False)
