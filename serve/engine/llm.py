@@ -112,7 +112,7 @@ class LLM:
         prompt: str | None = None,
         priority: int = 0,
     ) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt, priority)
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt, priority=priority)
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -190,8 +190,8 @@ def test_a_fault_in_one_grammar(llm, healthy_prompts, monkeypatch):
 
     add_request = llm.engine.add_request
 
-    def tracking_add(request_id, prompt_token_ids, p, prompt=None):
-        add_request(request_id, prompt_token_ids, p, prompt)
+    def tracking_add(request_id, prompt_token_ids, p, prompt=None, **kwargs):
+        add_request(request_id, prompt_token_ids, p, prompt, **kwargs)
         if prompt_token_ids[0] == POISON:
             poisoned_ids.add(llm.engine.scheduler.get_group(request_id).seqs[0].seq_id)
 
