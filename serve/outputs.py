@@ -48,6 +48,17 @@ class RequestOutput:
         return sum(len(o.token_ids) for o in self.outputs)
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's phases in the core, in seconds (vLLM's request-level
+    metrics): waiting to be scheduled, from first scheduled to its first token, and from
+    there to its end. Durations, not timestamps: the core's clock is not the front end's."""
+
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+
+
 QUEUE_TIME_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 MAX_PRIORITY_LABELS = 16  # distinct priorities with their own series; later ones share one
 
@@ -92,6 +103,7 @@ class EngineStats:
     num_waiting: int = 0
     num_swapped: int = 0
     num_cpu_blocks_used: int = 0  # swap space in use
+    num_cpu_blocks_total: int = 0  # swap space
     queue_times: QueueTimes = field(default_factory=QueueTimes)
     # --scheduling-policy sjf: the output-length predictor's mean absolute error in tokens
     # (None until it predicts).

@@ -176,6 +176,9 @@ class SequenceGroup:
     # --scheduling-policy priority: lower runs first (vLLM's convention); 0 otherwise.
     priority: int = 0
     started: bool = False  # scheduled at least once (a preempted request stays started)
+    # The scheduler's clock when it was first scheduled, and when its first token came.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     # Set once the prompt sequence has been forked into `best_of` samples or beams.
     forked: bool = False
     # With `prompt_logprobs`: [None, then one entry per prompt token after the first],

@@ -10,6 +10,7 @@ import sys
 
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
 from serve.api.limits import RequestLimits
+from serve.api.metrics import METRIC_PREFIXES
 from serve.api.tool_parsers import TOOL_PARSERS
 from serve.config import InvalidSettingError
 
@@ -124,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-public",
         action="store_true",
         help="serve /metrics without an API key (to a scraper that sends none)",
+    )
+    server.add_argument(
+        "--metrics-names",
+        default="serve",
+        choices=sorted(METRIC_PREFIXES),
+        help="prefix of the vLLM-shaped series on /metrics (request latencies, tokens, "
+        "queue lengths, KV cache use): serve_ (Prometheus' conventions), or vllm: so that "
+        "vLLM's Grafana dashboards and autoscaling rules read them unchanged",
     )
     security.add_argument(
         "--allowed-origins",
@@ -258,6 +267,7 @@ def _load(args: argparse.Namespace):
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_public=args.metrics_public,
+        metrics_names=args.metrics_names,
         allowed_origins=comma_list(args.allowed_origins),
         tool_call_parser=args.tool_call_parser,
         max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,

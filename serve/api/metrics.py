@@ -1,9 +1,20 @@
-"""/metrics in Prometheus' text format: the engine's state and counters, and HTTP answers.
+"""/metrics in Prometheus' text format: request latencies, the engine's state and
+counters, and HTTP answers.
 
-The engine's figures come from the latest `CoreStats` the core sent (at most every
-0.5 s while busy, and when it goes idle), read at scrape time by a collector: a scrape
-never waits on the engine. Each app has its own registry, so several servers in one
-process (tests) do not share counters.
+Two kinds of series:
+- vLLM's: the request-level histograms (time to first token, inter-token and end-to-end
+  latency, queue, prefill and decode time, tokens per request), the token and finished
+  request counters, the scheduler's queue lengths, KV cache use, prefix cache hits and
+  preemptions. Their names and meanings are vLLM's and they carry its `model_name`
+  label; the prefix is `serve_` by default (Prometheus reserves `:` for recording rules)
+  and `vllm:` with `--metrics-names vllm`, under which vLLM's dashboards and autoscaling
+  rules work unchanged (the older names its example dashboard still reads come too).
+- serve's own, always `serve_`: engine liveness, KV blocks, step phases, HTTP statuses.
+
+The request metrics are the front end's (engine/request_metrics.py), read at scrape time;
+the engine's figures come from the latest `CoreStats` the core sent (at most every 0.5 s
+while busy, and when it goes idle). A scrape never waits on the engine. Each app has its
+own registry, so several servers in one process (tests) do not share counters.
 """
 
 from __future__ import annotations
@@ -20,14 +31,24 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from serve.engine.protocol import EngineClient
+from serve.engine.request_metrics import HISTOGRAMS, Histogram
 from serve.outputs import QUEUE_TIME_BUCKETS_S, QueueTimes
 
+METRIC_PREFIXES = {"serve": "serve_", "vllm": "vllm:"}  # --metrics-names
+# vLLM's older names, which its example Grafana dashboard still reads: alias → name.
+VLLM_ALIASES = {
+    "time_per_output_token_seconds": "inter_token_latency_seconds",
+    "gpu_cache_usage_perc": "kv_cache_usage_perc",
+}
 _STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, names: str) -> None:
         self.engine = engine
+        self.model_name = model_name
+        self.prefix = METRIC_PREFIXES[names]
+        self.aliases = names == "vllm"
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -35,14 +56,13 @@ class _EngineCollector(Collector):
             "1 while the engine runs, 0 once it has died.",
             value=1 if self.engine.is_alive else 0,
         )
+        yield from self._request_metrics()
         stats = self.engine.core_stats
         if stats is None:
             return
+        yield from self._engine_metrics()
         e = stats.engine
         for name, doc, value in (
-            ("serve_num_requests_running", "Requests in the running batch.", e.num_running),
-            ("serve_num_requests_waiting", "Requests waiting to start.", e.num_waiting),
-            ("serve_num_requests_swapped", "Requests swapped out to CPU.", e.num_swapped),
             ("serve_kv_cache_blocks_total", "KV cache blocks on the device.", e.num_blocks_total),
             ("serve_kv_cache_blocks_used", "KV blocks held by sequences.", e.num_blocks_used),
             (
@@ -50,35 +70,10 @@ class _EngineCollector(Collector):
                 "Free KV blocks still holding a reusable prefix.",
                 e.num_blocks_cached,
             ),
-            (
-                "serve_kv_cache_usage_ratio",
-                "Fraction of the KV cache's blocks held by sequences.",
-                e.num_blocks_used / max(e.num_blocks_total, 1),
-            ),
             ("serve_cpu_swap_blocks_used", "Swap-space blocks in use.", e.num_cpu_blocks_used),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (
-            (
-                "serve_generation_tokens",
-                "Tokens sampled (beams included).",
-                stats.num_generated_tokens,
-            ),
-            (
-                "serve_prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                e.prefix_cache_queries,
-            ),
-            (
-                "serve_prefix_cache_hits",
-                "Prompt tokens found in the prefix cache.",
-                e.prefix_cache_hits,
-            ),
-            (
-                "serve_num_preemptions",
-                "Requests preempted for lack of KV blocks.",
-                e.num_preemptions,
-            ),
             ("serve_engine_steps", "Engine steps run.", stats.step_times.num_steps),
             (
                 "serve_engine_overlapped_seconds",
@@ -88,7 +83,6 @@ class _EngineCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
-        yield _queue_time_histogram(e.queue_times)
         if e.sjf_predictor_mae_tokens is not None:
             yield GaugeMetricFamily(
                 "serve_sjf_predictor_mae_tokens",
@@ -105,26 +99,110 @@ class _EngineCollector(Collector):
             phases.add_metric([phase], getattr(stats.step_times, f"{phase}_s"))
         yield phases
 
+    # -- vLLM's series -------------------------------------------------------------------
 
-def _queue_time_histogram(queue_times: QueueTimes) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(
-        "serve_request_queue_time_seconds",
-        "Seconds from a request's arrival at the engine to its first scheduled step, by "
-        "priority (0 unless --scheduling-policy priority).",
-        labels=["priority"],
-    )
-    for label, counts in sorted(queue_times.counts.items()):
+    def _names(self, name: str) -> list[str]:
+        """The metric's exported names: vLLM's, prefixed, and its older alias if any."""
+        names = [self.prefix + name]
+        if self.aliases:
+            names += [self.prefix + old for old, new in VLLM_ALIASES.items() if new == name]
+        return names
+
+    def _request_metrics(self) -> Iterator[Metric]:
+        snap = self.engine.request_metrics.snapshot()
+        model = [self.model_name]
+        for name, (_, doc) in HISTOGRAMS.items():
+            for exported in self._names(name):
+                yield _histogram(
+                    exported, doc, ["model_name"], {tuple(model): snap.histograms[name]}
+                )
+        for name, doc, value in (
+            ("prompt_tokens", "Prompt tokens of requests that have started.", snap.prompt_tokens),
+            ("generation_tokens", "Generated tokens (all sequences).", snap.generation_tokens),
+        ):
+            yield _counter(self.prefix + name, doc, model, value)
+        finished = CounterMetricFamily(
+            self.prefix + "request_success",
+            "Requests that ended, by finish reason (stop, length, abort, error).",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason, count in sorted(snap.finished.items()):
+            finished.add_metric([self.model_name, reason], count)
+        yield finished
+
+    def _engine_metrics(self) -> Iterator[Metric]:
+        stats = self.engine.core_stats
+        assert stats is not None
+        e = stats.engine
+        model = [self.model_name]
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", e.num_running),
+            ("num_requests_waiting", "Requests waiting to start.", e.num_waiting),
+            ("num_requests_swapped", "Requests swapped out to CPU.", e.num_swapped),
+            (
+                "kv_cache_usage_perc",
+                "Fraction (0 to 1) of the KV cache's blocks held by sequences.",
+                e.num_blocks_used / max(e.num_blocks_total, 1),
+            ),
+            (
+                "cpu_cache_usage_perc",
+                "Fraction (0 to 1) of the swap space's blocks in use.",
+                e.num_cpu_blocks_used / max(e.num_cpu_blocks_total, 1),
+            ),
+        ):
+            for exported in self._names(name):
+                gauge = GaugeMetricFamily(exported, doc, labels=["model_name"])
+                gauge.add_metric(model, value)
+                yield gauge
+        for name, doc, value in (
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                e.prefix_cache_queries,
+            ),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted for lack of KV blocks.", e.num_preemptions),
+        ):
+            yield _counter(self.prefix + name, doc, model, value)
+        yield self._queue_time_histogram(e.queue_times)
+
+    def _queue_time_histogram(self, queue_times: QueueTimes) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(
+            self.prefix + "request_queue_time_seconds",
+            "Seconds from a request's arrival at the engine to its first scheduled step, "
+            "by priority (0 unless --scheduling-policy priority).",
+            labels=["model_name", "priority"],
+        )
         bounds = [str(b) for b in QUEUE_TIME_BUCKETS_S] + ["+Inf"]
-        family.add_metric([label], list(zip(bounds, counts)), queue_times.sums[label])
+        for label, counts in sorted(queue_times.counts.items()):
+            buckets = list(zip(bounds, counts))
+            family.add_metric([self.model_name, label], buckets, queue_times.sums[label])
+        return family
+
+
+def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(labels, value)
+    return family
+
+
+def _histogram(
+    name: str, doc: str, label_names: list[str], series: dict[tuple[str, ...], Histogram]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=label_names)
+    for labels, h in series.items():
+        family.add_metric(list(labels), h.cumulative(), h.total)
     return family
 
 
 class ServerMetrics:
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, names: str = "serve") -> None:
+        if names not in METRIC_PREFIXES:
+            raise ValueError(f"metrics names must be one of {sorted(METRIC_PREFIXES)}")
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, model_name, names))
         self.http_responses = Counter(
             "serve_http_responses",
             "HTTP responses by status code (499: the client hung up first).",

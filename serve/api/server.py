@@ -108,7 +108,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["Retry-After"],
         )
-    app.state.metrics = metrics = ServerMetrics(engine)
+    app.state.metrics = metrics = ServerMetrics(
+        engine, settings.served_model_name, settings.metrics_names
+    )
     app.add_middleware(AccessLog, on_response=metrics.count_response)
 
     def _log_unknown(body: OpenAIModel) -> None:

@@ -38,6 +38,7 @@ class ServerSettings:
     # with it (sandboxed or not, a template is code the server runs for them).
     trust_request_chat_template: bool = False
     metrics_public: bool = False  # /metrics needs no key
+    metrics_names: str = "serve"  # the prefix of the vLLM-shaped series: serve_ or vllm:
     allowed_origins: tuple[str, ...] = ()  # CORS for these browser origins; empty: no CORS
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
     max_generating_requests: int | None = None  # in flight, running or queued; None: no cap

@@ -203,6 +203,7 @@ class EngineCore:
             num_waiting=len(sched.waiting) + len(sched.awaiting_grammar),
             num_swapped=len(sched.swapped),
             num_cpu_blocks_used=bm.cpu_pool.num_used_blocks,
+            num_cpu_blocks_total=bm.cpu_pool.num_blocks,
             queue_times=sched.queue_times.copy(),
             sjf_predictor_mae_tokens=sched.policy.predictor_error,
         )

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.protocol import request_error_message
+from serve.engine.request_metrics import RequestMetrics
 from serve.outputs import CompletionOutput, RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta, SeqDelta
@@ -78,6 +80,7 @@ class RequestState:
         prompt_token_ids: list[int],
         params: SamplingParams,
         tokenizer: Any,
+        arrival_time: float,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -87,6 +90,10 @@ class RequestState:
         self.seqs: dict[int, _SeqOutput] = {}  # by index, in the order the core made them
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.is_finished = False
+        # time.monotonic() of its arrival here, its first and its latest output tokens.
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
 
     @property
     def streams(self) -> bool:
@@ -194,6 +201,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._requests: dict[str, RequestState] = {}
         self._lock = threading.Lock()  # guards _requests between threads
+        self.metrics = RequestMetrics()  # written by `process` (and aborts), read anywhere
 
     def add_request(
         self,
@@ -202,7 +210,9 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
     ) -> None:
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer)
+        state = RequestState(
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, time.monotonic()
+        )
         with self._lock:
             self._requests[request_id] = state
 
@@ -210,7 +220,9 @@ class OutputProcessor:
         """Forget a request (its reader left, or it was aborted): its later deltas are
         dropped."""
         with self._lock:
-            self._requests.pop(request_id, None)
+            state = self._requests.pop(request_id, None)
+        if state is not None and not state.is_finished:
+            self.metrics.ended_early("abort")
 
     @property
     def num_requests(self) -> int:
@@ -225,12 +237,14 @@ class OutputProcessor:
             states = [self._requests.get(d.request_id) for d in deltas]
         step = ProcessedStep()
         ended: list[str] = []
+        now = time.monotonic()
         for delta, state in zip(deltas, states):
             if state is None:
                 continue  # ended here already (a stop string, a fault) or forgotten
             if delta.error is not None:
                 ended.append(state.request_id)
                 step.outputs.append(_failed(state, delta.error))
+                self.metrics.ended_early("error")
                 continue
             try:
                 changed, to_core = state.apply(delta)
@@ -241,10 +255,12 @@ class OutputProcessor:
                 logger.exception("Request %s: processing its output failed", state.request_id)
                 ended.append(state.request_id)
                 step.outputs.append(_failed(state, request_error_message(e)))
+                self.metrics.ended_early("error")
                 if not delta.finished:
                     step.to_core.append(AbortRequest(state.request_id))
                 continue
             step.to_core += to_core
+            self._observe(state, delta, now)
             if state.is_finished:
                 ended.append(state.request_id)
             if output is not None:
@@ -254,6 +270,36 @@ class OutputProcessor:
                 for request_id in ended:
                     self._requests.pop(request_id, None)
         return step
+
+    def _observe(self, state: RequestState, delta: RequestDelta, now: float) -> None:
+        """Time the request's new tokens, and its end."""
+        num_new = sum(len(d.token_ids) for d in delta.seqs)
+        if num_new:
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.metrics.first_token(now - state.arrival_time, len(state.prompt_token_ids))
+                self.metrics.new_tokens(num_new, None)
+            else:
+                self.metrics.new_tokens(num_new, now - (state.last_token_time or now))
+            state.last_token_time = now
+        if not state.is_finished:
+            return
+        first = next(iter(state.seqs.values()), None)
+        if first is None or first.finish_reason in (None, FinishReason.ABORT):
+            self.metrics.ended_early("abort")  # ended by the core (a shutdown, a stop)
+            return
+        params = state.params
+        self.metrics.finished(
+            first.finish_reason.value,
+            now - state.arrival_time,
+            None if state.first_token_time is None else now - state.first_token_time,
+            len(state.prompt_token_ids),
+            sum(len(s.token_ids) for s in state.seqs.values()),
+            max(len(s.token_ids) for s in state.seqs.values()),
+            params.max_tokens,
+            params.n,
+            delta.times,
+        )
 
 
 def _failed(state: RequestState, error: str) -> RequestOutput:

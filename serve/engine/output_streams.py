@@ -20,6 +20,7 @@ from typing import Any
 from serve.engine.messages import AbortRequest, AddRequest, Command, CoreStats
 from serve.engine.output_processor import OutputProcessor
 from serve.engine.protocol import EngineDeadError, RequestError, RequestTimeoutError
+from serve.engine.request_metrics import RequestMetrics
 from serve.outputs import RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
@@ -43,6 +44,10 @@ class OutputStreams:
         self.dead_error: EngineDeadError | None = None  # set once, by fail_all
         self._processor = OutputProcessor(tokenizer)
         self._send = send  # a command to the core
+
+    @property
+    def request_metrics(self) -> RequestMetrics:
+        return self._processor.metrics
 
     async def generate(
         self, add: AddRequest, timeout_s: float | None = None
@@ -153,6 +158,10 @@ class EngineFrontEnd:
     @property
     def dead_error(self) -> EngineDeadError | None:
         return self._streams.dead_error
+
+    @property
+    def request_metrics(self) -> RequestMetrics:
+        return self._streams.request_metrics
 
     def generate(
         self,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from serve.engine.messages import CoreStats
+from serve.engine.request_metrics import RequestMetrics
 from serve.outputs import RequestOutput, request_error_message
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -52,6 +53,10 @@ class EngineClient(Protocol):
     @property
     def core_stats(self) -> CoreStats | None:
         """The core's latest state and counters (None before its first report)."""
+
+    @property
+    def request_metrics(self) -> RequestMetrics:
+        """Latencies and sizes of the requests served so far (/metrics reads them)."""
 
     def generate(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from serve.outputs import RequestTimes
 from serve.sequence import FinishReason, Sequence, SequenceGroup
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class RequestDelta:
     # Sent with the request's first message (the prompt is computed by then).
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # the core failed this request alone (RequestOutput.error)
+    times: RequestTimes | None = None  # with the final message of a request that finished
 
 
 def step_delta(group: SequenceGroup) -> RequestDelta:

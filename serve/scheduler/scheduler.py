@@ -60,10 +60,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 from serve.config import SchedulerConfig
 from serve.kv_cache.block_manager import BlockManager
-from serve.outputs import QueueTimes, request_error_message
+from serve.outputs import QueueTimes, RequestTimes, request_error_message
 from serve.sampling_params import SamplingParams
 from serve.scheduler.beam_search import BeamSearch
 from serve.scheduler.output_deltas import (
@@ -391,7 +392,9 @@ class Scheduler:
             is_sampled = start + n == seq.num_tokens + seq.num_pending_tokens
             fork_seq_ids: list[int] = []
             if is_sampled and group.needs_fork:
-                fork_seq_ids = [self._new_seq_id() for _ in range(group.sampling_params.best_of - 1)]
+                fork_seq_ids = [
+                    self._new_seq_id() for _ in range(group.sampling_params.best_of - 1)
+                ]
             if is_sampled and (group.needs_fork or group.sampling_params.use_beam_search):
                 out.forks_sequences = True
             self.worker_sync.schedule(group, seq, start, n, is_sampled, fork_seq_ids, out)
@@ -475,7 +478,10 @@ class Scheduler:
         self.policy.on_admit(group)
         if not group.started:
             group.started = True
-            self.queue_times.observe(group.priority, self.clock() - group.arrival_time)
+            group.first_scheduled_time = self.clock()
+            self.queue_times.observe(
+                group.priority, group.first_scheduled_time - group.arrival_time
+            )
         self._set_running(group)
         self._allocate(plan, out)
         self._schedule(group, plan, out)
@@ -596,12 +602,15 @@ class Scheduler:
             with self._request_scope(group, deltas):
                 self._beam_step(group, [candidates[seq.seq_id] for seq in group.live_seqs])
                 touched[request_id] = group
+        now = self.clock()
         for group in touched.values():
             if group.request_id not in self._groups:
                 continue  # failed meanwhile; its final message is in `deltas`
+            if group.first_token_time is None:
+                group.first_token_time = now
             with self._request_scope(group, deltas):
                 if group.is_finished:
-                    delta = self._delta(group)
+                    delta = replace(self._delta(group), times=_request_times(group, now))
                     self._remove(group)
                     deltas.append(delta)
                 elif not group.sampling_params.use_beam_search:
@@ -620,7 +629,9 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.mark_computed(seq)
 
-    def _record_prompt_logprobs(self, result: ModelRunnerOutput, failed: list[RequestDelta]) -> None:
+    def _record_prompt_logprobs(
+        self, result: ModelRunnerOutput, failed: list[RequestDelta]
+    ) -> None:
         for span in result.prompt_logprobs:
             seq = self._seqs.get(span.seq_id)
             group = None if seq is None else self._groups.get(seq.request_id)
@@ -786,6 +797,16 @@ class Scheduler:
         if group.sampling_params.use_beam_search:
             return beam_search_delta(group, self._beam_searches.get(group.request_id))
         return step_delta(group)
+
+
+def _request_times(group: SequenceGroup, now: float) -> RequestTimes | None:
+    if group.first_scheduled_time is None or group.first_token_time is None:
+        return None
+    return RequestTimes(
+        queue_s=group.first_scheduled_time - group.arrival_time,
+        prefill_s=group.first_token_time - group.first_scheduled_time,
+        decode_s=now - group.first_token_time,
+    )
 
 
 def _is_decoding(group: SequenceGroup) -> bool:

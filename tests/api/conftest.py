@@ -55,14 +55,17 @@ class Server:
 
 
 def scrape_metrics(server: Server, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """The server's /metrics samples, as {'name{label="v",...}': value}."""
+    """The server's /metrics samples, as {'name{label="v",...}': value}, without the
+    `model_name` label every vLLM-shaped series carries (a server serves one model)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name"
+            )
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
 
@@ -72,8 +75,9 @@ def wait_until_idle(server: Server, timeout_s: float = 30.0) -> dict[str, float]
     deadline = time.monotonic() + timeout_s
     while True:
         metrics = scrape_metrics(server)
+        prefix = "vllm:" if "vllm:num_requests_running" in metrics else "serve_"
         busy = sum(
-            metrics.get(f"serve_num_requests_{state}", 1.0)
+            metrics.get(f"{prefix}num_requests_{state}", 1.0)
             for state in ("running", "waiting", "swapped")
         )
         if busy == 0 or time.monotonic() > deadline:

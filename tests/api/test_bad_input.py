@@ -13,6 +13,8 @@ import httpx
 import pytest
 from api.openai_errors import assert_openai_error
 
+from serve.engine.request_metrics import RequestMetrics
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Hello!"}]
@@ -416,6 +418,7 @@ class _EngineWithABug:
     max_model_len = 64
     is_alive = True
     core_stats = None
+    request_metrics = RequestMetrics()
 
 
 def test_an_unexpected_error_is_a_500_that_the_app_does_not_raise(caplog):

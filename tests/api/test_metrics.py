@@ -25,7 +25,7 @@ def test_metrics_count_tokens_and_responses_and_free_blocks(server):
     assert after["serve_engine_alive"] == 1
     assert after["serve_kv_cache_blocks_used"] == 0
     assert after["serve_kv_cache_blocks_total"] > 0
-    assert 0 <= after["serve_kv_cache_usage_ratio"] <= 1
+    assert 0 <= after["serve_kv_cache_usage_perc"] <= 1
 
 
 def test_metrics_show_a_running_request(long_context_model, server_factory):

@@ -1,0 +1,192 @@
+"""Request-level latency and size distributions, as vLLM exports them.
+
+Measured where a request's outputs reach the front end (`OutputProcessor`, on the thread
+that receives the core's steps), so time to first token and inter-token latency include
+everything but the HTTP hop: the queue, the forward passes, the IPC and the decoding of
+text. The core adds what only it knows: how long a finished request waited, prefilled
+and decoded (`RequestTimes`). /metrics reads a `snapshot()` at scrape time.
+
+Names are vLLM's metric names without the `vllm:` prefix (api/metrics.py adds a prefix),
+buckets are vLLM's, so dashboards and autoscaling rules written for vLLM read them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+
+from serve.outputs import RequestTimes
+
+TTFT_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS_S = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS_S = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+# 1, 2, 5, 10, 20, 50, ... up to a million tokens: every context a model has today.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5)) + (1e6,)
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+
+# name → (buckets, help). The front end observes all of them; the queue time histogram
+# is the scheduler's (by priority, outputs.QueueTimes).
+HISTOGRAMS: dict[str, tuple[tuple[float, ...], str]] = {
+    "time_to_first_token_seconds": (
+        TTFT_BUCKETS_S,
+        "Seconds from a request's arrival to its first output token.",
+    ),
+    "inter_token_latency_seconds": (
+        ITL_BUCKETS_S,
+        "Seconds between a request's successive outputs (one observation per step that "
+        "gave it tokens).",
+    ),
+    "e2e_request_latency_seconds": (
+        REQUEST_LATENCY_BUCKETS_S,
+        "Seconds from a request's arrival to its last output, for finished requests.",
+    ),
+    "request_time_per_output_token_seconds": (
+        ITL_BUCKETS_S,
+        "Per request: seconds from its first to its last token over the tokens between.",
+    ),
+    "request_prefill_time_seconds": (
+        REQUEST_LATENCY_BUCKETS_S,
+        "Seconds from a request's first scheduled step to its first token, in the engine.",
+    ),
+    "request_decode_time_seconds": (
+        REQUEST_LATENCY_BUCKETS_S,
+        "Seconds from a request's first token to its end, in the engine.",
+    ),
+    "request_inference_time_seconds": (
+        REQUEST_LATENCY_BUCKETS_S,
+        "Seconds from a request's first scheduled step to its end (prefill and decode).",
+    ),
+    "request_prompt_tokens": (TOKEN_BUCKETS, "Prompt tokens per finished request."),
+    "request_generation_tokens": (
+        TOKEN_BUCKETS,
+        "Generated tokens per finished request (all its sequences).",
+    ),
+    "request_max_num_generation_tokens": (
+        TOKEN_BUCKETS,
+        "Per finished request: the most tokens any one of its sequences generated.",
+    ),
+    "request_params_max_tokens": (TOKEN_BUCKETS, "The max_tokens of finished requests."),
+    "request_params_n": (N_BUCKETS, "The n of finished requests."),
+}
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (not cumulative; the last is above every bound) and the sum."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """Prometheus' buckets: (le, observations at most le), ending with +Inf."""
+        out, running = [], 0
+        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
+            running += n
+            out.append((bound, running))
+        return out
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+
+@dataclass
+class RequestMetricsSnapshot:
+    histograms: dict[str, Histogram]
+    prompt_tokens: int  # of requests that have had their first token
+    generation_tokens: int  # output tokens that reached the front end
+    finished: dict[str, int]  # requests by finish reason: stop, length, abort, error
+
+
+class RequestMetrics:
+    """The front end's request metrics. One writer thread (the output processor's);
+    `snapshot` may run on any other."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._histograms = {name: Histogram(bounds) for name, (bounds, _) in HISTOGRAMS.items()}
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished: dict[str, int] = {}
+
+    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+        with self._lock:
+            self._histograms["time_to_first_token_seconds"].observe(ttft_s)
+            self._prompt_tokens += num_prompt_tokens
+
+    def new_tokens(self, num_tokens: int, since_last_s: float | None) -> None:
+        """A step gave a request `num_tokens`; `since_last_s` since its previous output
+        (None for its first)."""
+        with self._lock:
+            self._generation_tokens += num_tokens
+            if since_last_s is not None:
+                self._histograms["inter_token_latency_seconds"].observe(since_last_s)
+
+    def finished(
+        self,
+        reason: str,
+        e2e_s: float,
+        decode_s: float | None,
+        num_prompt_tokens: int,
+        num_generated_tokens: int,
+        max_seq_tokens: int,
+        max_tokens: int | None,
+        n: int,
+        times: RequestTimes | None,
+    ) -> None:
+        """A request ended by itself (a stop, a length, an error). `decode_s`: from its
+        first to its last token, as the front end saw them."""
+        h = self._histograms
+        with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+            h["e2e_request_latency_seconds"].observe(e2e_s)
+            h["request_prompt_tokens"].observe(num_prompt_tokens)
+            h["request_generation_tokens"].observe(num_generated_tokens)
+            h["request_max_num_generation_tokens"].observe(max_seq_tokens)
+            if max_tokens is not None:
+                h["request_params_max_tokens"].observe(max_tokens)
+            h["request_params_n"].observe(n)
+            if decode_s is not None and num_generated_tokens > 1:
+                per_token = decode_s / (num_generated_tokens - 1)
+                h["request_time_per_output_token_seconds"].observe(per_token)
+            if times is not None:
+                h["request_prefill_time_seconds"].observe(times.prefill_s)
+                h["request_decode_time_seconds"].observe(times.decode_s)
+                h["request_inference_time_seconds"].observe(times.prefill_s + times.decode_s)
+
+    def ended_early(self, reason: str) -> None:
+        """A request ended before it finished: "abort" (its client left, it timed out) or
+        "error" (processing it failed). Counted, not timed."""
+        with self._lock:
+            self._finished[reason] = self._finished.get(reason, 0) + 1
+
+    def snapshot(self) -> RequestMetricsSnapshot:
+        with self._lock:
+            return RequestMetricsSnapshot(
+                {name: h.copy() for name, h in self._histograms.items()},
+                self._prompt_tokens,
+                self._generation_tokens,
+                dict(self._finished),
+            )
