@@ -6,7 +6,9 @@ it can); skipped without it.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -22,10 +24,17 @@ PROMETHEUS = shutil.which("prometheus")
 SCRAPE_INTERVAL = "500ms"
 
 
-@pytest.fixture
-def prometheus(server, tmp_path: Path):
+@pytest.fixture(scope="module")
+def prometheus_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("prometheus")
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, prometheus_dir: Path):
+    """A Prometheus scraping `server` every 500 ms, for this module's tests in turn."""
     if PROMETHEUS is None:
         pytest.skip("no prometheus binary (apt-get install prometheus)")
+    tmp_path = prometheus_dir
     target = server.url.removeprefix("http://")
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -77,7 +86,8 @@ def _wait_for(ready, what: str, tmp_path: Path, timeout_s: float = 30.0) -> None
         time.sleep(0.2)
 
 
-def test_promql_reads_time_to_first_token_quantiles(server, prometheus, tmp_path):
+def test_promql_reads_time_to_first_token_quantiles(server, prometheus, prometheus_dir):
+    tmp_path = prometheus_dir
     body = {"model": server.model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
     slowest = 0.0
     for _ in range(4):
@@ -85,7 +95,9 @@ def test_promql_reads_time_to_first_token_quantiles(server, prometheus, tmp_path
         assert httpx.post(f"{server.v1}/completions", json=body, timeout=60).status_code == 200
         slowest = max(slowest, time.perf_counter() - start)
 
-    p50 = "histogram_quantile(0.5, sum by (le) (rate(serve_time_to_first_token_seconds_bucket[1m])))"
+    p50 = (
+        "histogram_quantile(0.5, sum by (le) (rate(serve_time_to_first_token_seconds_bucket[1m])))"
+    )
 
     def has_quantile() -> bool:
         value = _query(prometheus, p50)
@@ -99,3 +111,40 @@ def test_promql_reads_time_to_first_token_quantiles(server, prometheus, tmp_path
     assert 0 < value <= max(slowest, 0.25) * 4
     finished = 'sum(serve_request_success_total{finished_reason="length"})'
     _wait_for(lambda: (_query(prometheus, finished) or 0) >= 4, "count of 4 requests", tmp_path)
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "docker/grafana/dashboards/serve.json"
+
+
+def test_every_dashboard_query_reads_serve_series(server, prometheus, prometheus_dir):
+    """The Grafana dashboard's queries are valid PromQL over series serve exports: each
+    one, with Grafana's variables filled in, answers with data from the scraped server."""
+    body = {"model": server.model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}
+    assert httpx.post(f"{server.v1}/completions", json=body, timeout=60).status_code == 200
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert len(exprs) >= 15
+    names = {n for e in exprs for n in re.findall(r"\bserve_[a-z0-9_]+", e)}
+    for wanted in (
+        "serve_time_to_first_token_seconds_bucket",
+        "serve_inter_token_latency_seconds_bucket",
+        "serve_e2e_request_latency_seconds_bucket",
+        "serve_num_requests_waiting",
+        "serve_kv_cache_usage_perc",
+        "serve_num_preemptions_total",
+        "serve_generation_tokens_total",
+    ):
+        assert wanted in names, f"the dashboard shows no {wanted}"
+
+    def unanswered() -> list[str]:
+        empty = []
+        for expr in exprs:
+            promql = expr.replace("$__rate_interval", "1m").replace("$model_name", ".*")
+            reply = httpx.get(f"{prometheus}/api/v1/query", params={"query": promql}, timeout=5)
+            assert reply.status_code == 200, f"{expr}: {reply.text}"  # valid PromQL
+            if not reply.json()["data"]["result"]:
+                empty.append(expr)
+        return empty
+
+    # Rates answer once two scrapes in the window have seen the series.
+    _wait_for(lambda: not unanswered(), "answer to every dashboard query", prometheus_dir)
