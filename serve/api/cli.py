@@ -20,7 +20,8 @@ logger = logging.getLogger("serve")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="serve",
-        description="Serve an LLM over an OpenAI-compatible HTTP API.",
+        description="Serve an LLM over an OpenAI-compatible HTTP API. "
+        "(`serve bench --help`: the load tool.)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     groups = add_engine_flags(p)  # every engine setting, from the config's fields
@@ -190,6 +191,11 @@ def api_keys(flag_values: list[str] | None, environment: str | None) -> tuple[st
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # `serve bench ...`: the load tool, not a server
+        from serve.bench.cli import main as bench
+
+        sys.exit(bench(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -1,0 +1,1 @@
+"""`serve bench`: a load generator for OpenAI-compatible servers, with JSON and plots."""

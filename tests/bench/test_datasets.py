@@ -1,0 +1,67 @@
+"""serve bench's request sets: seeded, with the lengths they promise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from serve.bench.datasets import prefix_requests, random_requests, sharegpt_requests
+
+TOKENS = range(10, 500)
+
+
+def test_random_requests_are_seeded_and_within_their_ranges():
+    a = random_requests(20, (4, 9), (2, 6), TOKENS, seed=5)
+    assert a == random_requests(20, (4, 9), (2, 6), TOKENS, seed=5)
+    assert a != random_requests(20, (4, 9), (2, 6), TOKENS, seed=6)
+    assert all(4 <= r.num_prompt_tokens <= 9 and 2 <= r.num_output_tokens <= 6 for r in a)
+    assert all(10 <= t < 500 for r in a for t in r.prompt_token_ids)
+    # the ranges are inclusive and both ends are drawn
+    assert {len(r.prompt) for r in random_requests(200, (4, 5), (1, 1), TOKENS)} == {4, 5}
+
+
+def test_prefix_requests_share_their_group_prefix_only():
+    requests = prefix_requests(12, 3, prefix_len=16, suffix_len=4, output_len=5, token_ids=TOKENS)
+    assert len(requests) == 12 and all(r.num_output_tokens == 5 for r in requests)
+    prefixes = {tuple(r.prompt[:16]) for r in requests}
+    assert len(prefixes) == 3
+    for prefix in prefixes:
+        group = [r for r in requests if tuple(r.prompt[:16]) == prefix]
+        assert len(group) == 4
+        assert all(len(r.prompt) == 20 for r in group)
+
+
+def _conversation(prompt: str, reply: str) -> dict:
+    return {"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": reply}]}
+
+
+def test_sharegpt_takes_first_turns_and_skips_what_vllm_skips(tmp_path):
+    data = [
+        _conversation("one two three four five", "a b c d e f"),
+        _conversation("too short", "a b c d e"),  # prompt under 4 tokens
+        _conversation("one two three four", "no"),  # reply under 4 tokens
+        {"conversations": [{"from": "gpt", "value": "x y z w"}, {"from": "human", "value": "q"}]},
+        {"conversations": [{"from": "human", "value": "alone in here"}]},
+        _conversation("w " * 50, "r " * 60),  # past max_len
+        _conversation("six seven eight nine", "g h i j"),
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    requests = sharegpt_requests(path, 10, lambda text: len(text.split()), max_len=100, seed=1)
+    got = sorted((r.prompt, r.num_prompt_tokens, r.num_output_tokens) for r in requests)
+    assert got == [("one two three four five", 5, 6), ("six seven eight nine", 4, 4)]
+    assert len(sharegpt_requests(path, 1, lambda text: len(text.split()))) == 1
+
+
+def test_sharegpt_says_what_is_wrong_with_a_bad_file(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the ShareGPT file"):
+        sharegpt_requests(bad, 1, len)
+    bad.write_text(json.dumps({"conversations": []}))
+    with pytest.raises(ValueError, match="JSON list"):
+        sharegpt_requests(bad, 1, len)
+    bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}]))
+    with pytest.raises(ValueError, match="no usable"):
+        sharegpt_requests(bad, 1, len)
