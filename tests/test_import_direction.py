@@ -3,7 +3,8 @@
 Imports run down the picture only: api → engine → scheduler → kv_cache, engine → executor
 → worker → models → kernels, with `distributed` (the tensor-parallel group) below the
 worker and the models. Every layer may import the leaf modules; leaves import only leaves; kernels import
-nothing of serve but config; nothing imports serve.api. The scheduler, the block allocator
+nothing of serve but config; nothing imports serve.api. `bench` (the load tool) imports
+nothing of serve but itself: it speaks HTTP to any server. The scheduler, the block allocator
 and the leaves import no torch, not even inside a function, and not through another module.
 """
 
@@ -25,7 +26,7 @@ PACKAGE_DIR = REPO_ROOT / "serve"
 LEAVES = frozenset({"config", "sampling_params", "sequence", "outputs", "step"})
 LAYERS = frozenset(
     {"api", "engine", "scheduler", "kv_cache", "executor", "worker", "models", "distributed"}
-    | {"kernels"}
+    | {"kernels", "bench"}
 )
 ROOT = "root"  # serve/__init__.py, and `from serve import Name` re-exports
 EVERYTHING = LAYERS | LEAVES | {ROOT}
@@ -42,6 +43,7 @@ ALLOWED_IMPORTS = {
     "models": {"models", "distributed", "kernels"} | LEAVES,
     "distributed": {"distributed"} | LEAVES,
     "kernels": {"kernels", "config"},
+    "bench": {"bench"},
     ROOT: EVERYTHING - {"api"},
     **{leaf: LEAVES for leaf in LEAVES},
 }
