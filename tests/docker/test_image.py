@@ -26,7 +26,14 @@ IMAGE = "serve-test:latest"
 BUILD_TIMEOUT_S = 3600.0
 HEALTHY_TIMEOUT_S = 300.0
 SHUTDOWN_TIMEOUT_S = 20.0  # serve's --shutdown-timeout: the most a drain may take
-MIRROR_ARG_NAMES = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "EXTRA_CA_CERT")
+MIRROR_ARG_NAMES = (
+    "PIP_INDEX_URL",
+    "PIP_EXTRA_INDEX_URL",
+    "PIP_FIND_LINKS",
+    "PIP_TRUSTED_HOST",
+    "TORCH_INDEX_URL",
+    "EXTRA_CA_CERT",
+)
 
 
 @pytest.fixture(scope="module")
