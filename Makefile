@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench docker clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py
+
+# The CPU image (docker/Dockerfile); README "Docker" has the build arguments.
+IMAGE ?= serve:latest
+DOCKER_BUILD_ARGS ?=
+docker:
+	docker build -f docker/Dockerfile -t $(IMAGE) $(DOCKER_BUILD_ARGS) .
 
 clean:
 	rm -rf $(VENV)

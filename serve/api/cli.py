@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     server = p.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument(
+        "--host",
+        default=os.environ.get("SERVE_HOST") or "127.0.0.1",
+        help="address to listen on; without the flag, $SERVE_HOST (the Docker image sets "
+        "0.0.0.0), else 127.0.0.1",
+    )
     server.add_argument("--port", type=int, default=8000, help="port to listen on")
     server.add_argument(
         "--log-level",

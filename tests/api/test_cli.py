@@ -84,6 +84,14 @@ def test_spellings_users_know():
     assert config_from([]).scheduler.max_num_batched_tokens is None
 
 
+def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
+    monkeypatch.delenv("SERVE_HOST", raising=False)
+    assert build_parser().parse_args([]).host == "127.0.0.1"
+    monkeypatch.setenv("SERVE_HOST", "0.0.0.0")  # what the Docker image sets
+    assert build_parser().parse_args([]).host == "0.0.0.0"
+    assert build_parser().parse_args(["--host", "127.0.0.1"]).host == "127.0.0.1"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
