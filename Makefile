@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/serve $(ARGS)
+	$(BIN)/python -m serve $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -76,6 +76,8 @@ def group_of(module: str) -> str | None:
     parts = module.split(".")
     if parts == ["serve"]:
         return ROOT
+    if parts == ["serve", "__main__"]:
+        return "api"  # `python -m serve`: the command line, as serve.api.cli
     return parts[1] if parts[1] in LAYERS | LEAVES else None
 
 

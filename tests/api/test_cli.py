@@ -138,3 +138,26 @@ def test_ray_backend_without_ray_stops_serve_saying_how_to_install_it(run_serve,
         "serve: error: argument --distributed-executor-backend: 'ray' needs the ray package, "
         "which is not installed: pip install 'serve[ray]'"
     ) in err
+
+
+def test_python_dash_m_serve_is_the_command_and_reaches_serve_bench():
+    """`python -m serve` works whatever owns the `serve` script (ray's CLI shares the
+    name); `serve bench` is the load tool's parser, not the server's."""
+    import subprocess
+
+    from api.conftest import REPO_ROOT
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "serve", *argv],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=120,
+        )
+
+    server = run("--help")
+    assert server.returncode == 0 and "--max-num-seqs" in server.stdout
+    bench = run("bench", "--help")
+    assert bench.returncode == 0 and "--request-rate" in bench.stdout
+    assert "--max-num-seqs" not in bench.stdout
