@@ -30,6 +30,16 @@ def plot_sweep(results: list[dict]) -> Figure:
         label = result["label"]
         throughput = [r["summary"]["output_tokens_per_s"] for r in runs]
         axes[0][0].plot(rates, throughput, "o-", color=color, label=label)
+        for run, x, y in zip(runs, rates, throughput):
+            if float(run["request_rate"]) == float("inf"):
+                axes[0][0].annotate(
+                    "all at once",
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(-60, 0),
+                    fontsize="small",
+                    color=color,
+                )
         for ax, name in ((axes[0][1], "ttft"), (axes[1][0], "itl"), (axes[1][1], "e2e")):
             for pct, style in PERCENTILE_STYLES.items():
                 values = [r["summary"][f"{name}_ms"][pct] for r in runs]
@@ -45,7 +55,7 @@ def plot_sweep(results: list[dict]) -> Figure:
     )
     for ax, (title, unit) in zip(axes.flat, titles):
         ax.set_title(title)
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel("request rate (req/s; all at once: the rate it reached)")
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
