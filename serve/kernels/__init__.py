@@ -44,8 +44,21 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads
+    sliding_window: int | None = None,  # keys at distance >= this are masked
+    logit_softcap: float | None = None,  # scores become c * tanh(scores / c)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    return ops_for(query.device).paged_attention(query, key_cache, value_cache, meta, scale)
+    return ops_for(query.device).paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
 
 
 def copy_blocks(

@@ -8,6 +8,8 @@ sequence's blocks is already each head's `[context, head_dim]` matrix, ready for
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -83,12 +85,22 @@ def paged_attention(
     value_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
     Precondition: this step's K/V are already in the cache (`reshape_and_cache`).
     Handles decode, prefill and chunked prefill over a cached prefix in one call.
+
+    The score of query position i for key position j, in this order:
+    `s = scale * q.k`; with `logit_softcap` c, `s = c * tanh(s / c)`; with `alibi_slopes`,
+    `s += slope[head] * (j - i)`; with `sliding_window` w, keys with `i - j >= w` are
+    masked (the query sees itself and the w - 1 keys before it, as transformers masks).
     """
+    options = _Options(alibi_slopes, sliding_window, logit_softcap)
     out = torch.empty_like(query)
     k_cache, v_cache = _heads_first(key_cache), _heads_first(value_cache)
     num_decodes = meta.num_decode_seqs
@@ -97,23 +109,66 @@ def paged_attention(
     for i in range(0, num_decodes, _DECODE_GROUP):
         group = order[i : i + _DECODE_GROUP]
         rows = torch.tensor(group, device=query.device)
-        out[rows] = _decode_group(query[rows], k_cache, v_cache, meta, group, rows, scale)
+        out[rows] = _decode_group(query[rows], k_cache, v_cache, meta, group, rows, scale, options)
 
     block_size = key_cache.shape[1]
     start = num_decodes
     for b in range(num_decodes, meta.num_seqs):
         seq_len, q_len = lens[b], meta.query_lens_cpu[b]
-        table = meta.block_tables[b, : -(-seq_len // block_size)]
-        k = _gather(k_cache, table)[:, :seq_len].to(query.dtype)  # [kv_heads, seq_len, D]
-        v = _gather(v_cache, table)[:, :seq_len].to(query.dtype)
+        # With a window, blocks before the first query's window are never read.
+        first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
+        first_block = first_key // block_size
+        table = meta.block_tables[b, first_block : -(-seq_len // block_size)]
+        key_start = first_block * block_size  # position of the first gathered key
+        k = _gather(k_cache, table)[:, : seq_len - key_start].to(query.dtype)  # [kv_heads, L, D]
+        v = _gather(v_cache, table)[:, : seq_len - key_start].to(query.dtype)
         query_tile = max(1, _SCORES_BYTES // (query.shape[1] * seq_len * query.element_size()))
         for tile in range(0, q_len, query_tile):
             tile_len = min(query_tile, q_len - tile)
             context = seq_len - q_len + tile + tile_len  # keys visible to the tile's last query
             rows = slice(start + tile, start + tile + tile_len)
-            out[rows] = _attend_causal(query[rows], k[:, :context], v[:, :context], scale)
+            out[rows] = _attend_causal(
+                query[rows],
+                k[:, : context - key_start],
+                v[:, : context - key_start],
+                scale,
+                key_start,
+                options,
+            )
         start += q_len
     return out
+
+
+@dataclass(frozen=True)
+class _Options:
+    alibi_slopes: torch.Tensor | None
+    sliding_window: int | None
+    logit_softcap: float | None
+
+    def apply(
+        self,
+        scores: torch.Tensor,  # [num_kv_heads, n, heads_per_kv, q_len, num_keys], scaled
+        q_pos: torch.Tensor,  # [n, q_len] int64
+        k_pos: torch.Tensor,  # [num_keys] int64
+    ) -> torch.Tensor:
+        """Soft-cap, ALiBi and the window on a score tensor (causality is the caller's)."""
+        if self.logit_softcap is not None:
+            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        distance = k_pos[None, None, :] - q_pos[:, :, None]  # [n, q_len, num_keys], <= 0 if seen
+        if self.alibi_slopes is not None:
+            num_kv_heads, heads_per_kv = scores.shape[0], scores.shape[2]
+            slopes = self.alibi_slopes.to(scores.dtype).view(num_kv_heads, 1, heads_per_kv, 1, 1)
+            scores = scores + slopes * distance[None, :, None].to(scores.dtype)
+        if self.sliding_window is not None:
+            outside = distance <= -self.sliding_window  # [n, q_len, num_keys]
+            scores = scores.masked_fill(outside[None, :, None], -torch.inf)
+        return scores
+
+    @property
+    def is_plain(self) -> bool:
+        return (
+            self.alibi_slopes is None and self.sliding_window is None and self.logit_softcap is None
+        )
 
 
 def _decode_group(
@@ -124,6 +179,7 @@ def _decode_group(
     group: list[int],  # the sequences' indices in the batch
     rows: torch.Tensor,  # the same indices, on the device
     scale: float,
+    options: _Options,
 ) -> torch.Tensor:  # [g, num_heads, head_dim]
     g, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
@@ -137,8 +193,15 @@ def _decode_group(
     qg = qg.reshape(num_kv_heads * g, heads_per_kv, head_dim)
     scores = torch.bmm(qg, k.transpose(1, 2)) * scale  # [H*g, heads_per_kv, L]
     lens = meta.seq_lens[rows]
-    past_end = torch.arange(scores.shape[-1], device=q.device)[None, :] >= lens[:, None]
-    scores.view(num_kv_heads, g, heads_per_kv, -1).masked_fill_(past_end[None, :, None], -torch.inf)
+    k_pos = torch.arange(scores.shape[-1], device=q.device)  # [L]
+    if options.is_plain:
+        past_end = k_pos[None, :] >= lens[:, None]
+        scores.view(num_kv_heads, g, heads_per_kv, -1).masked_fill_(past_end[None, :, None], -torch.inf)
+    else:
+        scores5 = scores.view(num_kv_heads, g, heads_per_kv, 1, -1)
+        scores5 = options.apply(scores5, (lens - 1)[:, None], k_pos)
+        past_end = k_pos[None, :] >= lens[:, None]  # [g, L]
+        scores = scores5.masked_fill(past_end[None, :, None, None], -torch.inf).view_as(scores)
     out = torch.bmm(scores.softmax(dim=-1), v)  # [H*g, heads_per_kv, D]
     return (
         out.view(num_kv_heads, g, heads_per_kv, head_dim)
@@ -149,21 +212,28 @@ def _decode_group(
 
 def _attend_causal(
     q: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the context
-    k: torch.Tensor,  # [num_kv_heads, context, head_dim]
+    k: torch.Tensor,  # [num_kv_heads, num_keys, head_dim]: positions [key_start, context)
     v: torch.Tensor,
     scale: float,
+    key_start: int,
+    options: _Options,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     q_len, num_heads, head_dim = q.shape
-    num_kv_heads, context = k.shape[0], k.shape[1]
+    num_kv_heads, num_keys = k.shape[0], k.shape[1]
+    context = key_start + num_keys
     heads_per_kv = num_heads // num_kv_heads
     # Query heads that share a KV head are stacked, so GQA is one matmul per KV head.
     qg = q.view(q_len, num_kv_heads, heads_per_kv, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(num_kv_heads, heads_per_kv * q_len, head_dim)
-    scores = torch.matmul(qg, k.transpose(1, 2)) * scale  # [kv_heads, heads_per_kv * q_len, ctx]
+    scores = torch.matmul(qg, k.transpose(1, 2)) * scale  # [kv_heads, heads_per_kv * q_len, keys]
+    q_pos = torch.arange(context - q_len, context, device=q.device)  # [q_len]
+    k_pos = torch.arange(key_start, context, device=q.device)  # [num_keys]
+    if not options.is_plain:
+        scores5 = scores.view(num_kv_heads, 1, heads_per_kv, q_len, num_keys)
+        scores = options.apply(scores5, q_pos[None, :], k_pos).view_as(scores)
     if q_len > 1:
-        q_pos = torch.arange(context - q_len, context, device=q.device)
-        future = torch.arange(context, device=q.device)[None, :] > q_pos[:, None]
-        scores.view(num_kv_heads, heads_per_kv, q_len, context).masked_fill_(future, -torch.inf)
+        future = k_pos[None, :] > q_pos[:, None]  # [q_len, num_keys]
+        scores.view(num_kv_heads, heads_per_kv, q_len, num_keys).masked_fill_(future, -torch.inf)
     out = torch.matmul(scores.softmax(dim=-1), v)  # [kv_heads, heads_per_kv * q_len, head_dim]
     return out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
 

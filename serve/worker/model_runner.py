@@ -23,6 +23,7 @@ from serve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
 from serve.models.forward_context import forward_context
+from serve.models.layers.attention import attention_layers
 from serve.models.loader import load_model
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
@@ -43,7 +44,7 @@ class ModelRunner:
         engine = config.engine
         self.block_size = engine.cache.block_size
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
-        attn = self.model.attention_layers
+        attn = attention_layers(self.model)
         self.dtype = next(self.model.parameters()).dtype
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim  # this rank's
@@ -99,7 +100,7 @@ class ModelRunner:
             self.device,
             num_cpu_blocks,
         )
-        for layer, kv_cache in zip(self.model.attention_layers, self.cache_engine.kv_caches):
+        for layer, kv_cache in zip(attention_layers(self.model), self.cache_engine.kv_caches):
             layer.kv_cache = kv_cache
 
     def _profile_free_cuda_memory(self) -> float:
@@ -111,7 +112,7 @@ class ModelRunner:
         dummy = CacheEngine(
             self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
         )
-        layers = self.model.attention_layers
+        layers = attention_layers(self.model)
         for layer, kv_cache in zip(layers, dummy.kv_caches):
             layer.kv_cache = kv_cache
         num_table_blocks = -(-num_tokens // self.block_size)

@@ -103,15 +103,27 @@ def naive_causal_attention(
     k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     v: torch.Tensor,
     scale: float,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads]
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    """Dense attention in float64, the options written out as the papers define them."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     k = k.repeat_interleave(group, dim=1)  # head h reads kv head h // group, as HF repeat_kv
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if logit_softcap is not None:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
     q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-    visible = torch.arange(seq_len)[None, :] <= q_pos  # [q_len, seq_len]
+    k_pos = torch.arange(seq_len)[None, :]
+    if alibi_slopes is not None:
+        scores = scores + alibi_slopes.double()[:, None, None] * (k_pos - q_pos)[None]
+    visible = k_pos <= q_pos  # [q_len, seq_len]
+    if sliding_window is not None:
+        visible &= q_pos - k_pos < sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
@@ -205,6 +217,78 @@ def test_paged_attention_long_prefill_and_extend(heads, scores_bytes, monkeypatc
     for b, (k, v) in enumerate(zip(keys, values)):
         expected = naive_causal_attention(query[starts[b] : starts[b + 1]], k, v, 0.25)
         assert max_err(out[starts[b] : starts[b + 1]], expected) < ATOL, b
+
+
+ATTENTION_OPTIONS = {
+    "alibi": {"alibi": True},
+    "window-1": {"sliding_window": 1},
+    "window-5": {"sliding_window": 5},
+    "softcap": {"logit_softcap": 2.0},
+    "all": {"alibi": True, "sliding_window": 7, "logit_softcap": 3.0},
+}
+
+
+def write_batch(seq_lens, query_lens, num_decode_seqs, block_size, num_heads, num_kv_heads, gen):
+    """A paged batch whose whole contexts are in the cache, with its dense keys, values and
+    this step's queries: (batch, key_cache, value_cache, keys, values, query)."""
+    head_dim = 16
+    batch = make_paged_batch(seq_lens, query_lens, num_decode_seqs, block_size, gen)
+    cache_shape = (batch.num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(cache_shape, generator=gen)
+    value_cache = torch.randn(cache_shape, generator=gen)
+    keys = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    values = [torch.randn(s, num_kv_heads, head_dim, generator=gen) for s in seq_lens]
+    for table, k, v, s in zip(batch.block_tables, keys, values, seq_lens):
+        reshape_and_cache(k, v, key_cache, value_cache, context_slots(table, block_size, range(s)))
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    return batch, key_cache, value_cache, keys, values, query
+
+
+def alibi_test_slopes(num_heads: int, gen: torch.Generator) -> torch.Tensor:
+    """Positive slopes of mixed sizes, as ALiBi's geometric series has them."""
+    return torch.rand(num_heads, generator=gen) * 0.9 + 0.05
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
+@pytest.mark.parametrize("case", ["mixed", "extend", "many-decodes"])
+def test_paged_attention_options_match_dense(case, options, heads):
+    """ALiBi, sliding window and soft-cap, alone and together, on decodes, prefills and
+    chunks over a cached prefix (windows shorter than the context, so keys drop out)."""
+    num_heads, num_kv_heads = heads
+    block_size = 4
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{options}-{heads}".encode()))
+    make_lens, num_decode_seqs = ATTENTION_CASES[case]
+    seq_lens, query_lens = map(list, zip(*make_lens(block_size)))
+    batch, key_cache, value_cache, keys, values, query = write_batch(
+        seq_lens, query_lens, num_decode_seqs, block_size, num_heads, num_kv_heads, gen
+    )
+    kwargs = {k: v for k, v in options.items() if k != "alibi"}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = alibi_test_slopes(num_heads, gen)
+    out = paged_attention(query, key_cache, value_cache, batch.meta, 0.3, **kwargs)
+    starts = batch.meta.query_start_loc.tolist()
+    for b, (k, v) in enumerate(zip(keys, values)):
+        q = query[starts[b] : starts[b + 1]]
+        expected = naive_causal_attention(q, k, v, 0.3, **kwargs)
+        err = max_err(out[starts[b] : starts[b + 1]], expected)
+        assert err < ATOL, f"seq {b} (seq_len {seq_lens[b]}, query_len {query_lens[b]}): {err}"
+
+
+def test_sliding_window_changes_the_output_of_long_contexts():
+    """The window is applied, not ignored: beyond it the output differs from full attention,
+    and a window as long as the context equals full attention exactly."""
+    gen = torch.Generator().manual_seed(3)
+    batch, key_cache, value_cache, _, _, query = write_batch([30, 9], [1, 9], 1, 4, 4, 2, gen)
+    full = paged_attention(query, key_cache, value_cache, batch.meta, 0.3)
+    wide = paged_attention(query, key_cache, value_cache, batch.meta, 0.3, sliding_window=30)
+    narrow = paged_attention(query, key_cache, value_cache, batch.meta, 0.3, sliding_window=8)
+    assert torch.equal(full, wide)
+    assert (full[0] - narrow[0]).abs().max() > 1e-3  # 30 keys, 8 seen
+    # The 9-token prompt: positions 0..7 (rows 1..8) see at most 8 keys, all of them; position
+    # 8 (row 9) would see 9 and loses key 0.
+    assert torch.allclose(full[1:9], narrow[1:9])
+    assert (full[9] - narrow[9]).abs().max() > 1e-3
 
 
 def test_paged_attention_ignores_blocks_outside_the_tables():

@@ -23,6 +23,7 @@ from serve.distributed.parallel_state import get_tp_group
 from serve.kernels import AttentionMetadata
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
+from serve.models.layers.attention import attention_layers
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from serve.models.layers.linear import (
     ColumnParallelLinear,
@@ -180,7 +181,7 @@ PROMPT = [5, 17, 200, 33, 481, 2, 99, 140, 7, 300, 64, 11, 256, 500, 1, 42, 77, 
 def prefill_then_decode_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor | None:
     """Logits of a prefill of all but the last token, then of a decode step of the last,
     through a KV cache of this rank's KV heads: [len(token_ids), vocab] on rank 0."""
-    attn = model.attention_layers
+    attn = attention_layers(model)
     block_size, num_tokens = 4, len(token_ids)
     num_blocks = -(-num_tokens // block_size)
     cache = CacheEngine(
@@ -246,7 +247,7 @@ def sharded_model_on_rank(model_dir: Path, token_ids: list[int]) -> dict:
             torch.Size(t.shape).numel() for _, t in iterate_checkpoint(model_dir)
         ),
         "read_whole": sorted(read_whole),
-        "num_kv_heads": model.attention_layers[0].num_kv_heads,
+        "num_kv_heads": attention_layers(model)[0].num_kv_heads,
     }
 
 

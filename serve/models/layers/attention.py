@@ -1,6 +1,14 @@
-"""Paged attention as a layer: write this step's K/V into the cache, attend over the context."""
+"""Paged attention as a layer: write this step's K/V into the cache, attend over the context.
+
+The options the model families need ride on the layer and go to the kernel with every
+call: ALiBi slopes (BLOOM, MPT, Falcon RW, Baichuan 13B), a sliding window (Mistral, Gemma's
+local layers), a logit soft-cap (Gemma 2) and a free scale (Gemma's `query_pre_attn_scalar`,
+Granite's multiplier).
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -10,10 +18,29 @@ from serve.models.forward_context import get_forward_context
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        *,
+        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes {tuple(alibi_slopes.shape)}: expected ({num_heads},)")
+        self.register_buffer(
+            "alibi_slopes",
+            None if alibi_slopes is None else alibi_slopes.float(),
+            persistent=False,
+        )
+        self.sliding_window = sliding_window or None
+        self.logit_softcap = logit_softcap or None
         # Bound once by the model runner: ([num_blocks, block_size, num_kv_heads, head_dim],) * 2
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -24,5 +51,35 @@ class Attention(nn.Module):
         meta = get_forward_context()
         key_cache, value_cache = self.kv_cache
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = kernels.paged_attention(q, key_cache, value_cache, meta, self.scale)
+        out = kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            meta,
+            self.scale,
+            alibi_slopes=self.alibi_slopes,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
         return out.flatten(1)
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers in order: one KV cache pair is bound to each."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def alibi_slopes(total_num_heads: int) -> torch.Tensor:
+    """ALiBi's head slopes (Press et al.) as BLOOM computes them, [total_num_heads] float32:
+    powers of 2^(-8 / n) for the n = largest power of two <= heads, and for the heads beyond
+    n, the odd powers of the series for 2n. Computed in float32 as transformers does, so the
+    biases match it bit for bit."""
+    closest = 2 ** math.floor(math.log2(total_num_heads))
+    base = torch.tensor(2.0 ** (-8.0 / closest), dtype=torch.float32)
+    slopes = torch.pow(base, torch.arange(1, 1 + closest, dtype=torch.int32))
+    if closest < total_num_heads:
+        extra_base = torch.tensor(2.0 ** (-8.0 / (2 * closest)), dtype=torch.float32)
+        num_extra = total_num_heads - closest
+        odd_powers = torch.arange(1, 1 + 2 * num_extra, 2, dtype=torch.int32)
+        slopes = torch.cat([slopes, torch.pow(extra_base, odd_powers)])
+    return slopes
