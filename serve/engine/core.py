@@ -31,6 +31,7 @@ from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
 from serve.models.partition import check_tensor_parallel
+from serve.models.registry import get_arch_config
 from serve.models.tokenizer import eos_token_ids, load_tokenizer
 from serve.outputs import EngineStats, StepTimes, request_error_message
 from serve.sampling_params import SamplingParams
@@ -53,10 +54,11 @@ class EngineCore:
         self.model_path = resolve_model_path(config.model.model, config.model.load_format)
         hf_config = load_hf_config(self.model_path)
         tp_size = config.parallel.tensor_parallel_size
-        check_tensor_parallel(hf_config, tp_size)  # before any worker starts
+        arch = get_arch_config(hf_config)
+        check_tensor_parallel(arch, tp_size)  # before any worker starts
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
-        self.vocab_size = int(hf_config.vocab_size)
+        self.vocab_size = arch.vocab_size
         device_type = resolve_device(config.device).type
         if device_type == "cuda" and config.parallel.executor_backend != "ray":
             import torch
@@ -70,7 +72,7 @@ class EngineCore:
             block_size = config.cache.block_size
             num_blocks = self.executor.num_blocks
             self.max_model_len = fit_max_model_len(
-                config.model.max_model_len, model_max_len(hf_config), num_blocks * block_size
+                config.model.max_model_len, model_max_len(arch), num_blocks * block_size
             )
             self.max_num_batched_tokens = fit_max_num_batched_tokens(
                 config.scheduler.max_num_batched_tokens,

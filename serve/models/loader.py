@@ -3,7 +3,7 @@
 Weights stream in as lazy checkpoint tensors (lazy_tensor.py); each parameter's
 `weight_loader` reads the part its rank holds, so a tensor-parallel rank never holds a
 full copy of a sharded weight. Which checkpoint name feeds which parameter is the model's
-declaration (`packed_modules_mapping`), applied by its `load_weights`."""
+declaration (its `weight_spec`), applied by `weights.load_checkpoint`."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from torch import nn
 
 from serve.config import ModelConfig
 from serve.distributed.parallel_state import get_tp_group
+from serve.models.arch_config import ArchConfig
 from serve.models.lazy_tensor import InMemoryTensor, LazyTensor, SafetensorsTensor
 from serve.models.partition import check_tensor_parallel
-from serve.models.registry import get_model_class
+from serve.models.registry import get_arch_config, get_model_class
+from serve.models.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +86,9 @@ def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
     return config_dtype if config_dtype in _DTYPES.values() else torch.float32
 
 
-def model_max_len(hf_config: Any) -> int:
-    """The longest context the weights support. Sliding-window attention is not implemented,
-    so such models are capped at their window, where full attention is exact."""
-    max_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        max_len = min(max_len, int(window))
-    return max_len
+def model_max_len(arch: ArchConfig) -> int:
+    """The longest context the weights support (sliding windows do not shorten it)."""
+    return arch.max_position
 
 
 def _checkpoint_files(path: Path, index_name: str, pattern: str) -> list[Path]:
@@ -168,12 +165,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.device) -> nn.Module:
     """This rank's shard of the model, on `device`. Under tensor parallelism, every rank
     calls it after `init_tensor_parallel`; each reads only its own slices."""
-    check_tensor_parallel(hf_config, get_tp_group().world_size)
+    arch = get_arch_config(hf_config)
+    check_tensor_parallel(arch, get_tp_group().world_size)
     dtype = resolve_dtype(config.dtype, hf_config)
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     with _default_dtype(dtype), torch.device(device):
-        model = model_class(hf_config)
-    model.load_weights(
-        iterate_checkpoint(path, config.load_format, allow_pickle=config.allow_pickle_weights)
-    )
+        model = model_class(arch)
+    weights = iterate_checkpoint(path, config.load_format, allow_pickle=config.allow_pickle_weights)
+    load_checkpoint(model, weights, model.weight_spec)
     return model.eval()

@@ -17,7 +17,7 @@ contiguous row ranges; the padding rows are zero and their logits are cut off.
 
 from __future__ import annotations
 
-from typing import Any
+from serve.models.arch_config import ArchConfig
 
 VOCAB_PADDING = 64
 
@@ -46,25 +46,22 @@ def first_kv_head(num_kv_heads: int, tp_size: int, rank: int) -> int:
     return (rank // num_replicas) * num_kv_heads_per_rank(num_kv_heads, tp_size)
 
 
-def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+def check_tensor_parallel(arch: ArchConfig, tp_size: int) -> None:
     """Raise ValueError, naming the numbers, when the model cannot split over `tp_size`
-    ranks. Reads the same config fields, with the same defaults, as the model classes."""
+    ranks. Reads the normalised shape the model classes are built from."""
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be positive, got {tp_size}.")
-    num_heads = int(hf_config.num_attention_heads)
-    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
-    split_evenly(num_heads, tp_size, "num_attention_heads")
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+    split_evenly(arch.num_heads, tp_size, "num_attention_heads")
+    if arch.num_kv_heads % tp_size and tp_size % arch.num_kv_heads:
         raise ValueError(
-            f"num_key_value_heads {num_kv_heads} must be divisible by tensor_parallel_size "
-            f"{tp_size}, or tensor_parallel_size by num_key_value_heads."
+            f"num_key_value_heads {arch.num_kv_heads} must be divisible by "
+            f"tensor_parallel_size {tp_size}, or tensor_parallel_size by num_key_value_heads."
         )
-    intermediate_size = getattr(hf_config, "intermediate_size", None)
-    if intermediate_size is not None:
-        split_evenly(int(intermediate_size), tp_size, "intermediate_size")
-    padded_vocab = pad_vocab_size(int(hf_config.vocab_size))
+    for name, size in arch.split_sizes.items():
+        split_evenly(size, tp_size, name)
+    padded_vocab = pad_vocab_size(arch.vocab_size)
     if padded_vocab % tp_size:
         raise ValueError(
             f"tensor_parallel_size {tp_size} must divide the padded vocabulary {padded_vocab} "
-            f"(vocab_size {hf_config.vocab_size} padded to a multiple of {VOCAB_PADDING})."
+            f"(vocab_size {arch.vocab_size} padded to a multiple of {VOCAB_PADDING})."
         )

@@ -22,6 +22,7 @@ from serve.config import ModelConfig
 from serve.distributed.parallel_state import get_tp_group
 from serve.kernels import AttentionMetadata
 from serve.kv_cache.cache_engine import CacheEngine
+from serve.models.arch_config import ArchConfig
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -237,7 +238,8 @@ def sharded_model_on_rank(model_dir: Path, token_ids: list[int]) -> dict:
     ):
         model = _load(model_dir)
     hidden_size = model.model.embed_tokens.weight.shape[1]
-    tables = [model.model.embed_tokens] + ([] if model.tie_word_embeddings else [model.lm_head])
+    is_tied = model.lm_head.weight is model.model.embed_tokens.weight
+    tables = [model.model.embed_tokens] + ([] if is_tied else [model.lm_head])
     padding_rows = sum(t.shard.num_rows - t.shard.num_real_rows for t in tables)
     return {
         "logits": prefill_then_decode_logits(model, token_ids),
@@ -284,12 +286,15 @@ def test_a_sharded_model_matches_one_rank_and_reads_only_its_slices(
 
 
 def _config(heads: int, kv_heads: int, vocab: int = 512, intermediate: int = 128):
-    return SimpleNamespace(
+    hf = SimpleNamespace(
+        hidden_size=heads * 16,
+        num_hidden_layers=2,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         vocab_size=vocab,
         intermediate_size=intermediate,
     )
+    return ArchConfig.from_hf(hf, "LlamaForCausalLM")
 
 
 @pytest.mark.parametrize(

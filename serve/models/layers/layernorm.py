@@ -1,19 +1,57 @@
+"""Normalisation layers. Replicated on every rank (they act on the full hidden vector)."""
+
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from serve import kernels
+from serve.models.layers.linear import default_weight_loader
+from serve.models.lazy_tensor import LazyTensor, as_lazy
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    """`weight * x / rms(x)`, computed in float32.
+
+    `weight_offset` is added to the checkpoint's weight when it loads: Gemma stores w and
+    multiplies by (1 + w), which in float32 is the same number as a stored (1 + w).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.eps = eps
+        self.eps, self.weight_offset = eps, weight_offset
+        if weight_offset:
+            self.weight.weight_loader = self._load_offset_weight
+
+    def _load_offset_weight(
+        self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
+    ) -> None:
+        default_weight_loader(param, loaded, shard_name)
+        param.data.copy_((as_lazy(loaded).load().float() + self.weight_offset).to(param.dtype))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With `residual`: returns (norm(x + residual), x + residual), the pre-norm block's pair."""
         return kernels.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LayerNorm(nn.Module):
+    """torch's LayerNorm (as HF's models use it) with loadable weight and optional bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """With `residual`, the same pair as RMSNorm: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps), x
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
