@@ -78,27 +78,17 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     )
 
 
-_CONFIG_CLASSES = {
-    "llama": (transformers.LlamaConfig, "LlamaForCausalLM"),
-    "mistral": (transformers.MistralConfig, "MistralForCausalLM"),
-    "qwen2": (transformers.Qwen2Config, "Qwen2ForCausalLM"),
-}
-
-# Per-architecture departures from the shared shape, as the real families ship them.
-_ARCH_DEFAULTS = {
-    "llama": {"rope_theta": 10000.0, "tie_word_embeddings": True},
-    "mistral": {"rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": None},
-    "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": False},  # q/k/v bias built in
-}
-
-
 def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
-    if arch not in _CONFIG_CLASSES:
-        raise ValueError(f"arch must be one of {sorted(_CONFIG_CLASSES)}, got {arch!r}.")
-    config_cls, architecture = _CONFIG_CLASSES[arch]
+    """The tiny shape (hidden 64, 2 layers, 4 heads over 2 KV heads, head_dim 16) of family
+    `arch` (a key of model_families.FAMILIES), its own fields, then `overrides`."""
+    from model_families import FAMILIES_BY_KEY
+
+    if arch not in FAMILIES_BY_KEY:
+        raise ValueError(f"arch must be one of {sorted(FAMILIES_BY_KEY)}, got {arch!r}.")
+    family = FAMILIES_BY_KEY[arch]
     tokenizer = build_tokenizer()
     kwargs = dict(
-        architectures=[architecture],
+        architectures=[family.architecture],
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -112,10 +102,12 @@ def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
-        **_ARCH_DEFAULTS[arch],
     )
+    for name in family.drop:
+        kwargs.pop(name, None)
+    kwargs.update(family.config)
     kwargs.update(overrides)
-    return config_cls(**kwargs)
+    return transformers.AutoConfig.for_model(family.model_type, **kwargs)
 
 
 def _perturb_(model: torch.nn.Module, std: float) -> None:
@@ -150,7 +142,7 @@ def _generate(model, prompt_token_ids: list[int], max_new_tokens: int, ignore_eo
 
 
 def make_tiny_model(arch: str, out_dir: Path, *, seed: int = 0, **overrides) -> Path:
-    """Build, perturb and save a tiny `arch` model ("llama", "mistral", "qwen2") with the
+    """Build, perturb and save a tiny model of family `arch` (model_families.py) with the
     tiny tokenizer into `out_dir`; `overrides` update the transformers config."""
     config = make_tiny_config(arch, **overrides)
     torch.manual_seed(seed)

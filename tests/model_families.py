@@ -1,0 +1,46 @@
+"""Every model family serve runs natively, as a tiny random-weight transformers config.
+
+Each entry is how a test builds one: the transformers `model_type`, the `architectures`
+name the registry knows, and the family's own config fields on top of the shared tiny
+shape (hidden 64, 2 layers, 4 heads; tiny_models.py). Tests parametrize over `FAMILIES`:
+tests/models/test_families.py runs each one against HF transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str  # test id, and the key `tiny_model_factory` builds it by
+    model_type: str  # transformers' model_type (AutoConfig.for_model)
+    architecture: str  # the `architectures` entry, as the registry knows it
+    config: dict[str, Any] = field(default_factory=dict)  # on top of the tiny shape
+    tp2: bool = True  # its heads and widths split over 2 ranks
+    # A context this long crosses every layer's window; None: no window.
+    window: int | None = None
+    # Shape fields the family's config does not take (the tiny shape's defaults are dropped).
+    drop: tuple[str, ...] = ()
+
+
+FAMILIES: list[Family] = [
+    Family("llama", "llama", "LlamaForCausalLM", {"rope_theta": 10000.0, "tie_word_embeddings": True}),
+    Family(
+        "mistral",
+        "mistral",
+        "MistralForCausalLM",
+        {"rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": 12},
+        window=12,
+    ),
+    Family("qwen2", "qwen2", "Qwen2ForCausalLM", {"rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    Family(
+        "qwen3",
+        "qwen3",
+        "Qwen3ForCausalLM",
+        {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": 24},
+    ),
+]
+
+FAMILIES_BY_KEY = {f.key: f for f in FAMILIES}
