@@ -79,3 +79,14 @@ def test_greedy_at_two_ranks_matches_hf(tiny_model_factory, family):
     llm = LLM(model=str(model_dir), tensor_parallel_size=2, **ENGINE)
     prompts = _workload(family)
     _assert_matches_hf(model_dir, prompts, _run_staggered(llm, prompts))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.key for f in FAMILIES])
+def test_greedy_on_cuda_matches_hf(tiny_model_factory, family):
+    """The Triton kernels (attention with each family's options, fused MoE) in float32 on a
+    GPU give HF's CPU tokens."""
+    model_dir = tiny_model_factory(family.key)
+    llm = LLM(model=str(model_dir), device="cuda", dtype="float32", **ENGINE)
+    prompts = _workload(family)
+    _assert_matches_hf(model_dir, prompts, _run_staggered(llm, prompts))
