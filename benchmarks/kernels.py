@@ -11,6 +11,7 @@ rate. Both count the causal half: 2 * N^2 * num_heads * head_dim FLOPs.
 
     python benchmarks/kernels.py                  # on a CUDA GPU; record in RESULTS.md
     python benchmarks/kernels.py --smoke          # tiny shapes, CPU interpreter: checks it runs
+    python benchmarks/kernels.py --sliding-window 4096   # decode with Mistral's window
 
 Goals: decode >= 70% of copy bandwidth at batch >= 16 and context >= 2k; paged prefill >=
 0.8x SDPA flash.
@@ -81,6 +82,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", default="512,2048,8192", help="decode context lengths")
     p.add_argument("--prefill-tokens", default="512,2048,8192", help="prefill lengths")
     p.add_argument("--decode-splits", type=int, default=None, help="force flash-decoding splits")
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="decode with this window: bandwidth counts the keys it reads, SDPA gets only those",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args()
 
@@ -166,26 +173,36 @@ def bench_decode(batch: int, context: int, shape: Shape, args, device, copy_bw: 
     )
     tables = meta.block_tables
     scale = shape.head_dim**-0.5
+    window = args.sliding_window
+    num_keys = min(context, window or context)  # the keys each query reads
     splits = args.decode_splits or choose_num_splits(
-        batch, shape.num_kv_heads, context, num_sms(device)
+        batch, shape.num_kv_heads, num_keys, num_sms(device)
     )
 
     def run_triton():
         return decode_attention(
-            query, key_cache, value_cache, tables, meta.seq_lens, context, scale, num_splits=splits
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            meta.seq_lens,
+            context,
+            scale,
+            num_splits=splits,
+            sliding_window=window,
         )
 
     triton_us = bench_us(run_triton, device)
     gather_us = bench_us(lambda: gather_contiguous(key_cache, tables, context), device)
-    k = gather_contiguous(key_cache, tables, context)
-    v = gather_contiguous(value_cache, tables, context)
+    k = gather_contiguous(key_cache, tables, context)[:, :, context - num_keys :]
+    v = gather_contiguous(value_cache, tables, context)[:, :, context - num_keys :]
     q = query.view(batch, shape.num_heads, 1, shape.head_dim)
     sdpa_us = bench_us(
         lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True), device
     )
 
     element = query.element_size()
-    kv_bytes = 2 * batch * context * shape.num_kv_heads * shape.head_dim * element
+    kv_bytes = 2 * batch * num_keys * shape.num_kv_heads * shape.head_dim * element
     qo_bytes = 2 * batch * shape.num_heads * shape.head_dim * element
     moved = kv_bytes + qo_bytes
     return DecodeRow(
@@ -273,7 +290,8 @@ def main() -> None:
     print(f"measured copy bandwidth {copy_bw / 1e9:.0f} GB/s, ", end="")
     print(f"bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
     print(f"heads {shape.num_heads}q/{shape.num_kv_heads}kv, head_dim {shape.head_dim}, ", end="")
-    print(f"block {shape.block_size}, bfloat16\n")
+    print(f"block {shape.block_size}, bfloat16", end="")
+    print(f", decode sliding window {args.sliding_window}\n" if args.sliding_window else "\n")
 
     decode_rows = [
         bench_decode(b, c, shape, args, device, copy_bw) for b in batches for c in contexts

@@ -11,6 +11,8 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernel_cases import (
     GQA_LAYOUTS,
     TOLERANCE,
@@ -20,10 +22,16 @@ from kernel_cases import (
     rel_err,
     to_device,
 )
-from kernels.test_reference import ATTENTION_CASES, naive_causal_attention
+from kernels.test_reference import (
+    ATTENTION_CASES,
+    ATTENTION_OPTIONS,
+    alibi_test_slopes,
+    naive_causal_attention,
+)
 
 from serve.kernels import reference
 from serve.kernels.metadata import AttentionMetadata
+from serve.kernels.triton.attention_options import soft_cap
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,8 @@ def seeded(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
 
 
-def check_against_reference(ops, inputs: AttentionInputs, scale: float, **kwargs) -> None:
+def check_against_reference(ops, inputs: AttentionInputs, scale: float, **options) -> None:
+    """`options`: the attention options (alibi_slopes, sliding_window, logit_softcap)."""
     out = ops.paged_attention(
         inputs.query,
         inputs.key_cache,
@@ -45,7 +54,7 @@ def check_against_reference(ops, inputs: AttentionInputs, scale: float, **kwargs
         inputs.meta,
         scale,
         out=poisoned_like(inputs.query),
-        **kwargs,
+        **options,
     )
     # The oracle is the reference in float32 on the same (possibly rounded) data.
     expected = reference.paged_attention(
@@ -54,6 +63,7 @@ def check_against_reference(ops, inputs: AttentionInputs, scale: float, **kwargs
         inputs.value_cache.float(),
         inputs.meta,
         scale,
+        **options,
     )
     assert out.dtype == inputs.query.dtype
     err = rel_err(out, expected)
@@ -240,3 +250,230 @@ def test_prefill_small_tiles(triton_ops, device, heads):
         inputs.query, inputs.key_cache, inputs.value_cache, meta, 0.25
     )
     assert rel_err(out, expected) < TOLERANCE[torch.float32]
+
+
+# -- options: ALiBi, sliding window, logit soft-cap ----------------------------------------------
+
+
+def options_kwargs(options: dict, num_heads: int, gen: torch.Generator, device) -> dict:
+    """An ATTENTION_OPTIONS entry as paged_attention's keyword arguments."""
+    kwargs = {k: v for k, v in options.items() if k != "alibi"}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = alibi_test_slopes(num_heads, gen).to(device)
+    return kwargs
+
+
+OPTION_HEADS = {"gqa3": (6, 2), "mqa": (4, 1)}
+
+
+@pytest.mark.parametrize("heads", OPTION_HEADS.values(), ids=OPTION_HEADS.keys())
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
+@pytest.mark.parametrize("case", ["decode", "prefill", "extend", "mixed"])
+def test_options_match_reference(triton_ops, device, case, options, heads):
+    """Each option alone and all together, through the batch op, on block size 4: windows of
+    1, 5 and 7 keys are shorter than most contexts (up to 11 blocks), so keys drop out."""
+    make_lens, num_decode_seqs = ATTENTION_CASES[case]
+    gen = seeded("options", case, options, heads)
+    inputs = make_attention_inputs(make_lens(4), num_decode_seqs, heads, 16, 4, gen, device=device)
+    kwargs = options_kwargs(options, heads[0], gen, device)
+    check_against_reference(triton_ops, inputs, 0.3, **kwargs)
+
+
+# Windows around the decode kernel's 64-key tiles and the 16-key tiles of the prefill tests.
+WINDOWED_OPTIONS = {
+    "window-1": {"sliding_window": 1},
+    "window-17": {"sliding_window": 17},
+    "window-70": {"sliding_window": 70},
+    "all-window-40": {"alibi": True, "sliding_window": 40, "logit_softcap": 5.0},
+}
+
+
+@pytest.mark.parametrize("options", WINDOWED_OPTIONS.values(), ids=WINDOWED_OPTIONS.keys())
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_decode_options_with_splits(triton_ops, device, num_splits, options):
+    """The splits share the window's keys: a window over a long context starts past whole
+    tiles, and 8 splits of a short window leave most of them empty for the merge."""
+    from serve.kernels.triton.decode_attention import decode_attention
+
+    gen = seeded("decode-options", num_splits, options)
+    lens = [(3, 1), (300, 1), (129, 1), (64, 1), (1, 1), (200, 1)]
+    inputs = make_attention_inputs(lens, 6, (8, 2), 32, 16, gen, device=device)
+    kwargs = options_kwargs(options, 8, gen, device)
+    meta = inputs.meta
+    out = decode_attention(
+        inputs.query,
+        inputs.key_cache,
+        inputs.value_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        max(meta.seq_lens_cpu),
+        0.25,
+        out=poisoned_like(inputs.query),
+        num_splits=num_splits,
+        **kwargs,
+    )
+    expected = reference.paged_attention(
+        inputs.query, inputs.key_cache, inputs.value_cache, meta, 0.25, **kwargs
+    )
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+
+
+def prefill_small_tiles(inputs: AttentionInputs, scale: float, **options) -> torch.Tensor:
+    """The prefill kernel alone with 16x16 tiles: chunks span several query tiles, and a
+    window several key tiles."""
+    from serve.kernels.triton.prefill_attention import PrefillTiles, prefill_attention
+
+    meta = inputs.meta
+    return prefill_attention(
+        inputs.query,
+        inputs.key_cache,
+        inputs.value_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        first_seq=0,
+        max_query_len=max(meta.query_lens_cpu),
+        scale=scale,
+        out=poisoned_like(inputs.query),
+        tiles=PrefillTiles(block_m=16, block_n=16, num_warps=2, num_stages=1),
+        **options,
+    )
+
+
+@pytest.mark.parametrize("heads", OPTION_HEADS.values(), ids=OPTION_HEADS.keys())
+@pytest.mark.parametrize("options", WINDOWED_OPTIONS.values(), ids=WINDOWED_OPTIONS.keys())
+def test_prefill_options_small_tiles(triton_ops, device, options, heads):
+    """Windows shorter than a tile (rows that see nothing of the first tiles read), as long
+    as one, and longer than several: window-edge, whole and diagonal tiles, chunks over a
+    cached prefix ending mid-tile, and a window longer than the context."""
+    gen = seeded("prefill-options", options, heads)
+    lens = [(100, 45), (37, 37), (90, 3), (18, 17), (1, 1), (64, 64)]
+    inputs = make_attention_inputs(lens, 0, heads, 16, 16, gen, device=device)
+    kwargs = options_kwargs(options, heads[0], gen, device)
+    out = prefill_small_tiles(inputs, 0.25, **kwargs)
+    expected = reference.paged_attention(
+        inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.25, **kwargs
+    )
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_window_never_reads_keys_before_it(triton_ops, device, kernel):
+    """The keys no query's window reaches are NaN: reading one (even masked, since its p of 0
+    meets a NaN value) makes the output NaN. The decode kernel reads nothing before the
+    window; the prefill kernel, nothing before the tile holding its first query's window."""
+    gen = seeded("window-skip", kernel)
+    window = 20
+    if kernel == "decode":
+        lens, num_decodes, first_unread = [(300, 1), (150, 1), (90, 1), (21, 1)], 4, 0
+    else:
+        lens, num_decodes, first_unread = [(150, 40), (90, 90), (100, 17)], 0, 16
+    inputs = make_attention_inputs(lens, num_decodes, (8, 2), 16, 16, gen, device=device)
+    expected = reference.paged_attention(
+        inputs.query,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.meta,
+        0.25,
+        sliding_window=window,
+    )
+    block_size = 16
+    for table, (seq_len, q_len) in zip(inputs.block_tables, lens):
+        # Keys before the first query's window, rounded down to the kernel's unit of reading.
+        unread = max(seq_len - q_len - window + 1, 0)
+        if first_unread:
+            unread = unread // first_unread * first_unread
+        for pos in range(unread):
+            slot = (table[pos // block_size], pos % block_size)
+            inputs.key_cache[slot] = float("nan")
+            inputs.value_cache[slot] = float("nan")
+    if kernel == "decode":
+        out = triton_ops.paged_attention(
+            inputs.query,
+            inputs.key_cache,
+            inputs.value_cache,
+            inputs.meta,
+            0.25,
+            sliding_window=window,
+            out=poisoned_like(inputs.query),
+        )
+    else:
+        out = prefill_small_tiles(inputs, 0.25, sliding_window=window)
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_options_half_precision(triton_ops, device, dtype):
+    gen = seeded("options-dtype", dtype)
+    lens = [(40, 1), (3, 1), (33, 33), (50, 9)]
+    inputs = make_attention_inputs(lens, 2, (9, 3), 32, 16, gen, dtype=dtype, device=device)
+    kwargs = options_kwargs(ATTENTION_OPTIONS["all"], 9, gen, device)
+    check_against_reference(triton_ops, inputs, 32**-0.5, **kwargs)
+
+
+def test_soft_cap_saturates_large_scores(triton_ops, device):
+    """Scores far beyond the cap (|s| up to ~100 against a cap of 1): tanh must saturate to
+    +-1, not overflow to NaN; the capped scores then tie and the output averages values."""
+    gen = seeded("softcap-large")
+    inputs = make_attention_inputs(
+        [(40, 1), (9, 1), (30, 30), (45, 12)], 2, (4, 2), 16, 16, gen, device=device
+    )
+    inputs.query.mul_(20.0)
+    check_against_reference(triton_ops, inputs, 1.0, logit_softcap=1.0)
+    check_against_reference(triton_ops, inputs, 1.0, logit_softcap=30.0)
+
+
+@triton.jit
+def _soft_cap_kernel(x_ptr, out_ptr, cap, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, soft_cap(tl.load(x_ptr + offs), cap))
+
+
+def test_soft_cap_is_tanh(device):
+    """The kernels' tanh against torch's, from 0 through saturation, both signs."""
+    magnitudes = torch.cat([torch.zeros(1), torch.logspace(-6, 4, 127)])
+    x = torch.cat([magnitudes, -magnitudes]).to(device)  # [256]
+    for cap in (0.5, 1.0, 50.0):
+        out = torch.empty_like(x)
+        _soft_cap_kernel[(1,)](x, out, cap, N=256)
+        expected = cap * torch.tanh(x.double() / cap)
+        assert (out.double() - expected).abs().max().item() < 4e-7 * cap
+        assert out[magnitudes.numel() - 1].item() == cap  # saturated exactly
+
+
+def bad_option_cases(num_heads: int, device) -> dict[str, tuple[dict, str]]:
+    slopes = torch.rand(num_heads)
+    return {
+        "slopes-shape": ({"alibi_slopes": torch.rand(num_heads + 1).to(device)}, "shape"),
+        "slopes-2d": ({"alibi_slopes": slopes.view(1, -1).to(device)}, "shape"),
+        "slopes-dtype": ({"alibi_slopes": slopes.double().to(device)}, "float32"),
+        "slopes-device": ({"alibi_slopes": slopes.to("meta")}, "device"),
+        "slopes-strided": (
+            {"alibi_slopes": torch.rand(2 * num_heads, device=device)[::2]},  # a view
+            "contiguous",
+        ),
+        "slopes-list": ({"alibi_slopes": slopes.tolist()}, "tensor"),
+        "window-0": ({"sliding_window": 0}, ">= 1"),
+        "window-float": ({"sliding_window": 4.0}, "int"),
+        "softcap-0": ({"logit_softcap": 0.0}, "> 0"),
+        "softcap-negative": ({"logit_softcap": -5.0}, "> 0"),
+        "softcap-inf": ({"logit_softcap": float("inf")}, "finite"),
+        "softcap-nan": ({"logit_softcap": float("nan")}, "> 0"),
+    }
+
+
+BAD_OPTIONS = list(bad_option_cases(4, "cpu"))
+
+
+@pytest.mark.parametrize("case", BAD_OPTIONS)
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_bad_options_are_value_errors(triton_ops, device, kernel, case):
+    lens = [(9, 1)] if kernel == "decode" else [(9, 4)]
+    inputs = make_attention_inputs(
+        lens, int(kernel == "decode"), (4, 2), 16, 16, seeded("bad"), device=device
+    )
+    options, message = bad_option_cases(4, device)[case]
+    with pytest.raises(ValueError, match=message):
+        triton_ops.paged_attention(
+            inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.25, **options
+        )

@@ -42,10 +42,13 @@ def paged_inputs(lens, num_decode_seqs, heads, head_dim, block_size, dtype, seed
     return query.to(dtype), key_cache, value_cache, to_device(batch.meta, CUDA)
 
 
-def check_attention(ops, query, key_cache, value_cache, meta, scale):
-    out = ops.paged_attention(query, key_cache, value_cache, meta, scale, out=poisoned_like(query))
+def check_attention(ops, query, key_cache, value_cache, meta, scale, **options):
+    """`options`: the attention options (alibi_slopes, sliding_window, logit_softcap)."""
+    out = ops.paged_attention(
+        query, key_cache, value_cache, meta, scale, out=poisoned_like(query), **options
+    )
     expected = reference.paged_attention(
-        query.float(), key_cache.float(), value_cache.float(), meta, scale
+        query.float(), key_cache.float(), value_cache.float(), meta, scale, **options
     )
     err = rel_err(out, expected)
     assert err < TOLERANCE[query.dtype], err
@@ -95,6 +98,79 @@ def test_prefill_and_extend_realistic(triton_ops, heads, head_dim, dtype):
     lens = [(700, 1), (2, 1), (2048, 2048), (3000, 1000), (1500, 700), (33, 33), (64, 1)]
     inputs = paged_inputs(lens, 2, heads, head_dim, 16, dtype, seed=head_dim)
     check_attention(triton_ops, *inputs, head_dim**-0.5)
+
+
+# The options as the model families set them: BLOOM's ALiBi slopes, Mistral's 4096-token
+# window (and a shorter one, so more keys drop out), Gemma 2's soft-cap of 50, and all
+# three at once.
+GPU_OPTIONS = {
+    "alibi": {"alibi": True},
+    "window-4096": {"sliding_window": 4096},
+    "window-1000": {"sliding_window": 1000},
+    "softcap-50": {"logit_softcap": 50.0},
+    "all": {"alibi": True, "sliding_window": 1500, "logit_softcap": 30.0},
+}
+
+
+def gpu_options(options: dict, num_heads: int) -> dict:
+    from serve.models.layers.attention import alibi_slopes
+
+    kwargs = {k: v for k, v in options.items() if k != "alibi"}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = alibi_slopes(num_heads).to(CUDA)
+    return kwargs
+
+
+@pytest.mark.parametrize("options", GPU_OPTIONS.values(), ids=GPU_OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_decode_options_realistic(triton_ops, head_dim, dtype, options):
+    """Contexts longer and shorter than the windows, ending mid-tile and mid-block."""
+    lens = [(s, 1) for s in (8000, 1, 1000, 4097, 17, 3000, 1501, 4095)]
+    inputs = paged_inputs(lens, 8, (32, 8), head_dim, 16, dtype, seed=head_dim + 1)
+    check_attention(triton_ops, *inputs, head_dim**-0.5, **gpu_options(options, 32))
+
+
+@pytest.mark.parametrize("options", GPU_OPTIONS.values(), ids=GPU_OPTIONS.keys())
+@pytest.mark.parametrize("num_splits", [1, 2, 8, 16])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["gqa3", "mqa"])
+def test_decode_options_forced_splits(triton_ops, heads, num_splits, options):
+    """16 splits of a 1000-token window leave most of them empty for the merge."""
+    from serve.kernels.triton.decode_attention import decode_attention
+
+    lens = [(s, 1) for s in (8000, 1, 300, 2048, 5000)]
+    query, key_cache, value_cache, meta = paged_inputs(
+        lens, 5, heads, 64, 16, torch.bfloat16, seed=num_splits
+    )
+    kwargs = gpu_options(options, heads[0])
+    out = decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        8000,
+        0.125,
+        out=poisoned_like(query),
+        num_splits=num_splits,
+        **kwargs,
+    )
+    expected = reference.paged_attention(
+        query.float(), key_cache.float(), value_cache.float(), meta, 0.125, **kwargs
+    )
+    assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("options", GPU_OPTIONS.values(), ids=GPU_OPTIONS.keys())
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_prefill_and_extend_options_realistic(triton_ops, head_dim, dtype, options):
+    """Decodes, a prefill longer than the windows, chunks over a cached prefix longer than
+    them, and tiny chunks; GQA 4 (Llama/Mistral heads) and GQA 2 at head 256 (Gemma 2)."""
+    heads = (32, 8) if head_dim == 128 else (16, 8)
+    lens = [(700, 1), (2, 1), (5000, 5000), (6000, 1000), (1500, 700), (33, 33), (4200, 130)]
+    inputs = paged_inputs(lens, 2, heads, head_dim, 16, dtype, seed=head_dim + 2)
+    check_attention(triton_ops, *inputs, head_dim**-0.5, **gpu_options(options, heads[0]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

@@ -9,6 +9,10 @@ Flash-decoding: when (sequences x KV heads) is too small a grid to fill the GPU,
 is cut into `num_splits` ranges handled by separate programs, each writing a partial output
 normalised by its own softmax sum plus that sum's log; a second kernel merges the splits.
 
+With a sliding window the splits share only the keys the query sees: the context from the
+window's first tile on; the tiles before it are never read (`attention_options.py` has the
+options' semantics).
+
 Tile shapes:
 
 | tensor    | tile                  | padding                                            |
@@ -24,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from serve.kernels.triton.attention_options import KERNEL_LOG2E, AttentionOptions, soft_cap
 from serve.kernels.triton.runtime import check_cache_pair, dot_operands, num_sms
 
 LOG2E = 1.4426950408889634
@@ -55,6 +60,9 @@ def _decode_split_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim], written when NUM_SPLITS == 1
     partial_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, otherwise
     partial_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 of the split's sum
+    alibi_slopes_ptr,  # [num_heads] float32, read if HAS_ALIBI
+    sliding_window,  # read if HAS_WINDOW
+    softcap_log2,  # logit soft-cap * log2(e), read if HAS_SOFTCAP
     qk_scale,  # softmax scale * log2(e)
     stride_q_seq,
     stride_q_head,
@@ -76,14 +84,23 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Splits are whole tiles, so a sequence's splits tile its context without overlap.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    q_pos = seq_len - 1
+    kv_start = 0  # the splits share the keys [kv_start, seq_len)
+    if HAS_WINDOW:
+        window_start = q_pos - sliding_window + 1  # the first key seen; may be negative
+        kv_start = (tl.maximum(window_start, 0) // BLOCK_N) * BLOCK_N  # its tile
+    # Splits are whole tiles, so a sequence's splits tile its keys without overlap; the first
+    # key of a split that has any is seen (with a window, the first split holds window_start).
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = kv_start + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -99,6 +116,8 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    if HAS_ALIBI:
+        slopes = tl.load(alibi_slopes_ptr + heads, mask=g_mask, other=0.0) * KERNEL_LOG2E
 
     table_ptr = block_tables_ptr + seq * stride_table_seq
     head_offset = kv_head * stride_c_head + offs_d[None, :] * stride_c_dim  # [1, BLOCK_D]
@@ -108,12 +127,19 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        if HAS_WINDOW:
+            n_mask = n_mask & (offs_n >= window_start)  # nor are keys before the window read
         block_ids = tl.load(table_ptr + offs_n // BLOCK_SIZE, mask=n_mask, other=0)  # int64
         token_offset = block_ids * stride_c_block + (offs_n % BLOCK_SIZE) * stride_c_offset
         kv_offset = token_offset[:, None] + head_offset  # [BLOCK_N, BLOCK_D]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if HAS_SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
+        if HAS_ALIBI:
+            distance = (offs_n - q_pos).to(tl.float32)  # [BLOCK_N], <= 0
+            scores += slopes[:, None] * distance[None, :]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile, where m_i = -inf
@@ -182,11 +208,16 @@ def decode_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     num_splits: int | None = None,  # None: choose_num_splits
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its cached context `[0, seq_len)`.
 
     Precondition: the new token's K/V are already in the cache.
     """
+    options = AttentionOptions.checked(query, alibi_slopes, sliding_window, logit_softcap)
     num_seqs, num_heads, head_dim = query.shape
     check_cache_pair(key_cache, value_cache)
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -199,7 +230,9 @@ def decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device))
+        # With a window no query reads more than `sliding_window` keys: split those.
+        max_keys = min(max_seq_len, sliding_window or max_seq_len)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_keys, num_sms(query.device))
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}.")
     group = num_heads // num_kv_heads
@@ -223,6 +256,7 @@ def decode_attention(
         out,
         partial_out,
         partial_lse,
+        *options.kernel_args(placeholder=query),
         scale * LOG2E,
         *query.stride(),
         *key_cache.stride(),
@@ -237,6 +271,7 @@ def decode_attention(
         BLOCK_N=64 if block_d <= 128 else 32,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        **options.kernel_flags(),
         num_warps=4,
     )
     if num_splits > 1:

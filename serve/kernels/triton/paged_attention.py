@@ -17,12 +17,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's new tokens over its whole cached context.
+    """Causal attention of each sequence's new tokens over its whole cached context, with
+    the reference's options (ALiBi, sliding window, soft-cap; see `reference.paged_attention`).
 
     Precondition: this step's K/V are already in the cache (`reshape_and_cache`).
     """
+    options = {
+        "alibi_slopes": alibi_slopes,
+        "sliding_window": sliding_window,
+        "logit_softcap": logit_softcap,
+    }
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_decodes = meta.num_decode_seqs
@@ -37,6 +46,7 @@ def paged_attention(
             max(meta.seq_lens_cpu[:num_decodes]),
             scale,
             out=out[:num_decodes],
+            **options,
         )
     if meta.num_seqs > num_decodes:
         prefill_attention(
@@ -50,5 +60,6 @@ def paged_attention(
             max_query_len=max(meta.query_lens_cpu[num_decodes:]),
             scale=scale,
             out=out,
+            **options,
         )
     return out

@@ -8,12 +8,20 @@ a cached prefix and the chunk itself are one loop.
 
 One program per (query head, tile of BLOCK_M queries, sequence); it walks keys in tiles of
 BLOCK_N with an online softmax, never holding more than a [BLOCK_M, BLOCK_N] score tile.
-For query rows at positions [p0, p0 + BLOCK_M), the keys split in two:
+For query rows at positions [p0, p1] (p1 = min(p0 + BLOCK_M, seq_len) - 1), the keys split
+in two, or with a sliding window w in four:
 
-| keys                                  | visible to             | mask                  |
-|---------------------------------------|------------------------|-----------------------|
-| [0, p0), rounded down to whole tiles  | every row of the tile  | none                  |
-| the rest up to min(seq_len, p0+BLOCK_M)| some rows (diagonal)  | causal and seq_len    |
+| keys                                            | visible to            | mask                    |
+|-------------------------------------------------|-----------------------|-------------------------|
+| [0, w0): w0 = p0 - w + 1 rounded down to a tile | no row: never read    | -                       |
+| [w0, f0): f0 = p1 - w + 1 rounded up, <= a0     | some rows             | window                  |
+| [f0, a0): a0 = p0 rounded down to a tile        | every row of the tile | none                    |
+| [a0, p1] (diagonal)                             | some rows             | causal, seq_len, window |
+
+Without a window w0 = f0 = 0. With one, a row can meet a masked tile that holds none of its
+keys before one that does; the online softmax leaves the row as it was (m stays -inf), and
+every row ends having seen at least itself. ALiBi and the soft-cap change scores, not which
+keys are read (`attention_options.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from serve.kernels.triton.attention_options import KERNEL_LOG2E, AttentionOptions, soft_cap
 from serve.kernels.triton.runtime import check_cache_pair, dot_operands
 
 LOG2E = 1.4426950408889634
@@ -66,12 +75,19 @@ def _attend_tile(
     tile_start,
     seq_len,
     qk_scale,
+    slope,  # this head's ALiBi slope * log2(e), if HAS_ALIBI
+    sliding_window,
+    softcap_log2,
     stride_c_block,
     stride_c_offset,
     d_mask,  # [BLOCK_D]
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_DIAGONAL: tl.constexpr,  # masks keys past seq_len and past each row's position
+    IS_WINDOW_EDGE: tl.constexpr,  # masks keys before each row's window
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -89,12 +105,26 @@ def _attend_tile(
         kv_mask = d_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(DOT_DTYPE)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        scores = soft_cap(scores, softcap_log2)
+    if HAS_ALIBI:
+        scores += slope * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
     if IS_DIAGONAL:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < sliding_window)
         scores = tl.where(visible, scores, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    if IS_WINDOW_EDGE:
+        in_window = q_pos[:, None] - offs_n[None, :] < sliding_window
+        scores = tl.where(in_window, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = m_new
+    if HAS_WINDOW:
+        # A row whose window starts past every key so far has seen none: m_new = -inf. It
+        # subtracts 0 instead (p = 0, alpha = 0) and keeps m = -inf for its first seen key.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + kv_offset, mask=kv_mask, other=0.0).to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
@@ -111,6 +141,9 @@ def _prefill_kernel(
     seq_lens_ptr,  # [num_seqs] int64
     query_start_loc_ptr,  # [num_seqs + 1] int64
     first_seq,  # the batch index of program_id(2) == 0 (decodes come first)
+    alibi_slopes_ptr,  # [num_heads] float32, read if HAS_ALIBI
+    sliding_window,  # read if HAS_WINDOW
+    softcap_log2,  # logit soft-cap * log2(e), read if HAS_SOFTCAP
     qk_scale,  # softmax scale * log2(e)
     stride_q_token,
     stride_q_head,
@@ -131,6 +164,9 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -156,25 +192,45 @@ def _prefill_kernel(
 
     table_ptr = block_tables_ptr + seq * stride_table_seq
     head_offset = (head // GROUP) * stride_c_head + offs_d[None, :] * stride_c_dim
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(alibi_slopes_ptr + head) * KERNEL_LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     full_end = (first_pos // BLOCK_N) * BLOCK_N
-    for tile_start in range(0, full_end, BLOCK_N):
+    full_start = 0  # the first key tile every row sees whole
+    if HAS_WINDOW:
+        # Keys before the first row's window are skipped; the tiles up to the last row's
+        # window start (rounded up) are seen only in part, and masked.
+        window_tile = (tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N) * BLOCK_N
+        last_pos = tl.minimum(seq_len, first_pos + BLOCK_M) - 1
+        last_window_start = tl.maximum(last_pos - sliding_window + 1, 0)
+        full_start = tl.minimum(tl.cdiv(last_window_start, BLOCK_N) * BLOCK_N, full_end)
+        for tile_start in range(window_tile, full_start, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+                tile_start, seq_len, qk_scale, slope, sliding_window, softcap_log2,
+                stride_c_block, stride_c_offset, d_mask, BLOCK_SIZE, BLOCK_N, False, True,
+                HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
+            )  # fmt: skip
+    for tile_start in range(full_start, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-            tile_start, seq_len, qk_scale, stride_c_block, stride_c_offset, d_mask,
-            BLOCK_SIZE, BLOCK_N, False, DOT_DTYPE, DOT_PRECISION,
+            tile_start, seq_len, qk_scale, slope, sliding_window, softcap_log2,
+            stride_c_block, stride_c_offset, d_mask, BLOCK_SIZE, BLOCK_N, False, False,
+            HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
     diagonal_end = tl.minimum(seq_len, first_pos + BLOCK_M)
     for tile_start in range(full_end, diagonal_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
-            tile_start, seq_len, qk_scale, stride_c_block, stride_c_offset, d_mask,
-            BLOCK_SIZE, BLOCK_N, True, DOT_DTYPE, DOT_PRECISION,
+            tile_start, seq_len, qk_scale, slope, sliding_window, softcap_log2,
+            stride_c_block, stride_c_offset, d_mask, BLOCK_SIZE, BLOCK_N, True, False,
+            HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
 
-    # Every real row sees key 0, so l_i > 0; rows past the chunk are not stored.
+    # Every real row sees its own key, so l_i > 0; rows past the chunk are not stored.
     acc = acc / tl.where(m_mask, l_i, 1.0)[:, None]
     out_offset = (q_start + offs_m[:, None]) * stride_o_token + head * stride_o_head
     tl.store(
@@ -196,11 +252,16 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; only those sequences' rows are written
     tiles: PrefillTiles | None = None,
+    *,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of sequences `[first_seq, num_seqs)`'s query chunks over their contexts.
 
     Precondition: the chunks' own K/V are already in the cache.
     """
+    options = AttentionOptions.checked(query, alibi_slopes, sliding_window, logit_softcap)
     num_seqs = seq_lens.shape[0] - first_seq
     _, num_heads, head_dim = query.shape
     check_cache_pair(key_cache, value_cache)
@@ -224,6 +285,7 @@ def prefill_attention(
         seq_lens,
         query_start_loc,
         first_seq,
+        *options.kernel_args(placeholder=query),
         scale * LOG2E,
         *query.stride(),
         *key_cache.stride(),
@@ -237,6 +299,7 @@ def prefill_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=dot_precision,
+        **options.kernel_flags(),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
