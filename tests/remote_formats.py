@@ -294,7 +294,8 @@ def _qwen_checkpoint(checkpoint_dir: Path, model, rotary_pct: float) -> None:
 
 def build_qwen(checkpoint_dir: Path, oracle_dir: Path) -> Path:
     """Qwen v1 = Qwen2 (q/k/v biases, no o bias) without GQA, in Qwen v1's names."""
-    config = make_tiny_config("qwen2", num_key_value_heads=4, rope_theta=50000.0, rms_norm_eps=1e-5)
+    # A large eps, so that Qwen's `layer_norm_epsilon` not being read would show.
+    config = make_tiny_config("qwen2", num_key_value_heads=4, rope_theta=50000.0, rms_norm_eps=0.01)
     model = _tiny_model(config, seed=7)
     _qwen_checkpoint(checkpoint_dir, model, rotary_pct=1.0)
     return _save_oracle(model, oracle_dir)
