@@ -12,6 +12,7 @@ Torch-free, so the engine can check a config before any worker starts.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,3 +80,13 @@ def hf_sliding_windows(hf: Any, num_layers: int) -> tuple[int | None, ...]:
     if layer_types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def hf_with(hf: Any, **fields: Any) -> Any:
+    """A copy of the HF config with `fields` set: how a family whose config spells things its
+    own way (a remote-code format read as data) hands the shared layers the names they read
+    (`rms_norm_eps`, `attention_bias`, `rope_theta`, ...). The loaded config is left as it is."""
+    normalised = copy.copy(hf)
+    for name, value in fields.items():
+        setattr(normalised, name, value)
+    return normalised

@@ -6,7 +6,9 @@ the MLP's intermediate columns, and one all-reduce closes each attention block a
 MLP; norms and residuals are replicated. At one rank every layer is a plain one.
 
 Variants are constructor flags: q/k/v biases (Qwen2, `attention_bias`), per-head q/k
-RMSNorm (Qwen3), a sliding window per layer (Mistral, Qwen2's `layer_types`).
+RMSNorm (Qwen3), a sliding window per layer (Mistral, Qwen2's `layer_types`). The
+remote-code formats built on it (internlm.py, baichuan.py, qwen.py) normalise their configs
+into these names, plus ALiBi (`alibi`) and partial rotary (`rotary_pct`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from serve.distributed.parallel_state import get_tp_group
 from serve.models.arch_config import ArchConfig
 from serve.models.layers.activation import ActAndMul
-from serve.models.layers.attention import Attention
+from serve.models.layers.attention import Attention, alibi_slopes
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from serve.models.layers.layernorm import RMSNorm
 from serve.models.layers.linear import (
@@ -53,12 +56,26 @@ class LlamaAttention(nn.Module):
         # Qwen3: RMSNorm over each head's q and k, before the rotation.
         self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position, rope_parameters(hf))
+        # Set only by the remote-code formats' configs (transformers' Llama reads neither):
+        # Baichuan 13B's ALiBi instead of rotary positions (`alibi`, as Falcon spells it), and
+        # Qwen v1's rotation of the first `rotary_pct` of each head.
+        is_alibi = bool(getattr(hf, "alibi", False))
+        rotary_dim = int(self.head_dim * getattr(hf, "rotary_pct", 1.0))
+        self.rotary_emb = None
+        if not is_alibi:
+            self.rotary_emb = RotaryEmbedding(
+                self.head_dim, config.max_position, rope_parameters(hf), rotary_dim
+            )
+        slopes = None
+        if is_alibi:  # this rank's heads' slopes
+            first_head = get_tp_group().rank * self.num_heads
+            slopes = alibi_slopes(config.num_heads)[first_head : first_head + self.num_heads]
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
             self.num_kv_heads,
             self.head_dim**-0.5,
+            alibi_slopes=slopes,
             sliding_window=config.sliding_windows[layer],
         )
 
@@ -71,7 +88,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))  # [T, hidden], reduced over ranks
 
 

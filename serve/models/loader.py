@@ -24,7 +24,7 @@ from serve.distributed.parallel_state import get_tp_group
 from serve.models.arch_config import ArchConfig
 from serve.models.lazy_tensor import InMemoryTensor, LazyTensor, SafetensorsTensor
 from serve.models.partition import check_tensor_parallel
-from serve.models.registry import get_arch_config, get_model_class
+from serve.models.registry import get_arch_config, get_model_class, supported_architectures
 from serve.models.weights import load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,29 @@ def _from_hf_cache(repo_id: str) -> Path:
 
 
 def load_hf_config(path: Path) -> Any:
-    from transformers import AutoConfig
+    """The model's HF config. trust_remote_code stays False: a checkpoint's `auto_map` never
+    runs code here.
 
-    # trust_remote_code stays False: a checkpoint's `auto_map` never runs code here.
-    return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    A config whose `model_type` transformers does not know ships its code with the
+    checkpoint (InternLM, Aquila, Baichuan, Qwen v1). When serve implements one of its
+    `architectures` natively, config.json is read as plain data into a `PretrainedConfig`,
+    and the model class reads its fields in its own spelling (`arch_config`)."""
+    from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    data = json.loads((Path(path) / "config.json").read_text())
+    model_type = data.get("model_type")
+    if model_type is None or model_type in CONFIG_MAPPING:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    architectures = data.get("architectures") or []
+    if not set(architectures) & set(supported_architectures()):
+        raise ValueError(
+            f"{path}: model_type {model_type!r} (architectures {architectures}) is not known to "
+            "transformers, and serve implements none of these architectures natively; its "
+            "code ships with the checkpoint, and serve never runs a checkpoint's code. "
+            f"Supported architectures: {', '.join(supported_architectures())}."
+        )
+    return PretrainedConfig(**data)
 
 
 def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:

@@ -22,6 +22,13 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("serve.models.llama", "Qwen3ForCausalLM"),
+    # Formats whose transformers code ships with the checkpoint: config.json is read as data.
+    "AquilaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
+    "AquilaModel": ("serve.models.llama", "LlamaForCausalLM"),
+    "InternLMForCausalLM": ("serve.models.internlm", "InternLMForCausalLM"),
+    "BaiChuanForCausalLM": ("serve.models.baichuan", "BaiChuanForCausalLM"),
+    "BaichuanForCausalLM": ("serve.models.baichuan", "BaichuanForCausalLM"),
+    "QWenLMHeadModel": ("serve.models.qwen", "QWenLMHeadModel"),
 }
 
 
