@@ -73,6 +73,7 @@ def _check_choices(config: Any) -> None:
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,13 @@ class ModelConfig:
         False,
         "load pickled .bin weights, which can run arbitrary code when loaded; "
         "safetensors and GGUF need no flag",
+    )
+    model_impl: str = setting(
+        "auto",
+        "native: serve's own model classes; transformers: transformers' modeling code with "
+        "serve's paged attention (one rank); auto: native where serve has the architecture, "
+        "else transformers",
+        choices=MODEL_IMPLS,
     )
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Every model family serve runs natively, as a tiny random-weight transformers config.
+"""Every model family serve runs natively (and a few it runs through the transformers
+backend), as a tiny random-weight transformers config.
 
 Each entry is how a test builds one: the transformers `model_type`, the `architectures`
 name the registry knows, and the family's own config fields on top of the shared tiny
@@ -43,4 +44,22 @@ FAMILIES: list[Family] = [
     ),
 ]
 
-FAMILIES_BY_KEY = {f.key: f for f in FAMILIES}
+# Families serve has no class for, run through the transformers backend (--model-impl auto
+# picks it), at one rank: tests/models/test_transformers_backend.py runs them against HF.
+BACKEND_FAMILIES: list[Family] = [
+    # Sliding windows on 3 of 4 layers, a logit scale after the LM head, parallel blocks.
+    Family(
+        "cohere2",
+        "cohere2",
+        "Cohere2ForCausalLM",
+        {"sliding_window": 8, "num_hidden_layers": 4, "logit_scale": 0.5},
+        tp2=False,
+        window=8,
+    ),
+    # Partial, interleaved rotary.
+    Family("glm", "glm", "GlmForCausalLM", {"partial_rotary_factor": 0.5}, tp2=False),
+    # NoPE on every fourth layer.
+    Family("smollm3", "smollm3", "SmolLM3ForCausalLM", {"num_hidden_layers": 4}, tp2=False),
+]
+
+FAMILIES_BY_KEY = {f.key: f for f in FAMILIES + BACKEND_FAMILIES}

@@ -24,6 +24,7 @@ EXAMPLES = {
     "load_format": Example(("--load-format", "safetensors"), "safetensors"),
     "max_logprobs": Example(("--max-logprobs", "5"), 5),
     "allow_pickle_weights": Example(("--allow-pickle-weights",), True),
+    "model_impl": Example(("--model-impl", "transformers"), "transformers"),
     "block_size": Example(("--block-size", "32"), 32),
     "kv_cache_memory": Example(("--kv-cache-memory", "512MiB"), "512MiB"),
     "gpu_memory_utilization": Example(("--gpu-memory-utilization", "0.5"), 0.5),

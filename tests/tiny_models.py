@@ -80,7 +80,8 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
     """The tiny shape (hidden 64, 2 layers, 4 heads over 2 KV heads, head_dim 16) of family
-    `arch` (a key of model_families.FAMILIES), its own fields, then `overrides`."""
+    `arch` (a key of model_families.FAMILIES or BACKEND_FAMILIES), its own fields, then
+    `overrides`."""
     from model_families import FAMILIES_BY_KEY
 
     if arch not in FAMILIES_BY_KEY:

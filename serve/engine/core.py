@@ -54,7 +54,7 @@ class EngineCore:
         self.model_path = resolve_model_path(config.model.model, config.model.load_format)
         hf_config = load_hf_config(self.model_path)
         tp_size = config.parallel.tensor_parallel_size
-        arch = get_arch_config(hf_config)
+        arch = get_arch_config(hf_config, config.model.model_impl)
         check_tensor_parallel(arch, tp_size)  # before any worker starts
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)

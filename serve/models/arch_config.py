@@ -38,6 +38,9 @@ class ArchConfig:
     split_sizes: dict[str, int] = field(default_factory=dict)
     # Per layer: the sliding window (None: full attention).
     sliding_windows: tuple[int | None, ...] = ()
+    # What runs it: "native" (a serve model class) or "transformers" (transformers' modeling
+    # code through serve's transformers backend, which runs at one rank).
+    model_impl: str = "native"
 
     def __post_init__(self) -> None:
         if not self.sliding_windows:

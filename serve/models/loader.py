@@ -184,10 +184,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.device) -> nn.Module:
     """This rank's shard of the model, on `device`. Under tensor parallelism, every rank
     calls it after `init_tensor_parallel`; each reads only its own slices."""
-    arch = get_arch_config(hf_config)
+    arch = get_arch_config(hf_config, config.model_impl)
     check_tensor_parallel(arch, get_tp_group().world_size)
     dtype = resolve_dtype(config.dtype, hf_config)
-    model_class = get_model_class(getattr(hf_config, "architectures", None))
+    model_class = get_model_class(getattr(hf_config, "architectures", None), config.model_impl)
     with _default_dtype(dtype), torch.device(device):
         model = model_class(arch)
     weights = iterate_checkpoint(path, config.load_format, allow_pickle=config.allow_pickle_weights)

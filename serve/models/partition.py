@@ -51,6 +51,12 @@ def check_tensor_parallel(arch: ArchConfig, tp_size: int) -> None:
     ranks. Reads the normalised shape the model classes are built from."""
     if tp_size < 1:
         raise ValueError(f"tensor_parallel_size must be positive, got {tp_size}.")
+    if tp_size > 1 and arch.model_impl == "transformers":
+        raise ValueError(
+            f"{arch.architecture} runs through the transformers backend, which runs at one "
+            f"rank: tensor_parallel_size must be 1, got {tp_size}. Tensor parallelism needs "
+            "an architecture serve implements natively (--model-impl native)."
+        )
     split_evenly(arch.num_heads, tp_size, "num_attention_heads")
     if arch.num_kv_heads % tp_size and tp_size % arch.num_kv_heads:
         raise ValueError(

@@ -5,6 +5,10 @@ positions) -> hidden [T, hidden]`, `compute_logits(hidden) -> [N, vocab] | None`
 rank 0) and `weight_spec: WeightSpec` (how checkpoint names reach its parameters). It may
 define `arch_config(hf, architecture) -> ArchConfig` (a classmethod) where its HF config
 spells the shape in its own way.
+
+`model_impl` (--model-impl) chooses between serve's own classes ("native") and the
+transformers backend ("transformers": transformers' modeling code with serve's paged
+attention, transformers_backend.py); "auto" takes the native class where there is one.
 """
 
 from __future__ import annotations
@@ -36,24 +40,48 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def _resolve(architectures: list[str] | None) -> tuple[str, type[nn.Module]]:
-    for arch in architectures or []:
-        if arch in _MODELS:
-            module_name, class_name = _MODELS[arch]
-            return arch, getattr(importlib.import_module(module_name), class_name)
-    raise ValueError(
-        f"Model architecture {architectures} is not supported. "
-        f"Supported: {', '.join(supported_architectures())}."
+def _resolve(architectures: list[str] | None, model_impl: str) -> tuple[str, type[nn.Module]]:
+    if model_impl != "transformers":
+        for arch in architectures or []:
+            if arch in _MODELS:
+                module_name, class_name = _MODELS[arch]
+                return arch, getattr(importlib.import_module(module_name), class_name)
+    reasons = []
+    if model_impl != "native":
+        from serve.models import transformers_backend
+
+        for arch in architectures or []:
+            reason = transformers_backend.unsupported_reason(arch)
+            if reason is None:
+                return arch, transformers_backend.TransformersForCausalLM
+            reasons.append(reason)
+    raise ValueError(_unsupported_message(architectures, model_impl, reasons))
+
+
+def _unsupported_message(
+    architectures: list[str] | None, model_impl: str, reasons: list[str]
+) -> str:
+    how = {
+        "native": " natively (--model-impl native)",
+        "transformers": " by the transformers backend",
+    }
+    why = f" ({'; '.join(reasons)})" if reasons else ""
+    return (
+        f"Model architecture {architectures} is not supported{how.get(model_impl, '')}{why}. "
+        f"Supported natively: {', '.join(supported_architectures())}; any other causal LM "
+        "class shipped in transformers whose attention takes custom attention functions "
+        "(`_supports_attention_backend`) runs through the transformers backend "
+        "(--model-impl auto or transformers)."
     )
 
 
-def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
-    return _resolve(architectures)[1]
+def get_model_class(architectures: list[str] | None, model_impl: str = "auto") -> type[nn.Module]:
+    return _resolve(architectures, model_impl)[1]
 
 
-def get_arch_config(hf_config: Any) -> ArchConfig:
+def get_arch_config(hf_config: Any, model_impl: str = "auto") -> ArchConfig:
     """The model's normalised shape, as its family reads it from `hf_config`."""
-    arch, model_class = _resolve(getattr(hf_config, "architectures", None))
+    arch, model_class = _resolve(getattr(hf_config, "architectures", None), model_impl)
     normalize = getattr(model_class, "arch_config", None)
     if normalize is not None:
         return normalize(hf_config, arch)
