@@ -101,3 +101,59 @@ def make_attention_inputs(
         values=values,
         block_tables=batch.block_tables,
     )
+
+
+@dataclass
+class MoeInputs:
+    hidden: torch.Tensor  # [num_tokens, hidden]
+    w13: torch.Tensor  # [num_experts, 2 * inter, hidden]
+    w2: torch.Tensor  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor  # [num_tokens, top_k] int64
+
+
+def make_moe_inputs(
+    num_tokens: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    gen: torch.Generator,
+    *,
+    unrouted: tuple[int, ...] = (),  # experts no token is routed to; their weights are NaN
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> MoeInputs:
+    """Random tokens routed as the models route them (softmax, top-k, renormalised), with
+    the `unrouted` experts' logits at -inf. Their weights are NaN, so an expert without
+    tokens that is read anyway poisons the output. Drawn on `gen`'s device."""
+    on = gen.device
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=on)
+    logits[:, list(unrouted)] = -torch.inf
+    topk_weights, topk_ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+    topk_weights /= topk_weights.sum(dim=-1, keepdim=True)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=on) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen, device=on) * inter**-0.5
+    w13[list(unrouted)] = float("nan")
+    w2[list(unrouted)] = float("nan")
+    x = torch.randn(num_tokens, hidden, generator=gen, device=on)
+    return MoeInputs(
+        hidden=x.to(device, dtype),
+        w13=w13.to(device, dtype),
+        w2=w2.to(device, dtype),
+        topk_weights=topk_weights.to(device),
+        topk_ids=topk_ids.to(device),
+    )
+
+
+def naive_moe(inputs: MoeInputs) -> torch.Tensor:
+    """The oracle, one token and one of its experts at a time, in float64."""
+    x, w13, w2 = inputs.hidden.double(), inputs.w13.double(), inputs.w2.double()
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, expert in zip(inputs.topk_weights[t].tolist(), inputs.topk_ids[t].tolist()):
+            gate_up = w13[expert] @ x[t]
+            act = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += weight * (w2[expert] @ act)
+    return out

@@ -42,6 +42,53 @@ FAMILIES: list[Family] = [
         "Qwen3ForCausalLM",
         {"rope_theta": 1000000.0, "tie_word_embeddings": True, "head_dim": 24},
     ),
+    # Mixture of experts (serve/models/moe.py): top-2 of 4 experts, a window under the contexts.
+    Family(
+        "mixtral",
+        "mixtral",
+        "MixtralForCausalLM",
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 96,
+            "sliding_window": 12,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+        window=12,
+    ),
+    # A shared expert, unnormalised top-k weights, layer 0 dense (decoder_sparse_step 2).
+    Family(
+        "qwen2-moe",
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "decoder_sparse_step": 2,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Normalised top-3 of 8, per-head q/k norm, layer 1 dense (mlp_only_layers).
+    Family(
+        "qwen3-moe",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [1],
+            "head_dim": 24,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+    ),
 ]
 
 # Families serve has no class for, run through the transformers backend (--model-impl auto

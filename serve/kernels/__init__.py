@@ -18,6 +18,7 @@ __all__ = [
     "AttentionMetadata",
     "copy_blocks",
     "linear",
+    "moe_experts",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",
@@ -105,3 +106,14 @@ def rotary_embedding(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2d] -> [T, d]
     return ops_for(x.device).silu_and_mul(x)
+
+
+def moe_experts(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int, distinct experts per token
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """Each token's routed SwiGLU experts, weighted and summed; only routed experts compute."""
+    return ops_for(hidden.device).moe_experts(hidden, w13, w2, topk_weights, topk_ids)

@@ -302,3 +302,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2d] -> [T, d]
     gate, up = x.chunk(2, dim=-1)
     out = F.silu(gate)
     return out.mul_(up)  # in place on the fresh tensor: one pass fewer than `silu(gate) * up`
+
+
+def moe_experts(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden]: each expert's gate rows, then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int, distinct experts per token
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """A mixture of SwiGLU experts: each token's sum over its top-k experts e of
+    `topk_weight * w2[e] @ (silu(gate_e x) * up_e x)`.
+
+    Only the routed experts compute: the (token, expert) pairs are grouped by expert, each
+    expert with tokens runs its MLP once on exactly them, and the weighted rows are added
+    back to their tokens, expert by expert in increasing order (as transformers does). The
+    product with the routing weights promotes as in transformers (float32 weights make a
+    float32 product) and is rounded to the hidden dtype where it is added.
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros_like(hidden)
+    if num_tokens == 0:
+        return out
+    flat_ids = topk_ids.flatten()  # [num_tokens * top_k]: pair p is token p // top_k
+    order = flat_ids.argsort(stable=True)  # the pairs, grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    weights = topk_weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        gate_up = linear(hidden[rows], w13[expert])  # [count, 2 * inter]
+        down = linear(silu_and_mul(gate_up), w2[expert])  # [count, hidden]
+        weighted = down * weights[start : start + count, None]
+        out.index_add_(0, rows, weighted.to(out.dtype))
+        start += count
+    return out

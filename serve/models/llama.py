@@ -13,6 +13,8 @@ into these names, plus ALiBi (`alibi`) and partial rotary (`rotary_pct`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -94,12 +96,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        act: str,
+        bias: bool,
+        reduce_results: bool = True,  # False: partial sums, for a MoE block's shared expert
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, ["gate", "up"], bias
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, reduce_results)
         self.act = ActAndMul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,11 +117,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, layer: int, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        layer: int,
+        qkv_bias: bool,
+        qk_norm: bool,
+        mlp: nn.Module | None = None,  # None: the dense gated MLP
+    ) -> None:
         super().__init__()
         hf = config.hf
         self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(
+        self.mlp = mlp if mlp is not None else LlamaMLP(
             config.hidden_size,
             hf.intermediate_size,
             getattr(hf, "hidden_act", "silu"),
@@ -134,11 +150,18 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ArchConfig, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self,
+        config: ArchConfig,
+        qkv_bias: bool,
+        qk_norm: bool,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm) for i in range(config.num_layers)
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, make_mlp(i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.hf.rms_norm_eps)
 
@@ -157,11 +180,18 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
-        qkv_bias = self.qkv_bias or bool(getattr(config.hf, "attention_bias", False))
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm)
+        hf = config.hf
+        qkv_bias = self.qkv_bias or bool(getattr(hf, "attention_bias", False))
+        qkv_bias = qkv_bias or bool(getattr(hf, "qkv_bias", False))  # Qwen2-MoE's name
+        self.model = LlamaModel(config, qkv_bias, self.qk_norm, lambda i: self.make_mlp(config, i))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config.hf, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: ArchConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP; None: the dense gated MLP. The MoE families (moe.py) return
+        their sparse blocks here."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # [T, hidden]

@@ -24,8 +24,11 @@ from serve.models.arch_config import ArchConfig
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("serve.models.moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("serve.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("serve.models.llama", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("serve.models.moe", "Qwen3MoeForCausalLM"),
     # Formats whose transformers code ships with the checkpoint: config.json is read as data.
     "AquilaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "AquilaModel": ("serve.models.llama", "LlamaForCausalLM"),

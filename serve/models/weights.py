@@ -13,6 +13,7 @@ reads only the rows it keeps.
 | `...q_proj.weight`       | `packed={"q_proj": ("qkv_proj", "q")}` | `...qkv_proj.weight`, shard "q"        |
 | `...c_attn.weight` [in, 3h] | `transposed=("c_attn",)`, `fused={"c_attn": FusedRows(...)}` | `...c_attn.weight`, shards q, k, v |
 | `...inv_freq`            | `ignored=(r"inv_freq$",)`              | nothing                                |
+| `...experts.3.w1.weight` | `experts=ExpertTensors({"w1": ("w13_weight", "gate")})` | `...experts.w13_weight`, `ExpertShard(3, "gate")` |
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from serve.models.layers.fused_moe import ExpertShard
 from serve.models.layers.linear import default_weight_loader
 from serve.models.lazy_tensor import LazyTensor, as_lazy
 
@@ -101,6 +103,23 @@ class _Transposed:
 
 
 @dataclass(frozen=True)
+class ExpertTensors:
+    """Per-expert checkpoint tensors `{module}.{e}.{name}.weight`, stacked into one parameter
+    per projection, `{module}.{param}`, whose loader takes `ExpertShard(e, shard)`."""
+
+    names: Mapping[str, tuple[str, str]]  # checkpoint name -> (our stacked parameter, shard)
+    module: str = "experts"
+
+    def target(self, name: str) -> tuple[str, ExpertShard] | None:
+        match = re.fullmatch(rf"(.*\.)?{re.escape(self.module)}\.(\d+)\.(\w+)\.weight", name)
+        if match is None or match.group(3) not in self.names:
+            return None
+        param, shard = self.names[match.group(3)]
+        prefix = match.group(1) or ""
+        return f"{prefix}{self.module}.{param}", ExpertShard(int(match.group(2)), shard)
+
+
+@dataclass(frozen=True)
 class WeightSpec:
     """How a model's checkpoint names reach its parameters. Module names below are dotted
     fragments of a checkpoint name (`q_proj` matches `model.layers.0.self_attn.q_proj.weight`)."""
@@ -111,6 +130,8 @@ class WeightSpec:
     fused: Mapping[str, FusedRows] = field(default_factory=dict)
     # checkpoint modules whose 2-D weights are stored [in, out]
     transposed: tuple[str, ...] = ()
+    # per-expert tensors of mixture-of-experts layers, stacked (checked before `packed`)
+    experts: ExpertTensors | None = None
     # (old, new) substring renames, applied first, in order
     renames: tuple[tuple[str, str], ...] = ()
     # regular expressions of checkpoint names that feed no parameter (searched, not matched)
@@ -123,8 +144,11 @@ def _has_module(name: str, module: str) -> bool:
 
 def _targets(
     name: str, tensor: LazyTensor, spec: WeightSpec
-) -> Iterable[tuple[str, LazyTensor, str | None]]:
+) -> Iterable[tuple[str, LazyTensor, str | ExpertShard | None]]:
     """(our parameter name, tensor, shard) for one checkpoint tensor, after renames."""
+    expert = spec.experts.target(name) if spec.experts is not None else None
+    if expert is not None:
+        return [(expert[0], tensor, expert[1])]
     for module in spec.transposed:
         if _has_module(name, module) and name.endswith(".weight"):
             tensor = _Transposed(tensor)

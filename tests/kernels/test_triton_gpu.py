@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import TOLERANCE, poisoned_like, rel_err, to_device
+from kernel_cases import TOLERANCE, make_moe_inputs, poisoned_like, rel_err, to_device
 from kernels.test_reference import make_cos_sin_cache, make_paged_batch
 
 from serve.kernels import reference
@@ -246,6 +246,85 @@ def test_swap_out_and_in(triton_ops, pinned):
     triton_ops.swap_blocks(swap_space, back, dst, src)
     torch.cuda.synchronize()
     assert torch.equal(back[src], device_cache[src])
+
+
+# -- mixture of experts ---------------------------------------------------------------------------
+
+# (num_experts, top_k, hidden, intermediate width per rank)
+MOE_SHAPES = {
+    "mixtral-8x7b-tp2": (8, 2, 4096, 7168),
+    "qwen1.5-moe-a2.7b": (60, 4, 2048, 1408),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("num_tokens", [1, 5, 256, 2048])
+@pytest.mark.parametrize("shape", MOE_SHAPES.values(), ids=MOE_SHAPES.keys())
+def test_moe_experts_realistic(triton_ops, shape, num_tokens, dtype):
+    """Decodes (most experts idle), small batches and a prefill; the last expert never gets
+    a token and holds NaN weights, so reading an idle expert shows."""
+    num_experts, top_k, hidden, inter = shape
+    gen = torch.Generator(CUDA).manual_seed(num_tokens)
+    inputs = make_moe_inputs(
+        num_tokens, num_experts, top_k, hidden, inter, gen,
+        unrouted=(num_experts - 1,), dtype=dtype, device=CUDA,
+    )  # fmt: skip
+    weights = inputs.topk_weights.to(dtype)  # Qwen's router casts; Mixtral's keeps float32
+    out = triton_ops.moe_experts(inputs.hidden, inputs.w13, inputs.w2, weights, inputs.topk_ids)
+    expected = reference.moe_experts(
+        inputs.hidden.float(), inputs.w13.float(), inputs.w2.float(), weights.float(),
+        inputs.topk_ids,
+    )  # fmt: skip
+    assert out.dtype == dtype
+    err = rel_err(out, expected)
+    assert err < TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_moe_align_many_programs(block_m):
+    """Qwen3-30B's routing of 16K tokens: 131K pairs over 512 counting programs, so the
+    layout sums many programs' counts. Every pair lands once, in a block of its expert,
+    in increasing order; blocks run through the experts in order, then the unused ones."""
+    from serve.kernels.triton.moe import align_by_expert
+
+    gen = torch.Generator(CUDA).manual_seed(block_m)
+    num_experts, num_tokens, top_k = 128, 16384, 8
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device=CUDA)
+    logits[:, :4] += 3.0  # a few hot experts
+    logits[:, 100] = -torch.inf  # and an idle one
+    ids = logits.topk(top_k, dim=-1).indices
+    sorted_pairs, block_experts = align_by_expert(ids, num_experts, block_m)
+    num_pairs = ids.numel()
+    rows = sorted_pairs.view(-1, block_m).long()  # [num_blocks, block_m]
+    experts = block_experts.long()
+    real = experts < num_experts
+    num_real = int(real.sum())
+    assert bool(real[:num_real].all()) and not bool(real[num_real:].any())
+    assert bool((experts[:num_real].diff() >= 0).all()) and 100 not in experts.tolist()
+    is_pair = rows < num_pairs
+    assert not bool(is_pair[num_real:].any())
+    placed = rows[is_pair]
+    assert torch.equal(placed.sort().values, torch.arange(num_pairs, device=CUDA))
+    owner = experts[:, None].expand_as(rows)[is_pair]
+    assert torch.equal(ids.flatten()[placed], owner)
+    # Within a block: the pairs first, in increasing order, then padding.
+    assert bool((is_pair[:, :-1] | ~is_pair[:, 1:]).all())
+    inside = is_pair[:, 1:] & is_pair[:, :-1]
+    assert bool((rows[:, 1:] > rows[:, :-1])[inside].all())
+
+
+def test_moe_experts_float32_routing_weights_with_bf16_experts(triton_ops):
+    """Mixtral's router hands float32 weights to bfloat16 experts."""
+    gen = torch.Generator(CUDA).manual_seed(3)
+    inputs = make_moe_inputs(300, 8, 2, 4096, 1792, gen, dtype=torch.bfloat16, device=CUDA)
+    args = (inputs.w13, inputs.w2, inputs.topk_weights, inputs.topk_ids)
+    out = triton_ops.moe_experts(inputs.hidden, *args)
+    expected = reference.moe_experts(
+        inputs.hidden.float(), inputs.w13.float(), inputs.w2.float(), *args[2:]
+    )
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, expected) < TOLERANCE[torch.bfloat16]
 
 
 # -- the default model end to end -----------------------------------------------------------------

@@ -8,6 +8,7 @@ Loaded only through `serve.kernels.backend` (never at `import serve`). Under
 from serve.kernels.reference import linear
 from serve.kernels.triton.activation import silu_and_mul
 from serve.kernels.triton.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
+from serve.kernels.triton.moe import moe_experts
 from serve.kernels.triton.norm import rms_norm
 from serve.kernels.triton.paged_attention import paged_attention
 from serve.kernels.triton.rotary import rotary_embedding
@@ -15,6 +16,7 @@ from serve.kernels.triton.rotary import rotary_embedding
 __all__ = [
     "copy_blocks",
     "linear",
+    "moe_experts",
     "paged_attention",
     "reshape_and_cache",
     "rms_norm",

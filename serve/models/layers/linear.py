@@ -175,10 +175,17 @@ class RowParallelLinear(nn.Module):
     """y = sum over ranks of x_r W_r^T (+ bias): rank r holds input columns
     [r * in / tp, (r + 1) * in / tp) and takes the matching slice of x (the split output
     of the column-parallel layer before it). The partial sums are all-reduced; the bias,
-    replicated, is added once, after the reduce."""
+    replicated, is added once, after the reduce. With `reduce_results=False` the caller
+    gets this rank's partial sum and reduces it together with others (a MoE block's
+    shared expert and routed experts: one all-reduce)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True
+    ) -> None:
         super().__init__()
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel layer that does not reduce cannot add its bias once")
+        self.reduce_results = reduce_results
         self.tp = get_tp_group()
         self.in_features, self.out_features = in_features, out_features
         self.num_local_inputs = split_evenly(in_features, self.tp.world_size, "in_features")
@@ -190,7 +197,7 @@ class RowParallelLinear(nn.Module):
             self.bias.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
-        if self.tp.world_size == 1:
+        if self.tp.world_size == 1 or not self.reduce_results:
             return kernels.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(kernels.linear(x, self.weight))  # [T, out], summed
         return out if self.bias is None else out + self.bias
