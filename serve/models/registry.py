@@ -22,6 +22,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("serve.models.llama", "Qwen3ForCausalLM"),
+    "GPT2LMHeadModel": ("serve.models.gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("serve.models.gpt2", "GPTBigCodeForCausalLM"),
+    "GPTJForCausalLM": ("serve.models.gptj", "GPTJForCausalLM"),
+    "GPTNeoXForCausalLM": ("serve.models.gpt_neox", "GPTNeoXForCausalLM"),
+    "OPTForCausalLM": ("serve.models.opt", "OPTForCausalLM"),
 }
 
 
