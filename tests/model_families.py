@@ -26,6 +26,11 @@ class Family:
     drop: tuple[str, ...] = ()
 
 
+# Tiny-shape fields GPT-2-era configs do not take: they have no GQA and no head_dim, and
+# most name the MLP width their own way (n_inner, ffn_dim; GPT-NeoX keeps intermediate_size).
+_MHA_ONLY = ("num_key_value_heads", "head_dim")
+_MHA_OWN_WIDTH = (*_MHA_ONLY, "intermediate_size")
+
 FAMILIES: list[Family] = [
     Family("llama", "llama", "LlamaForCausalLM", {"rope_theta": 10000.0, "tie_word_embeddings": True}),
     Family(
@@ -88,6 +93,75 @@ FAMILIES: list[Family] = [
             "rope_theta": 1000000.0,
             "tie_word_embeddings": False,
         },
+    ),
+    # The GPT-2 era (gpt2.py, gptj.py, gpt_neox.py, opt.py).
+    Family("gpt2", "gpt2", "GPT2LMHeadModel", {"n_inner": 128}, drop=_MHA_OWN_WIDTH),
+    Family(
+        "gpt2-layer-scaled",  # Stanford CRFM's GPT-2s: scores scaled by 1 / (layer + 1)
+        "gpt2",
+        "GPT2LMHeadModel",
+        {"n_inner": 128, "scale_attn_by_inverse_layer_idx": True, "initializer_range": 0.4},
+        drop=_MHA_OWN_WIDTH,
+    ),
+    Family(
+        "gpt-bigcode",  # multi-query: one KV head, replicated at two ranks
+        "gpt_bigcode",
+        "GPTBigCodeForCausalLM",
+        {"n_inner": 64, "multi_query": True},
+        drop=_MHA_OWN_WIDTH,
+    ),
+    Family(
+        "gpt-bigcode-mha",
+        "gpt_bigcode",
+        "GPTBigCodeForCausalLM",
+        {"n_inner": 64, "multi_query": False, "tie_word_embeddings": False},
+        drop=_MHA_OWN_WIDTH,
+    ),
+    Family(  # partial interleaved rotary, untied head with a bias
+        "gptj",
+        "gptj",
+        "GPTJForCausalLM",
+        {"n_inner": 48, "rotary_dim": 8, "initializer_range": 0.5},
+        drop=_MHA_OWN_WIDTH,
+    ),
+    Family(  # rotary on a quarter of each head, attention and MLP side by side
+        "gpt-neox",
+        "gpt_neox",
+        "GPTNeoXForCausalLM",
+        {"intermediate_size": 64, "rotary_pct": 0.25},
+        drop=_MHA_ONLY,
+    ),
+    Family(
+        "gpt-neox-sequential",
+        "gpt_neox",
+        "GPTNeoXForCausalLM",
+        {
+            "intermediate_size": 96,
+            "rotary_pct": 0.5,
+            "use_parallel_residual": False,
+            "tie_word_embeddings": True,
+        },
+        drop=_MHA_ONLY,
+    ),
+    Family("opt", "opt", "OPTForCausalLM", {"ffn_dim": 128}, drop=_MHA_OWN_WIDTH),
+    Family(  # OPT-350m: post-LN, narrow embeddings projected in and out
+        "opt-350m",
+        "opt",
+        "OPTForCausalLM",
+        {"ffn_dim": 32, "do_layer_norm_before": False, "word_embed_proj_dim": 48},
+        drop=_MHA_OWN_WIDTH,
+    ),
+    Family(  # no final norm, no biases, norms without weights
+        "opt-bare",
+        "opt",
+        "OPTForCausalLM",
+        {
+            "ffn_dim": 128,
+            "_remove_final_layer_norm": True,
+            "enable_bias": False,
+            "layer_norm_elementwise_affine": False,
+        },
+        drop=_MHA_OWN_WIDTH,
     ),
 ]
 

@@ -36,6 +36,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BaiChuanForCausalLM": ("serve.models.baichuan", "BaiChuanForCausalLM"),
     "BaichuanForCausalLM": ("serve.models.baichuan", "BaichuanForCausalLM"),
     "QWenLMHeadModel": ("serve.models.qwen", "QWenLMHeadModel"),
+    "GPT2LMHeadModel": ("serve.models.gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("serve.models.gpt2", "GPTBigCodeForCausalLM"),
+    "GPTJForCausalLM": ("serve.models.gptj", "GPTJForCausalLM"),
+    "GPTNeoXForCausalLM": ("serve.models.gpt_neox", "GPTNeoXForCausalLM"),
+    "OPTForCausalLM": ("serve.models.opt", "OPTForCausalLM"),
 }
 
 

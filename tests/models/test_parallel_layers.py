@@ -157,13 +157,18 @@ def vocab_parallel_on_rank(seed: int, vocab_size: int) -> tuple[int, int]:
     embed, head = VocabParallelEmbedding(vocab_size, hidden), ParallelLMHead(vocab_size, hidden)
     for layer in (embed, head):
         layer.weight.weight_loader(layer.weight, table)
+    bias = _randn(vocab_size)
+    biased_head = ParallelLMHead(vocab_size, hidden, bias=True)  # GPT-J's
+    biased_head.weight.weight_loader(biased_head.weight, table)
+    biased_head.bias.weight_loader(biased_head.bias, bias)
     torch.testing.assert_close(embed(ids), F.embedding(ids, table))
-    logits = head(h)
+    logits, biased_logits = head(h), biased_head(h)
     if tp.is_driver:
         assert logits.shape == (NUM_TOKENS, vocab_size)  # padding cut off
         torch.testing.assert_close(logits, h @ table.T)
+        torch.testing.assert_close(biased_logits, h @ table.T + bias)
     else:
-        assert logits is None
+        assert logits is None and biased_logits is None
     return embed.shard.start, embed.shard.num_real_rows
 
 

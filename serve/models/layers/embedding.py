@@ -3,7 +3,8 @@
 The vocabulary is padded up to a multiple of 64 (partition.py) and each rank holds one
 contiguous range of rows of the padded table; padding rows are zero. The embedding looks
 up the ids in its range, zeros the others and all-reduces; the LM head computes its
-range's logits and gathers them on rank 0, cutting the padding off.
+range's logits (plus its rows of the bias, GPT-J's) and gathers them on rank 0, cutting
+the padding off. Learned position tables are small: every rank holds the whole table.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ class _VocabRows(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
     ) -> None:
+        """This rank's rows of a [vocab, ...] tensor (the table, or the head's bias)."""
         if shard_name is not None:
             raise ValueError(f"a vocabulary table has no shard {shard_name!r}")
         loaded = as_lazy(loaded)
-        check_checkpoint_shape(loaded, (self.shard.vocab_size, param.shape[1]), "weight")
+        what = "weight" if param.dim() == 2 else "bias"
+        check_checkpoint_shape(loaded, (self.shard.vocab_size, *param.shape[1:]), what)
         num_real = self.shard.num_real_rows
         if num_real:
             param.data[:num_real].copy_(loaded.narrow(0, self.shard.start, num_real))
@@ -80,12 +83,32 @@ class VocabParallelEmbedding(_VocabRows):
 
 class ParallelLMHead(_VocabRows):
     """Logits from this rank's vocabulary rows, gathered on rank 0. Tied to the embedding
-    by assigning its `weight` (same vocabulary, so the same rows on every rank)."""
+    by assigning its `weight` (same vocabulary, so the same rows on every rank). A `bias`
+    (GPT-J) is split the same way: each rank holds its rows' entries, zero for padding."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, bias: bool = False) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.shard.num_rows), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # [N, hidden] -> [N, vocab] on rank 0, None on the others (all must call it)
-        local = kernels.linear(hidden, self.weight)  # [N, num_rows]
+        local = kernels.linear(hidden, self.weight, self.bias)  # [N, num_rows]
         logits = self.tp.gather(local, dim=-1, dst=0)  # [N, padded_vocab] on rank 0
         if logits is None or self.shard.padded_vocab_size == self.shard.vocab_size:
             return logits
         return logits[:, : self.shard.vocab_size].contiguous()  # [N, vocab]
+
+
+class ReplicatedEmbedding(nn.Module):
+    """A whole [num_embeddings, dim] table on every rank: learned position tables (GPT-2,
+    OPT), too small to be worth splitting."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        return F.embedding(ids, self.weight)

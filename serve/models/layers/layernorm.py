@@ -39,12 +39,18 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """torch's LayerNorm (as HF's models use it) with loadable weight and optional bias."""
+    """torch's LayerNorm (as HF's models use it) with loadable weight and optional bias;
+    `elementwise_affine=False` (OPT's option) has neither."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-5, bias: bool = True, elementwise_affine: bool = True
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False) if bias else None
+        self.weight = self.bias = None
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
         self.eps = eps
 
     def forward(
