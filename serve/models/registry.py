@@ -22,6 +22,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("serve.models.llama", "Qwen3ForCausalLM"),
+    "GraniteForCausalLM": ("serve.models.llama", "GraniteForCausalLM"),
+    "Phi3ForCausalLM": ("serve.models.llama", "Phi3ForCausalLM"),
+    "Gemma2ForCausalLM": ("serve.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("serve.models.gemma", "Gemma3ForCausalLM"),
+    "StableLmForCausalLM": ("serve.models.stablelm", "StableLmForCausalLM"),
+    "Olmo2ForCausalLM": ("serve.models.olmo2", "Olmo2ForCausalLM"),
 }
 
 
