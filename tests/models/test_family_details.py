@@ -12,12 +12,17 @@
   cache, step by step, which is checked instead.
 - OLMo 2's q/k norms at two ranks with one KV head, which both ranks hold (the
   all-reduced sum of squares counts it twice).
+- StableLM's per-head q/k LayerNorms at two ranks, with each head's weights made far apart
+  (the tiny models' norms are all near 1, too close for greedy tokens to tell heads apart).
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tiny_models import _hf_model, hf_greedy, hf_log_softmax, random_prompts
 
 from serve import LLM, SamplingParams
@@ -97,6 +102,23 @@ def test_olmo2_with_a_kv_head_on_both_ranks_matches_hf(tiny_model_factory):
     path = tiny_model_factory("olmo2", num_key_value_heads=1)
     llm = LLM(model=str(path), tensor_parallel_size=2, max_model_len=64)
     prompts = random_prompts(512, 2, 5, 20, seed=10)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8, ignore_eos=True)
+
+
+def test_stablelm_per_head_norms_at_two_ranks_match_hf(tiny_model_factory, tmp_path):
+    path = tmp_path / "stablelm"
+    shutil.copytree(tiny_model_factory("stablelm-parallel"), path)
+    weights = load_file(path / "model.safetensors")
+    for name, tensor in weights.items():
+        if "_layernorm.norms." in name:  # ...q_layernorm.norms.{head}.weight
+            head = int(name.split(".norms.")[1].split(".")[0])
+            weights[name] = tensor * (0.25 + head)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(model=str(path), tensor_parallel_size=2, max_model_len=64)
+    prompts = random_prompts(512, 2, 5, 20, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
