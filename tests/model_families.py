@@ -163,6 +163,107 @@ FAMILIES: list[Family] = [
         },
         drop=_MHA_OWN_WIDTH,
     ),
+    # Gemma, Phi-3, StableLM, Granite, OLMo 2 (gemma.py, llama.py, stablelm.py, olmo2.py).
+    # Gemma 2: sandwich norms, (1 + w) RMSNorm, sqrt(hidden) embeddings, GeGLU; a local layer
+    # (window 8) then a global one; both soft-caps far below the tiny model's scores and
+    # logits; the attention scale from query_pre_attn_scalar, not head_dim.
+    Family(
+        "gemma2",
+        "gemma2",
+        "Gemma2ForCausalLM",
+        {
+            "sliding_window": 8,
+            "attn_logit_softcapping": 10.0,  # the scores' median is ~9: the top half is capped
+            "final_logit_softcapping": 5.0,  # the logits reach ~11
+            "query_pre_attn_scalar": 8,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        window=8,
+    ),
+    # Gemma 3: Gemma 2 plus per-head q/k norms, a rope per layer type (the local base, and a
+    # linearly scaled global one); `sliding_window_pattern` is the older spelling of layer_types.
+    # Untied: the tiny tied Gemma 3 only repeats its input token (gemma2 has the tied head).
+    Family(
+        "gemma3",
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        {
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "final_logit_softcapping": 5.0,
+            "tie_word_embeddings": False,
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+            },
+        },
+        window=8,
+    ),
+    # Phi-3: fused qkv / gate_up checkpoint tensors, LongRoPE's short factors (not 1) and its
+    # attention factor (max / original = 8), a sliding window. Contexts here stay within
+    # the original 64 positions; test_longrope.py covers the long factors.
+    Family(
+        "phi3",
+        "phi3",
+        "Phi3ForCausalLM",
+        {
+            "max_position_embeddings": 512,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.5, 6.0, 9.0],
+                "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 12.0, 20.0, 32.0],
+            },
+            "sliding_window": 12,
+            "tie_word_embeddings": False,
+        },
+        window=12,
+    ),
+    # StableLM 2 1.6B's shape: LayerNorms, rotary on a quarter of each head, q/k/v biases.
+    Family(
+        "stablelm",
+        "stablelm",
+        "StableLmForCausalLM",
+        {"partial_rotary_factor": 0.25, "use_qkv_bias": True, "tie_word_embeddings": False},
+        drop=("head_dim",),
+    ),
+    # StableLM 2 12B's: a LayerNorm per q and k head, and the parallel residual.
+    Family(
+        "stablelm-parallel",
+        "stablelm",
+        "StableLmForCausalLM",
+        {
+            "partial_rotary_factor": 0.25,
+            "qk_layernorm": True,
+            "use_parallel_residual": True,
+            "tie_word_embeddings": False,
+        },
+        drop=("head_dim",),
+    ),
+    # Granite: Llama with its four multipliers, none of them 1 (the attention scale is not
+    # head_dim ** -0.5).
+    Family(
+        "granite",
+        "granite",
+        "GraniteForCausalLM",
+        {
+            "embedding_multiplier": 2.0,
+            "attention_multiplier": 0.125,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 4.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # OLMo 2: norms after the blocks, q/k RMSNorm over whole projections (all-reduced at TP=2).
+    Family(
+        "olmo2",
+        "olmo2",
+        "Olmo2ForCausalLM",
+        {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 500000.0},
+    ),
 ]
 
 # Families serve has no class for, run through the transformers backend (--model-impl auto

@@ -9,6 +9,7 @@ larger than float32 round-off between our kernels and HF's.
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 from pathlib import Path
@@ -106,8 +107,9 @@ def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
     )
     for name in family.drop:
         kwargs.pop(name, None)
-    kwargs.update(family.config)
-    kwargs.update(overrides)
+    # Copies: transformers fills nested dicts (rope_parameters) in place.
+    kwargs.update(copy.deepcopy(family.config))
+    kwargs.update(copy.deepcopy(overrides))
     return transformers.AutoConfig.for_model(family.model_type, **kwargs)
 
 

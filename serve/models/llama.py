@@ -1,19 +1,24 @@
-"""The Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3) over a flat token stream of the
-whole batch.
+"""The Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3, Granite, Phi-3) over a flat token
+stream of the whole batch.
 
 Tensor parallel (Megatron style): each rank holds its share of the attention heads and of
 the MLP's intermediate columns, and one all-reduce closes each attention block and each
 MLP; norms and residuals are replicated. At one rank every layer is a plain one.
 
 Variants are constructor flags: q/k/v biases (Qwen2, `attention_bias`), per-head q/k
-RMSNorm (Qwen3), a sliding window per layer (Mistral, Qwen2's `layer_types`). The
-remote-code formats built on it (internlm.py, baichuan.py, qwen.py) normalise their configs
-into these names, plus ALiBi (`alibi`) and partial rotary (`rotary_pct`).
+RMSNorm (Qwen3), a sliding window per layer (Mistral, Qwen2's `layer_types`), Granite's
+four multipliers (`Multipliers`), and Phi-3's fused checkpoint tensors and LongRoPE (a rope
+type, rotary.py). Partial rotary (`partial_rotary_factor`) rotates the first part of each head.
+Mixture-of-experts models (moe.py) swap the MLP per layer (`make_mlp`). The remote-code
+formats built on it (internlm.py, baichuan.py, qwen.py) normalise their configs into these
+names, plus ALiBi (`alibi`) and Qwen v1's partial rotary (`rotary_pct`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,8 +34,8 @@ from serve.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
-from serve.models.weights import WeightSpec
+from serve.models.layers.rotary import get_rope, rope_parameters
+from serve.models.weights import FusedRows, WeightSpec
 
 LLAMA_PACKED = {
     "q_proj": ("qkv_proj", "q"),
@@ -41,9 +46,33 @@ LLAMA_PACKED = {
 }
 
 
+@dataclass(frozen=True)
+class Multipliers:
+    """Granite's scalars; Llama's are the identity."""
+
+    embedding: float = 1.0  # the token embeddings are multiplied by it
+    attention: float | None = None  # the attention scale (None: head_dim ** -0.5)
+    residual: float = 1.0  # each block's output is multiplied by it before the residual add
+    logits: float = 1.0  # the logits are divided by it (`logits_scaling`)
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> Multipliers:
+        return cls(
+            float(hf.embedding_multiplier),
+            float(hf.attention_multiplier),
+            float(hf.residual_multiplier),
+            float(hf.logits_scaling),
+        )
+
+
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ArchConfig, layer: int, qkv_bias: bool, qk_norm: bool = False
+        self,
+        config: ArchConfig,
+        layer: int,
+        qkv_bias: bool,
+        qk_norm: bool = False,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         hf = config.hf
@@ -62,12 +91,12 @@ class LlamaAttention(nn.Module):
         # Baichuan 13B's ALiBi instead of rotary positions (`alibi`, as Falcon spells it), and
         # Qwen v1's rotation of the first `rotary_pct` of each head.
         is_alibi = bool(getattr(hf, "alibi", False))
-        rotary_dim = int(self.head_dim * getattr(hf, "rotary_pct", 1.0))
+        rope = rope_parameters(hf)
+        rotary_fraction = rope.get("partial_rotary_factor", getattr(hf, "rotary_pct", 1.0))
+        rotary_dim = int(self.head_dim * rotary_fraction)
         self.rotary_emb = None
         if not is_alibi:
-            self.rotary_emb = RotaryEmbedding(
-                self.head_dim, config.max_position, rope_parameters(hf), rotary_dim
-            )
+            self.rotary_emb = get_rope(self.head_dim, config.max_position, rope, rotary_dim)
         slopes = None
         if is_alibi:  # this rank's heads' slopes
             first_head = get_tp_group().rank * self.num_heads
@@ -76,7 +105,7 @@ class LlamaAttention(nn.Module):
             self.num_heads,
             self.head_dim,
             self.num_kv_heads,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scale is None else scale,
             alibi_slopes=slopes,
             sliding_window=config.sliding_windows[layer],
         )
@@ -123,11 +152,13 @@ class LlamaDecoderLayer(nn.Module):
         layer: int,
         qkv_bias: bool,
         qk_norm: bool,
+        mult: Multipliers,
         mlp: nn.Module | None = None,  # None: the dense gated MLP
     ) -> None:
         super().__init__()
         hf = config.hf
-        self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm, mult.attention)
+        self.residual_multiplier = mult.residual
         self.mlp = mlp if mlp is not None else LlamaMLP(
             config.hidden_size,
             hf.intermediate_size,
@@ -145,8 +176,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -155,18 +191,22 @@ class LlamaModel(nn.Module):
         config: ArchConfig,
         qkv_bias: bool,
         qk_norm: bool,
+        mult: Multipliers,
         make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_multiplier = mult.embedding
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, make_mlp(i))
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, mult, make_mlp(i))
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.hf.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         x, _ = self.norm(x, residual)
@@ -178,12 +218,18 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     weight_spec = WeightSpec(packed=LLAMA_PACKED)
 
+    has_multipliers = False
+
     def __init__(self, config: ArchConfig) -> None:
         super().__init__()
         hf = config.hf
         qkv_bias = self.qkv_bias or bool(getattr(hf, "attention_bias", False))
         qkv_bias = qkv_bias or bool(getattr(hf, "qkv_bias", False))  # Qwen2-MoE's name
-        self.model = LlamaModel(config, qkv_bias, self.qk_norm, lambda i: self.make_mlp(config, i))
+        mult = Multipliers.from_hf(hf) if self.has_multipliers else Multipliers()
+        self.logits_divisor = mult.logits
+        self.model = LlamaModel(
+            config, qkv_bias, self.qk_norm, mult, lambda i: self.make_mlp(config, i)
+        )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config.hf, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -199,7 +245,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0, None on the other ranks. A collective:
         every rank calls it, with the same N."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if logits is None or self.logits_divisor == 1.0:
+            return logits
+        return logits / self.logits_divisor
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -208,3 +257,23 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True  # per-head RMSNorm of q and k; biases only with `attention_bias`
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    has_multipliers = True  # embedding, attention scale, residual, logits (Multipliers)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v and gate/up fused in the checkpoint (plain concatenation: FusedRows
+    lets each rank read only its rows) and LongRoPE (rotary.py) when the config asks."""
+
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__(config)
+        q_rows, kv_rows = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        inter = config.hf.intermediate_size
+        self.weight_spec = WeightSpec(
+            fused={
+                "qkv_proj": FusedRows((("q", q_rows), ("k", kv_rows), ("v", kv_rows))),
+                "gate_up_proj": FusedRows((("gate", inter), ("up", inter))),
+            }
+        )

@@ -22,13 +22,27 @@ from serve.models.arch_config import ArchConfig
 
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
+    # Llama-shaped (llama.py): variants are flags and small subclasses.
     "LlamaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
-    "MixtralForCausalLM": ("serve.models.moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
-    "Qwen2MoeForCausalLM": ("serve.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("serve.models.llama", "Qwen3ForCausalLM"),
+    "GraniteForCausalLM": ("serve.models.llama", "GraniteForCausalLM"),
+    "Phi3ForCausalLM": ("serve.models.llama", "Phi3ForCausalLM"),
+    # Mixture of experts (moe.py) on the Llama block.
+    "MixtralForCausalLM": ("serve.models.moe", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("serve.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("serve.models.moe", "Qwen3MoeForCausalLM"),
+    # Families of their own shape.
+    "Gemma2ForCausalLM": ("serve.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("serve.models.gemma", "Gemma3ForCausalLM"),
+    "StableLmForCausalLM": ("serve.models.stablelm", "StableLmForCausalLM"),
+    "Olmo2ForCausalLM": ("serve.models.olmo2", "Olmo2ForCausalLM"),
+    "GPT2LMHeadModel": ("serve.models.gpt2", "GPT2LMHeadModel"),
+    "GPTBigCodeForCausalLM": ("serve.models.gpt2", "GPTBigCodeForCausalLM"),
+    "GPTJForCausalLM": ("serve.models.gptj", "GPTJForCausalLM"),
+    "GPTNeoXForCausalLM": ("serve.models.gpt_neox", "GPTNeoXForCausalLM"),
+    "OPTForCausalLM": ("serve.models.opt", "OPTForCausalLM"),
     # Formats whose transformers code ships with the checkpoint: config.json is read as data.
     "AquilaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "AquilaModel": ("serve.models.llama", "LlamaForCausalLM"),
@@ -36,11 +50,6 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BaiChuanForCausalLM": ("serve.models.baichuan", "BaiChuanForCausalLM"),
     "BaichuanForCausalLM": ("serve.models.baichuan", "BaichuanForCausalLM"),
     "QWenLMHeadModel": ("serve.models.qwen", "QWenLMHeadModel"),
-    "GPT2LMHeadModel": ("serve.models.gpt2", "GPT2LMHeadModel"),
-    "GPTBigCodeForCausalLM": ("serve.models.gpt2", "GPTBigCodeForCausalLM"),
-    "GPTJForCausalLM": ("serve.models.gptj", "GPTJForCausalLM"),
-    "GPTNeoXForCausalLM": ("serve.models.gpt_neox", "GPTNeoXForCausalLM"),
-    "OPTForCausalLM": ("serve.models.opt", "OPTForCausalLM"),
 }
 
 

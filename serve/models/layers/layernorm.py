@@ -1,4 +1,5 @@
-"""Normalisation layers. Replicated on every rank (they act on the full hidden vector)."""
+"""Normalisation layers. Replicated on every rank (they act on the full hidden vector), but
+for ShardedRMSNorm, which normalises a vector split over the ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from serve import kernels
-from serve.models.layers.linear import default_weight_loader
+from serve.distributed.parallel_state import get_tp_group
+from serve.models.layers.linear import check_checkpoint_shape, default_weight_loader
 from serve.models.lazy_tensor import LazyTensor, as_lazy
 
 
@@ -61,3 +63,38 @@ class LayerNorm(nn.Module):
             x = x + residual
             return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps), x
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector whose entries are split across the tensor-parallel ranks (OLMo 2
+    normalises the whole q and k projections, not each head). Rank r holds entries
+    [start, start + num_local) of `size`; the sums of squares are all-reduced so every rank
+    divides by the whole vector's rms. Where KV heads are replicated, `num_copies` ranks
+    hold each entry and the reduced sum counts it that many times.
+    """
+
+    def __init__(
+        self, size: int, start: int, num_local: int, eps: float, num_copies: int = 1
+    ) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.size, self.start, self.num_copies, self.eps = size, start, num_copies, eps
+        self.weight = nn.Parameter(torch.ones(num_local), requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+
+    def _load_weight(
+        self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
+    ) -> None:
+        if shard_name is not None:
+            raise ValueError(f"a norm weight has no shard {shard_name!r}")
+        loaded = as_lazy(loaded)
+        check_checkpoint_shape(loaded, (self.size,), "weight")
+        param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, num_local] -> [T, num_local]
+        if self.tp.world_size == 1:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        x32 = x.float()
+        sum_sq = self.tp.all_reduce(x32.pow(2).sum(-1, keepdim=True))  # [T, 1], all ranks
+        mean_sq = sum_sq / (self.size * self.num_copies)
+        return (self.weight * (x32 * torch.rsqrt(mean_sq + self.eps))).to(x.dtype)

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from serve import kernels
+from serve.models.forward_context import get_forward_context
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -69,3 +70,93 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.rotary_embedding(positions, q, k, self.cos_sin_cache, self.is_neox_style)
+
+
+# -- LongRoPE (Phi-3) -----------------------------------------------------------------------------
+
+
+def longrope_inv_freqs(
+    rotary_dim: int, params: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """LongRoPE's two frequency sets as transformers computes them: (short inv_freq, long
+    inv_freq, attention factor, original_max_position_embeddings).
+
+    Each set divides the base frequencies by its per-dimension factors (`short_factor`,
+    `long_factor`); both cos and sin are multiplied by the attention factor, which defaults
+    to sqrt(1 + ln(s) / ln(original)) for the context extension s = max / original.
+    """
+    base = float(params.get("rope_theta", 10000.0))
+    original = int(params["original_max_position_embeddings"])
+    factor = params.get("factor") or max_position / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (
+            1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
+    # float32, in transformers' order of operations: 1 / (factors * base ** (2i / d))
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    short, long = (
+        1.0 / (torch.tensor(params[key], dtype=torch.float32) * base**exponents)
+        for key in ("short_factor", "long_factor")
+    )
+    return short, long, float(attention_factor), original
+
+
+class LongRopeRotaryEmbedding(nn.Module):
+    """Phi-3's LongRoPE: short factors while a sequence fits the original context, long
+    factors once it is longer; cos and sin scaled by the attention factor.
+
+    transformers picks one set per forward pass, long when the pass's last position is past
+    `original_max_position_embeddings`. Here each sequence of the batch gets the set its
+    own length (this step's `seq_lens`) calls for, so the set depends on step metadata: the
+    one layer besides attention that reads the forward context. Position p rotates by row p
+    of the cache's short half or row `max_position + p` of its long half.
+
+    What stays exact per sequence: a sequence that never grows past the original context
+    (short throughout), and one whose prompt is already past it when its first step
+    computes it whole (long throughout). K/V cached before a sequence crosses the line keep
+    their short rotation, where transformers' `generate` recomputes the whole sequence with
+    the long set at the crossing (Phi3ForCausalLM.prepare_inputs_for_generation): from
+    there on the two differ, as do a long prompt's chunks computed before its last one.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict[str, Any],
+        rotary_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        rotary_dim = rotary_dim or head_dim
+        short, long, scale, self.original_max_position = longrope_inv_freqs(
+            rotary_dim, params, max_position
+        )
+        self.max_position = max_position
+        positions = torch.arange(max_position, dtype=torch.float32)
+        halves = []
+        for inv_freq in (short, long):
+            freqs = torch.outer(positions, inv_freq)  # [max_position, rotary_dim / 2]
+            halves.append(torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1))
+        self.register_buffer("cos_sin_cache", torch.cat(halves), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
+        meta = get_forward_context()
+        is_long = meta.seq_lens > self.original_max_position  # [num_seqs]
+        per_token = torch.repeat_interleave(
+            is_long, meta.query_start_loc.diff(), output_size=positions.shape[0]
+        )  # [T]
+        rows = positions + per_token.to(positions.dtype) * self.max_position
+        return kernels.rotary_embedding(rows, q, k, self.cos_sin_cache, True)
+
+
+def get_rope(
+    head_dim: int, max_position: int, params: dict[str, Any], rotary_dim: int | None = None
+) -> RotaryEmbedding | LongRopeRotaryEmbedding:
+    """The neox-style rotary embedding for `params` (rope_parameters' output)."""
+    if params["rope_type"] == "longrope":
+        return LongRopeRotaryEmbedding(head_dim, max_position, params, rotary_dim)
+    return RotaryEmbedding(head_dim, max_position, params, rotary_dim)
