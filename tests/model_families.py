@@ -43,4 +43,32 @@ FAMILIES: list[Family] = [
     ),
 ]
 
+# BLOOM, Falcon, MPT. ALiBi ones get non-power-of-two head counts where the family takes
+# them (the slopes beyond the power of two), 3 heads per rank at TP=2 (each rank its own
+# slopes). Their configs take none of the tiny shape's GQA, MLP-width or position fields.
+_BLOOM_DROP = ("num_key_value_heads", "intermediate_size", "head_dim", "max_position_embeddings")
+_FALCON_DROP = ("num_key_value_heads", "intermediate_size", "head_dim")
+_MPT_DROP = _BLOOM_DROP
+FAMILIES += [
+    Family(
+        "bloom",
+        "bloom",
+        "BloomForCausalLM",
+        {"hidden_size": 96, "num_attention_heads": 6, "layer_norm_epsilon": 1e-5},
+        drop=_BLOOM_DROP,
+    ),
+    Family(
+        "bloom-post-ln-residual",
+        "bloom",
+        "BloomForCausalLM",
+        # Normed residuals make the 0.2-std tiny model repeat one token; 0.1 does not.
+        {
+            "apply_residual_connection_post_layernorm": True,
+            "tie_word_embeddings": False,
+            "initializer_range": 0.1,
+        },
+        drop=_BLOOM_DROP,
+    ),
+]
+
 FAMILIES_BY_KEY = {f.key: f for f in FAMILIES}
