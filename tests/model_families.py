@@ -69,6 +69,63 @@ FAMILIES += [
         },
         drop=_BLOOM_DROP,
     ),
+    # Falcon 7B: multi-query (one K/V head, a copy on each rank), attention and MLP in
+    # parallel off one norm. (Tied, the parallel blocks repeat one token.)
+    Family(
+        "falcon-7b",
+        "falcon",
+        "FalconForCausalLM",
+        {
+            "multi_query": True,
+            "parallel_attn": True,
+            "tie_word_embeddings": False,
+            "ffn_hidden_size": 128,
+        },
+        drop=_FALCON_DROP,
+    ),
+    # Falcon 40B / 180B: K/V groups in the fused qkv, ln_attn and ln_mlp.
+    Family(
+        "falcon-40b",
+        "falcon",
+        "FalconForCausalLM",
+        {
+            "new_decoder_architecture": True,
+            "num_kv_heads": 2,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            "ffn_hidden_size": 128,
+            "initializer_range": 0.1,  # at 0.2 the parallel blocks repeat one token
+        },
+        drop=_FALCON_DROP,
+    ),
+    # Falcon 11B: the new decoder with one norm for attention and MLP, a tied head.
+    Family(
+        "falcon-11b",
+        "falcon",
+        "FalconForCausalLM",
+        {
+            "new_decoder_architecture": True,
+            "num_kv_heads": 2,
+            "num_ln_in_parallel_attn": 1,
+            "ffn_hidden_size": 128,
+        },
+        drop=_FALCON_DROP,
+    ),
+    # Falcon RW: ALiBi added before the scale, biases, sequential blocks, K/V per head.
+    Family(
+        "falcon-rw-alibi",
+        "falcon",
+        "FalconForCausalLM",
+        {
+            "alibi": True,
+            "bias": True,
+            "multi_query": False,
+            "parallel_attn": False,
+            "hidden_size": 96,
+            "num_attention_heads": 6,
+        },
+        drop=_FALCON_DROP,
+    ),
 ]
 
 FAMILIES_BY_KEY = {f.key: f for f in FAMILIES}

@@ -19,6 +19,7 @@ from serve.models.arch_config import ArchConfig
 # architecture -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "BloomForCausalLM": ("serve.models.bloom", "BloomForCausalLM"),
+    "FalconForCausalLM": ("serve.models.falcon", "FalconForCausalLM"),
     "LlamaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
