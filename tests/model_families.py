@@ -126,6 +126,17 @@ FAMILIES += [
         },
         drop=_FALCON_DROP,
     ),
+    # MPT: 4 heads (power of two), no biases, a tied head.
+    Family("mpt", "mpt", "MptForCausalLM", {"no_bias": True}, drop=_MPT_DROP),
+    # 6 heads: MPT's interleaved slopes for a non-power-of-two count; clip_qkv clamps.
+    # (qk_ln, which transformers ignores, is checked by tests/models/test_mpt_qk_ln.py.)
+    Family(
+        "mpt-6-heads-clip-qkv",
+        "mpt",
+        "MPTForCausalLM",
+        {"hidden_size": 96, "num_attention_heads": 6, "attn_config": {"clip_qkv": 2.0}},
+        drop=_MPT_DROP,
+    ),
 ]
 
 FAMILIES_BY_KEY = {f.key: f for f in FAMILIES}

@@ -22,6 +22,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "FalconForCausalLM": ("serve.models.falcon", "FalconForCausalLM"),
     "LlamaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
+    # MosaicML's checkpoints name their own class MPT..., transformers' is Mpt...
+    "MPTForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
+    "MptForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
     "Qwen2ForCausalLM": ("serve.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("serve.models.llama", "Qwen3ForCausalLM"),
 }
