@@ -4,14 +4,16 @@ What sets it apart from Llama: ALiBi instead of rotary positions (no position li
 LayerNorm right after the embedding, one fused query_key_value with biases whose rows are
 per head ([head][q | k | v][head_dim]), a plain GELU MLP of width 4 * hidden, LayerNorms
 with biases, and optionally the residual taken after the norm
-(`apply_residual_connection_post_layernorm`). The LM head is tied to the embedding.
+(`apply_residual_connection_post_layernorm`). The LM head is tied to the embedding unless
+the config says otherwise.
 
-Tensor parallel: each rank holds its heads (and their ALiBi slopes) and a quarter-wide
-slice of the MLP; `dense` and `dense_4h_to_h` all-reduce.
+Tensor parallel: each rank holds its heads (and their ALiBi slopes) and its share of the
+MLP's columns; `dense` and `dense_4h_to_h` all-reduce.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,8 +45,9 @@ class BloomAttention(nn.Module):
         self.dense = RowParallelLinear(config.hidden_size, config.hidden_size, bias=True)
         first_head = get_tp_group().rank * self.num_heads
         slopes = alibi_slopes(config.num_heads)[first_head : first_head + self.num_heads]
+        scale = 1.0 / math.sqrt(self.head_dim)  # as transformers computes it, to the last bit
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_heads, self.head_dim**-0.5, alibi_slopes=slopes
+            self.num_heads, self.head_dim, self.num_heads, scale, alibi_slopes=slopes
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ all-reduce.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ def falcon_alibi_slopes(num_heads: int, head_dim: int) -> torch.Tensor:
     powers of two (up to 8 heads, and the first 8 of up to 15) and positions below 256.
     """
     slopes = alibi_slopes(num_heads).bfloat16().float()
-    return slopes / head_dim**0.5
+    return slopes / math.sqrt(head_dim)
 
 
 class FalconAttention(nn.Module):
@@ -71,7 +72,7 @@ class FalconAttention(nn.Module):
             self.num_heads,
             self.head_dim,
             self.num_kv_heads,
-            self.head_dim**-0.5,
+            1.0 / math.sqrt(self.head_dim),  # as torch's SDPA computes it
             alibi_slopes=slopes,
         )
 

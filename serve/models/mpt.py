@@ -38,9 +38,11 @@ from serve.models.weights import FusedRows, WeightSpec
 
 def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> torch.Tensor:
     """MPT's ALiBi slopes, [num_heads] float32, bit for bit as transformers'
-    `build_mpt_alibi_tensor` computes them: 2^(-alibi_bias_max * i / n) for i = 1..n, n the
-    power of two at or above num_heads; with fewer heads than n, the odd-indexed slopes
-    first, then the even-indexed ones (BLOOM instead appends a second series)."""
+    `build_mpt_alibi_tensor` computes them: 1 / 2^(alibi_bias_max * i / n) for i = 1..n, n
+    the power of two at or above num_heads; with fewer heads than n, the odd-indexed slopes
+    first, then the even-indexed ones. With alibi_bias_max 8 these are BLOOM's numbers in
+    BLOOM's order, but rounded differently past 10 heads (BLOOM raises a rounded base to
+    integer powers), and only MPT's follow alibi_bias_max."""
     n = 2 ** math.ceil(math.log2(num_heads))
     exponents = torch.arange(1, n + 1, dtype=torch.int64).float() * (alibi_bias_max / n)
     slopes = 1.0 / torch.pow(2, exponents)
