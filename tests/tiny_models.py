@@ -114,10 +114,11 @@ def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
 
 
 def _perturb_(model: torch.nn.Module, std: float) -> None:
-    """Re-initialise every parameter: norms 1 ± 0.1, everything else (biases too) N(0, std)."""
+    """Re-initialise every parameter: norm weights 1 ± 0.1, everything else (norm biases
+    too) N(0, std)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name and not name.endswith("bias"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)

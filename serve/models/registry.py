@@ -43,6 +43,12 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GPTJForCausalLM": ("serve.models.gptj", "GPTJForCausalLM"),
     "GPTNeoXForCausalLM": ("serve.models.gpt_neox", "GPTNeoXForCausalLM"),
     "OPTForCausalLM": ("serve.models.opt", "OPTForCausalLM"),
+    # ALiBi or rotary, fused per-head or grouped q/k/v.
+    "BloomForCausalLM": ("serve.models.bloom", "BloomForCausalLM"),
+    "FalconForCausalLM": ("serve.models.falcon", "FalconForCausalLM"),
+    # MosaicML's checkpoints name their own class MPT..., transformers' is Mpt...
+    "MPTForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
+    "MptForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
     # Formats whose transformers code ships with the checkpoint: config.json is read as data.
     "AquilaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "AquilaModel": ("serve.models.llama", "LlamaForCausalLM"),
