@@ -149,12 +149,13 @@ class _Options:
         self,
         scores: torch.Tensor,  # [num_kv_heads, n, heads_per_kv, q_len, num_keys], scaled
         q_pos: torch.Tensor,  # [n, q_len] int64
-        k_pos: torch.Tensor,  # [num_keys] int64
+        k_pos: torch.Tensor,  # [num_keys] or [n, num_keys] int64
     ) -> torch.Tensor:
         """Soft-cap, ALiBi and the window on a score tensor (causality is the caller's)."""
         if self.logit_softcap is not None:
             scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
-        distance = k_pos[None, None, :] - q_pos[:, :, None]  # [n, q_len, num_keys], <= 0 if seen
+        k_pos = k_pos.view(-1, 1, k_pos.shape[-1])  # [n or 1, 1, num_keys]
+        distance = k_pos - q_pos[:, :, None]  # [n, q_len, num_keys], <= 0 if seen
         if self.alibi_slopes is not None:
             num_kv_heads, heads_per_kv = scores.shape[0], scores.shape[2]
             slopes = self.alibi_slopes.to(scores.dtype).view(num_kv_heads, 1, heads_per_kv, 1, 1)
@@ -184,24 +185,53 @@ def _decode_group(
     g, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     heads_per_kv = num_heads // num_kv_heads  # query head h * heads_per_kv + j reads kv head h
-    max_len = max(meta.seq_lens_cpu[b] for b in group)
-    num_blocks = -(-max_len // block_size)
-    table = meta.block_tables[rows, :num_blocks].flatten()  # padding entries read block 0
-    k = _gather(k_cache, table).to(q.dtype).view(num_kv_heads * g, -1, head_dim)  # [H*g, L, D]
-    v = _gather(v_cache, table).to(q.dtype).view(num_kv_heads * g, -1, head_dim)
+    seq_lens = [meta.seq_lens_cpu[b] for b in group]
+    # Each sequence's blocks from the first its window reaches (block 0 without a window),
+    # as many as the group's widest needs; entries past a sequence's end are masked.
+    window = options.sliding_window
+    first_blocks = [0 if window is None else max(0, n - window) // block_size for n in seq_lens]
+    num_blocks = max(-(-n // block_size) - f for n, f in zip(seq_lens, first_blocks))
+    if window is None:
+        table = meta.block_tables[rows, :num_blocks]  # [g, num_blocks]; padding reads block 0
+        k_pos = torch.arange(num_blocks * block_size, device=q.device)  # [L], every sequence
+    else:
+        first = torch.tensor(first_blocks, device=q.device)  # [g]
+        cols = first[:, None] + torch.arange(num_blocks, device=q.device)  # [g, num_blocks]
+        table = meta.block_tables[rows[:, None], cols.clamp(max=meta.block_tables.shape[1] - 1)]
+        k_pos = first[:, None] * block_size + torch.arange(num_blocks * block_size, device=q.device)
+    table = table.flatten()
+    k = _gather(k_cache, table).to(q.dtype)  # [num_kv_heads, g * L, head_dim]
+    v = _gather(v_cache, table).to(q.dtype)
+    lens = meta.seq_lens[rows]
+    past_end = k_pos.view(-1, k_pos.shape[-1]) >= lens[:, None]  # [g or 1 -> g, L]
+    if options.logit_softcap is None:
+        # torch's fused attention: one query per sequence, its keys masked to the context.
+        k_pos = k_pos.view(-1, k_pos.shape[-1])  # [g or 1, L]
+        visible = ~past_end
+        distance = k_pos - (lens - 1)[:, None]  # [g, L], <= 0 if seen
+        if window is not None:
+            visible &= distance > -window
+        mask = visible[:, None, None, :]  # [g, 1, 1, L]
+        if options.alibi_slopes is not None:  # [g, num_heads, 1, L] additive bias
+            slopes = options.alibi_slopes.to(q.dtype)[None, :, None, None]
+            mask = (slopes * distance[:, None, None, :].to(q.dtype)).masked_fill(~mask, -torch.inf)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None],  # [g, num_heads, 1, head_dim]
+            k.view(num_kv_heads, g, -1, head_dim).transpose(0, 1),  # [g, kv_heads, L, D]
+            v.view(num_kv_heads, g, -1, head_dim).transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[:, :, 0]  # [g, num_heads, head_dim]
+    k = k.view(num_kv_heads * g, -1, head_dim)  # [H*g, L, D]
+    v = v.view(num_kv_heads * g, -1, head_dim)
     qg = q.view(g, num_kv_heads, heads_per_kv, head_dim).transpose(0, 1)
     qg = qg.reshape(num_kv_heads * g, heads_per_kv, head_dim)
     scores = torch.bmm(qg, k.transpose(1, 2)) * scale  # [H*g, heads_per_kv, L]
-    lens = meta.seq_lens[rows]
-    k_pos = torch.arange(scores.shape[-1], device=q.device)  # [L]
-    if options.is_plain:
-        past_end = k_pos[None, :] >= lens[:, None]
-        scores.view(num_kv_heads, g, heads_per_kv, -1).masked_fill_(past_end[None, :, None], -torch.inf)
-    else:
-        scores5 = scores.view(num_kv_heads, g, heads_per_kv, 1, -1)
-        scores5 = options.apply(scores5, (lens - 1)[:, None], k_pos)
-        past_end = k_pos[None, :] >= lens[:, None]  # [g, L]
-        scores = scores5.masked_fill(past_end[None, :, None, None], -torch.inf).view_as(scores)
+    scores5 = scores.view(num_kv_heads, g, heads_per_kv, 1, -1)
+    scores5 = options.apply(scores5, (lens - 1)[:, None], k_pos)
+    scores = scores5.masked_fill(past_end[None, :, None, None], -torch.inf).view_as(scores)
     out = torch.bmm(scores.softmax(dim=-1), v)  # [H*g, heads_per_kv, D]
     return (
         out.view(num_kv_heads, g, heads_per_kv, head_dim)
@@ -221,6 +251,8 @@ def _attend_causal(
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[0], k.shape[1]
     context = key_start + num_keys
+    if options.logit_softcap is None:
+        return _attend_sdpa(q, k, v, scale, key_start, options)
     heads_per_kv = num_heads // num_kv_heads
     # Query heads that share a KV head are stacked, so GQA is one matmul per KV head.
     qg = q.view(q_len, num_kv_heads, heads_per_kv, head_dim).permute(1, 2, 0, 3)
@@ -236,6 +268,45 @@ def _attend_causal(
         scores.view(num_kv_heads, heads_per_kv, q_len, num_keys).masked_fill_(future, -torch.inf)
     out = torch.matmul(scores.softmax(dim=-1), v)  # [kv_heads, heads_per_kv * q_len, head_dim]
     return out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
+
+
+def _attend_sdpa(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim], the last q_len positions of the context
+    k: torch.Tensor,  # [num_kv_heads, num_keys, head_dim]: positions [key_start, context)
+    v: torch.Tensor,
+    scale: float,
+    key_start: int,
+    options: _Options,
+) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+    """`_attend_causal` through torch's fused attention (its flash kernel on CPU), which
+    never materialises the scores: ~3x faster on prompts. Causality, the window and ALiBi go
+    in as a mask; a soft-cap cannot, so capped models take the explicit path."""
+    q_len, num_keys = q.shape[0], k.shape[1]
+    context = key_start + num_keys
+    mask, is_causal = None, False
+    if options.is_plain and q_len == num_keys:
+        is_causal = True  # the whole context is this chunk: the square causal mask
+    elif q_len > 1 or not options.is_plain:
+        q_pos = torch.arange(context - q_len, context, device=q.device)  # [q_len]
+        k_pos = torch.arange(key_start, context, device=q.device)  # [num_keys]
+        distance = k_pos[None, :] - q_pos[:, None]  # [q_len, num_keys], <= 0 if seen
+        visible = distance <= 0
+        if options.sliding_window is not None:
+            visible &= distance > -options.sliding_window
+        mask = visible
+        if options.alibi_slopes is not None:  # [num_heads, q_len, num_keys] additive bias
+            bias = options.alibi_slopes.to(q.dtype)[:, None, None] * distance.to(q.dtype)
+            mask = bias.masked_fill(~visible, -torch.inf)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],  # [1, num_heads, q_len, head_dim]
+        k[None],
+        v[None],
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
 # Below this many rows, MKL's sgemm on CPU runs the product faster as W @ x^T than as
