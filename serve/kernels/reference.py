@@ -253,6 +253,7 @@ def _attend_causal(
     context = key_start + num_keys
     if options.logit_softcap is None:
         return _attend_sdpa(q, k, v, scale, key_start, options)
+    # The soft-cap bends each score, so the scores are materialised here.
     heads_per_kv = num_heads // num_kv_heads
     # Query heads that share a KV head are stacked, so GQA is one matmul per KV head.
     qg = q.view(q_len, num_kv_heads, heads_per_kv, head_dim).permute(1, 2, 0, 3)
@@ -260,9 +261,8 @@ def _attend_causal(
     scores = torch.matmul(qg, k.transpose(1, 2)) * scale  # [kv_heads, heads_per_kv * q_len, keys]
     q_pos = torch.arange(context - q_len, context, device=q.device)  # [q_len]
     k_pos = torch.arange(key_start, context, device=q.device)  # [num_keys]
-    if not options.is_plain:
-        scores5 = scores.view(num_kv_heads, 1, heads_per_kv, q_len, num_keys)
-        scores = options.apply(scores5, q_pos[None, :], k_pos).view_as(scores)
+    scores5 = scores.view(num_kv_heads, 1, heads_per_kv, q_len, num_keys)
+    scores = options.apply(scores5, q_pos[None, :], k_pos).view_as(scores)
     if q_len > 1:
         future = k_pos[None, :] > q_pos[:, None]  # [q_len, num_keys]
         scores.view(num_kv_heads, heads_per_kv, q_len, num_keys).masked_fill_(future, -torch.inf)
