@@ -151,6 +151,15 @@ class LLM:
         it also happens at exit."""
         self.engine.shutdown()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """`with LLM(...) as llm:` stops the workers at the end of the block, where a
+        dropped `LLM` would keep its rank processes until it is collected or the program
+        exits."""
+        self.shutdown()
+
     def stats(self) -> EngineStats:
         """KV cache usage, prefix-cache hits and preemptions so far."""
         return self.engine.stats()

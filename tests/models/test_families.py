@@ -81,9 +81,27 @@ TP2_FAMILIES = [f for f in FAMILIES if f.tp2]
 @pytest.mark.parametrize("family", TP2_FAMILIES, ids=[f.key for f in TP2_FAMILIES])
 def test_greedy_at_two_ranks_matches_hf(tiny_model_factory, family):
     model_dir = tiny_model_factory(family.key)
-    llm = LLM(model=str(model_dir), tensor_parallel_size=2, **ENGINE)
     prompts = _workload(family)
-    _assert_matches_hf(model_dir, prompts, _run_staggered(llm, prompts))
+    before = _child_pids()
+    with LLM(model=str(model_dir), tensor_parallel_size=2, **ENGINE) as llm:
+        got = _run_staggered(llm, prompts)
+    # The block's end stopped both ranks: 32 families' leftover ranks would fill the memory.
+    assert _child_pids() - before == set()
+    _assert_matches_hf(model_dir, prompts, got)
+
+
+def _child_pids() -> set[int]:
+    """This process's descendants, multiprocessing's resource tracker aside."""
+    import psutil
+
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" not in " ".join(child.cmdline()):
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
 
 
 @pytest.mark.gpu

@@ -100,10 +100,10 @@ def test_longrope_crossing_while_decoding_matches_hf_forward_with_cache(long_phi
 
 def test_olmo2_with_a_kv_head_on_both_ranks_matches_hf(tiny_model_factory):
     path = tiny_model_factory("olmo2", num_key_value_heads=1)
-    llm = LLM(model=str(path), tensor_parallel_size=2, max_model_len=64)
     prompts = random_prompts(512, 2, 5, 20, seed=10)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with LLM(model=str(path), tensor_parallel_size=2, max_model_len=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8, ignore_eos=True)
 
@@ -117,9 +117,9 @@ def test_stablelm_per_head_norms_at_two_ranks_match_hf(tiny_model_factory, tmp_p
             head = int(name.split(".norms.")[1].split(".")[0])
             weights[name] = tensor * (0.25 + head)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    llm = LLM(model=str(path), tensor_parallel_size=2, max_model_len=64)
     prompts = random_prompts(512, 2, 5, 20, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with LLM(model=str(path), tensor_parallel_size=2, max_model_len=64) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8, ignore_eos=True)

@@ -144,9 +144,10 @@ TP2_FAMILIES = [f for f in REMOTE_FAMILIES if f.tp2]
 @pytest.mark.parametrize("family", TP2_FAMILIES, ids=[f.key for f in TP2_FAMILIES])
 def test_greedy_at_two_ranks_matches_the_oracle(remote_checkpoint, family):
     checkpoint, greedy = remote_checkpoint(family)
-    llm = LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE)
     prompts = _workload(family)
-    _assert_matches_hf(checkpoint, prompts, _run_staggered(llm, prompts), greedy)
+    with LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE) as llm:
+        got = _run_staggered(llm, prompts)
+    _assert_matches_hf(checkpoint, prompts, got, greedy)
     _check_no_code_ran(checkpoint)
 
 
