@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import pytest
+from api.conftest import start_server, stop_process
 from model_families import FAMILIES_BY_KEY
 from tiny_models import hf_greedy, random_prompts
 
@@ -14,14 +15,29 @@ KINDS = {"alibi": "bloom", "sliding-window": "mistral", "moe": "mixtral"}
 MAX_TOKENS = 16
 
 
+@pytest.fixture
+def family_server(tiny_model_factory, tmp_path):
+    """`(family key) -> Server`, stopped at the end of the test: unlike server_factory's
+    session-long servers, three more model servers need not hold memory for the rest of
+    the suite."""
+    servers = []
+
+    def start(key: str):
+        model_dir = tiny_model_factory(key)
+        servers.append(start_server(model_dir, ("--max-num-batched-tokens", "16"), {}, tmp_path))
+        return model_dir, servers[-1]
+
+    yield start
+    for server in servers:
+        stop_process(server.process)
+
+
 @pytest.mark.parametrize("kind", KINDS.keys())
-def test_server_answers_with_hf_greedy_tokens(server_factory, tiny_model_factory, kind):
+def test_server_answers_with_hf_greedy_tokens(family_server, kind):
     from transformers import AutoTokenizer
 
-    family = FAMILIES_BY_KEY[KINDS[kind]]
-    model_dir = tiny_model_factory(family.key)
+    model_dir, server = family_server(FAMILIES_BY_KEY[KINDS[kind]].key)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    server = server_factory("--max-num-batched-tokens", "16", model=model_dir)
     client = server.client()
     # Long enough to cross the tiny models' windows and to be prefilled in chunks.
     prompts = random_prompts(512, 3, 20, 48, seed=4)

@@ -33,7 +33,7 @@ TOLERANCE = 1e-4
 @pytest.mark.parametrize("key", ["gemma2", "gemma3", "granite"])
 def test_prompt_logprobs_match_hf_through_logit_transforms(tiny_model_factory, key):
     path = tiny_model_factory(key)
-    llm = LLM(model=str(path), max_num_batched_tokens=64, max_model_len=64)
+    llm = LLM(model=str(path), max_num_batched_tokens=64, max_model_len=64, kv_cache_memory="8MiB")
     prompt = random_prompts(512, 1, 30, 30, seed=5)[0]
     params = SamplingParams(temperature=0.0, prompt_logprobs=2, max_tokens=1)
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
@@ -60,7 +60,9 @@ def test_longrope_long_prompts_match_hf_beside_short_ones(long_phi3):
     long_prompts = random_prompts(512, 3, ORIGINAL + 1, 40, seed=6)
     short_prompts = random_prompts(512, 2, 3, ORIGINAL - 8, seed=7)
     prompts = long_prompts + short_prompts
-    llm = LLM(model=str(long_phi3), max_num_batched_tokens=256, max_model_len=64)
+    llm = LLM(
+        model=str(long_phi3), max_num_batched_tokens=256, max_model_len=64, kv_cache_memory="8MiB"
+    )
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -86,7 +88,9 @@ def _hf_cached_greedy(model_dir, prompt: list[int], max_new_tokens: int) -> list
 
 def test_longrope_crossing_while_decoding_matches_hf_forward_with_cache(long_phi3):
     prompts = random_prompts(512, 3, 6, ORIGINAL - 2, seed=8)  # all cross while decoding
-    llm = LLM(model=str(long_phi3), max_num_batched_tokens=256, max_model_len=64)
+    llm = LLM(
+        model=str(long_phi3), max_num_batched_tokens=256, max_model_len=64, kv_cache_memory="8MiB"
+    )
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     differs_from_generate = False
@@ -102,7 +106,9 @@ def test_olmo2_with_a_kv_head_on_both_ranks_matches_hf(tiny_model_factory):
     path = tiny_model_factory("olmo2", num_key_value_heads=1)
     prompts = random_prompts(512, 2, 5, 20, seed=10)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(model=str(path), tensor_parallel_size=2, max_model_len=64) as llm:
+    with LLM(
+        model=str(path), tensor_parallel_size=2, max_model_len=64, kv_cache_memory="8MiB"
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8, ignore_eos=True)
@@ -119,7 +125,9 @@ def test_stablelm_per_head_norms_at_two_ranks_match_hf(tiny_model_factory, tmp_p
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     prompts = random_prompts(512, 2, 5, 20, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    with LLM(model=str(path), tensor_parallel_size=2, max_model_len=64) as llm:
+    with LLM(
+        model=str(path), tensor_parallel_size=2, max_model_len=64, kv_cache_memory="8MiB"
+    ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8, ignore_eos=True)

@@ -79,13 +79,14 @@ def qk_ln_model(tiny_model_factory, tmp_path_factory):
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
 def test_qk_ln_matches_hf_with_qk_ln(qk_ln_model, tensor_parallel_size):
     model_dir, prompts, expected = qk_ln_model
-    llm = LLM(
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(
         model=str(model_dir),
         tensor_parallel_size=tensor_parallel_size,
         block_size=4,
         max_num_batched_tokens=16,  # chunked prefill
         max_model_len=64,
-    )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+        kv_cache_memory="8MiB",
+    ) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
