@@ -1,13 +1,20 @@
 """sjf against fcfs on a mixed workload: short answers and long essays, Poisson arrivals.
 
 Half the requests ask for a one-word answer and get a few tokens, half ask for an essay
-and get hundreds (lengths forced with `max_tokens` + `ignore_eos`, so both runs do the
-same work); the class shows in the prompt's wording. Each policy gets a server of its own
+and get hundreds; the class shows in the prompt's wording. Decoding is greedy, so both
+runs do the same work. `--lengths` says how the lengths are had:
+
+- `max_tokens`: each request's `max_tokens` is its length, with `ignore_eos`. The server
+  sees the length in the request (sjf's predictor learns from `max_tokens`).
+- `prompt`: every request has the same `max_tokens` (the long range's top); an essay is
+  held to its length with `min_tokens`, a short answer ends at the model's end of turn.
+  Nothing but the prompt's wording tells the server which is which. Each policy gets a server of its own
 (same flags otherwise), a warm-up of requests from the same mix (sjf's predictor learns
 from them; fcfs gets them too), then the measured requests at `--load` times the
 capacity measured first (all requests of a calibration set at once, under fcfs).
 
     python benchmarks/scheduling.py --max-num-seqs 16 --num-requests 240
+    python benchmarks/scheduling.py --max-num-seqs 4 --lengths prompt --num-requests 160
 
 Reports, per policy: throughput, mean and p90 of E2E latency and TTFT, for all requests
 and per class, and the longest queue wait the server's histogram allows (its
@@ -60,6 +67,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.8, help="arrival rate / capacity")
     p.add_argument("--short", type=int, nargs=2, default=(2, 8), help="output token range")
     p.add_argument("--long", type=int, nargs=2, default=(150, 250), help="output token range")
+    p.add_argument("--lengths", choices=("max_tokens", "prompt"), default="max_tokens")
     p.add_argument("--sjf-max-wait-s", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -86,16 +94,32 @@ async def tokenize(client: httpx.AsyncClient, model: str, text: str) -> list[int
     return response.json()["tokens"]
 
 
+def request_for(
+    prompt: list[int], is_long: bool, num_tokens: int, args: argparse.Namespace
+) -> tuple[Request, bool, dict]:
+    """The request, its `ignore_eos` and its extra body fields, per `--lengths`."""
+    if args.lengths == "max_tokens":
+        return Request(prompt, num_tokens), True, {}
+    cap = args.long[1]
+    return Request(prompt, cap), False, {"min_tokens": num_tokens if is_long else 0}
+
+
 async def run_mix(
-    client: httpx.AsyncClient, model: str, mix: list[tuple[str, bool, int]], rate: float, seed: int
+    client: httpx.AsyncClient,
+    model: str,
+    mix: list[tuple[str, bool, int]],
+    rate: float,
+    seed: int,
+    args: argparse.Namespace,
 ) -> tuple[list[tuple[bool, RequestResult]], float]:
     prompts = {text: await tokenize(client, model, text) for text, _, _ in mix}
     arrivals = random.Random(seed)
     start = time.perf_counter()
     tasks = []
     for text, is_long, num_tokens in mix:
-        request = Request(prompts[text], num_tokens)
-        tasks.append((is_long, asyncio.create_task(send(client, model, request, 0.0))))
+        request, ignore_eos, extra = request_for(prompts[text], is_long, num_tokens, args)
+        sent = send(client, model, request, 0.0, ignore_eos, extra)
+        tasks.append((is_long, asyncio.create_task(sent)))
         if rate != float("inf"):
             await asyncio.sleep(arrivals.expovariate(rate))
     results = [(is_long, await task) for is_long, task in tasks]
@@ -103,7 +127,9 @@ async def run_mix(
 
 
 def summarize(results: list[tuple[bool, RequestResult]], duration_s: float) -> dict:
-    ok = [(is_long, r) for is_long, r in results if r.is_success]
+    # Success is an error-free stream: under `--lengths prompt` short answers end where
+    # the model ends them, not at the `max_tokens` asked for.
+    ok = [(is_long, r) for is_long, r in results if r.error is None and r.num_output_tokens]
     summary = {
         "num_successful": len(ok),
         "num_failed": len(results) - len(ok),
@@ -116,6 +142,7 @@ def summarize(results: list[tuple[bool, RequestResult]], duration_s: float) -> d
         summary[name] = {
             "e2e_ms": latency_stats([r.e2e_s for r in chosen]),
             "ttft_ms": latency_stats([r.ttft_s for r in chosen if r.ttft_s is not None]),
+            "mean_output_tokens": sum(r.num_output_tokens for r in chosen) / max(1, len(chosen)),
         }
     return summary
 
@@ -143,8 +170,8 @@ async def measure(url: str, mix, rate: float, args, seed: int) -> tuple[dict, fl
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         warmup = make_mix(args.num_warmup, args, seed=args.seed + 100)
         if warmup:
-            await run_mix(client, model, warmup, rate, seed=args.seed + 101)
-        results, duration = await run_mix(client, model, mix, rate, seed=seed)
+            await run_mix(client, model, warmup, rate, args.seed + 101, args)
+        results, duration = await run_mix(client, model, mix, rate, seed, args)
         metrics = (await client.get("/metrics")).text
     return summarize(results, duration), longest_queue_wait_bound(metrics)
 
@@ -165,8 +192,10 @@ def main() -> None:
         async def calibrate() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=None) as client:
                 model = (await client.get("/v1/models")).json()["data"][0]["id"]
-                results, duration = await run_mix(client, model, calibration, float("inf"), 0)
-            return sum(r.is_success for _, r in results) / duration
+                results, duration = await run_mix(
+                    client, model, calibration, float("inf"), 0, args
+                )
+            return sum(r.error is None for _, r in results) / duration
 
         capacity = asyncio.run(calibrate())
     finally:

@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -57,8 +58,10 @@ async def send(
     request: Request,
     temperature: float = 0.0,
     ignore_eos: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> RequestResult:
-    """One streamed completion; never raises for the server's errors (they are recorded)."""
+    """One streamed completion; never raises for the server's errors (they are recorded).
+    `extra`: more body fields (e.g. `min_tokens`), sent as given."""
     result = RequestResult(request.num_prompt_tokens, request.num_output_tokens)
     payload = {
         "model": model,
@@ -68,6 +71,7 @@ async def send(
         "ignore_eos": ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = last = time.perf_counter()
     try:

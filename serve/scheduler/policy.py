@@ -9,11 +9,13 @@ accounting, chunking, prefix hits, swap) is the scheduler's and the same for all
 - priority: the request's `priority` (lower first), then arrival (vLLM's semantics). A
   waiting request that cannot start for want of blocks or batch seats preempts running
   requests of lower priority (`preempts_for_waiting`).
-- sjf: shortest predicted remaining output first (length_predictor.py). A waiting
-  request's rank shrinks linearly with its wait and is 0 after `max_wait_s`, where it is
-  ahead of every request that has not waited that long (arrival order among those): no
-  request waits past the bound for shorter ones. Until the predictor has learned, every
-  rank is 0: arrival order.
+- sjf: shortest predicted remaining output first (length_predictor.py). A request's rank
+  shrinks linearly with its age (time since arrival) and is 0 after `max_wait_s`, where it
+  is ahead of every request that has not been there that long (arrival order among
+  those): no request waits past the bound for shorter ones. A waiting request predicted
+  to need under half what a running one still needs takes its seat or blocks (shortest
+  remaining first, SRPT-style), unless that one is past the bound. Until the predictor
+  has learned, every rank is 0: arrival order, and no one is preempted.
 
 Writers: the per-request state here (features, predictions) is the policy's, written on
 the scheduler's thread; the predictor's model, by its refit thread.
@@ -43,6 +45,9 @@ class SchedulingPolicy:
     name = "fcfs"
     preempts_for_waiting = False
 
+    def start_step(self, now: float) -> None:
+        """The scheduler's clock at the start of a step, before it orders its queues."""
+
     def rank(self, group: SequenceGroup) -> Rank:
         """Order of running and swapped groups: lower runs first, the last is preempted first."""
         return (group.arrival_time,)
@@ -54,6 +59,11 @@ class SchedulingPolicy:
     def order_waiting(self, waiting: Iterable[SequenceGroup], now: float) -> list[SequenceGroup]:
         """The waiting queue, first to be admitted first."""
         return self.order(waiting)
+
+    def yields_to(self, running: SequenceGroup, waiting: SequenceGroup) -> bool:
+        """With `preempts_for_waiting`: whether `running` gives up its seat or blocks when
+        `waiting` cannot start without them."""
+        return self.rank(running) > self.rank(waiting)
 
     def on_add(self, group: SequenceGroup) -> None:
         """A request was queued."""
@@ -99,6 +109,11 @@ class _Prediction:
 
 class ShortestJobFirstPolicy(SchedulingPolicy):
     name = "sjf"
+    preempts_for_waiting = True
+    # A running request yields only to one predicted to need less than this share of its
+    # own remaining output: preempting costs recomputing (or swapping) its context, and
+    # predictions are rough, so near-equals must not trade places.
+    yield_ratio = 0.5
 
     def __init__(
         self,
@@ -111,9 +126,14 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
         self.predictor = predictor or OutputLengthPredictor()
         self._projection: HiddenProjection | None = None
         self._requests: dict[str, _Prediction] = {}
+        self._now = 0.0
+
+    def start_step(self, now: float) -> None:
+        self._now = now
 
     def rank(self, group: SequenceGroup) -> Rank:
-        return (self._remaining(group) or 0.0, group.arrival_time)
+        aging = max(0.0, 1.0 - (self._now - group.arrival_time) / self.max_wait_s)
+        return ((self._remaining(group) or 0.0) * aging, group.arrival_time)
 
     def order(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
         groups = list(groups)
@@ -121,14 +141,12 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
         return sorted(groups, key=self.rank)
 
     def order_waiting(self, waiting: Iterable[SequenceGroup], now: float) -> list[SequenceGroup]:
-        groups = list(waiting)
-        self._refresh(groups)
+        self._now = now
+        return self.order(waiting)
 
-        def key(group: SequenceGroup) -> Rank:
-            aging = max(0.0, 1.0 - (now - group.arrival_time) / self.max_wait_s)
-            return ((self._remaining(group) or 0.0) * aging, group.arrival_time)
-
-        return sorted(groups, key=key)
+    def yields_to(self, running: SequenceGroup, waiting: SequenceGroup) -> bool:
+        self._refresh([running, waiting])
+        return self.rank(waiting)[0] < self.yield_ratio * self.rank(running)[0]
 
     def on_add(self, group: SequenceGroup) -> None:
         params = group.sampling_params

@@ -262,6 +262,7 @@ class Scheduler:
         preempted: list[SequenceGroup] = []
         cannot_fit: list[SequenceGroup] = []
         now = self.clock()
+        self.policy.start_step(now)
         self.running = self.policy.order(self.running)
         self.swapped = self.policy.order(self.swapped)
         # Yielding to a waiting request of higher rank is not thrashing: unlike `preempted`,
@@ -489,16 +490,15 @@ class Scheduler:
 
     def _preempt_for_waiting(self, out: SchedulerOutput) -> list[SequenceGroup]:
         """The best-ranked waiting group, if it could not start for want of batch seats or
-        blocks, takes them from the worst-ranked running groups that rank below it (vLLM's
-        priority preemption). Returns the groups preempted."""
+        blocks, takes them from the worst-ranked running groups that yield to it (vLLM's
+        priority preemption; sjf's shortest remaining first). Returns the groups preempted."""
         if not self.waiting:
             return []
-        head = min(self.waiting, key=self.policy.rank)
-        rank = self.policy.rank(head)
+        head = self.policy.order(self.waiting)[0]
         yielded: list[SequenceGroup] = []
         while (
             self.running
-            and self.policy.rank(self.running[-1]) > rank
+            and self.policy.yields_to(self.running[-1], head)
             and not self._could_start(head)
         ):
             victim = self.running.pop()

@@ -223,3 +223,53 @@ def test_a_request_that_always_loses_on_rank_waits_no_longer_than_the_bound(
     # Shorter jobs went first, and the long one started within the bound plus one short
     # job's run (2 steps: its prompt, then its last token).
     assert 5.0 <= started <= max_wait_s + 2.0
+
+
+def _ran(out, group: SequenceGroup) -> bool:
+    return group.seqs[0].seq_id in {s.seq_id for s in out.scheduled}
+
+
+def test_sjf_a_waiting_short_job_takes_the_seat_of_a_running_long_one() -> None:
+    """Shortest remaining first: one seat, a long job running, a short one arrives. The
+    long one yields; a second long one arriving does not make it yield (no thrashing
+    between near-equals); both long ones finish after the short one."""
+    sched = sjf_scheduler(30.0, lambda: 0.0)
+    long = add_all(sched, [job(0, long_prompt(0), LONG, 0.0)])[0]
+    for _ in range(3):
+        run_step(sched)
+    peer = job(1, long_prompt(1), LONG, 0.0)
+    sched.add(peer)
+    out = run_step(sched)
+    assert not out.preempted_request_ids and _ran(out, long) and peer in sched.waiting
+    short = job(2, short_prompt(2), SHORT, 0.0)
+    sched.add(short)
+    out = run_step(sched)
+    assert out.preempted_request_ids == ["r0"] and _ran(out, short)
+    finished: list[str] = []
+    while sched.has_unfinished_requests():
+        run_step(sched)
+        finished += [
+            g.request_id for g in (long, peer, short) if g.is_finished and g.request_id not in finished
+        ]
+    assert finished == ["r2", "r0", "r1"]
+    # The preempted job kept its tokens: it ends with all of them.
+    assert long.seqs[0].num_output_tokens == LONG
+    assert_all_free(sched)
+
+
+def test_sjf_preempts_no_one_while_cold_and_no_one_past_the_bound() -> None:
+    now = [0.0]
+    cold = sjf_scheduler(10.0, lambda: now[0], trained=False)
+    long = add_all(cold, [job(0, long_prompt(0), LONG, 0.0)])[0]
+    run_step(cold)
+    cold.add(job(1, short_prompt(1), SHORT, 0.0))
+    assert not run_step(cold).preempted_request_ids  # nothing predicted: fcfs
+
+    warm = sjf_scheduler(10.0, lambda: now[0])
+    long = add_all(warm, [job(0, long_prompt(0), LONG, 0.0)])[0]
+    run_step(warm)
+    now[0] = 10.0  # the long job has been here for the whole bound: it ranks first
+    short = job(1, short_prompt(1), SHORT, now[0])
+    warm.add(short)
+    out = run_step(warm)
+    assert not out.preempted_request_ids and _ran(out, long) and short in warm.waiting
