@@ -167,11 +167,27 @@ def _flag(args: tuple[str, ...], name: str) -> str | None:
     return args[args.index(name) + 1] if name in args else None
 
 
+# server_factory's servers, by command line. Stopped once the last API test has run (the
+# hook below), not at the end of the session: each holds ~1 GB the later tests need.
+_servers: dict[tuple, Server] = {}
+
+
+def _stop_servers() -> None:
+    for server in _servers.values():
+        stop_process(server.process)
+    _servers.clear()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
+        _stop_servers()
+
+
 @pytest.fixture(scope="session")
 def server_factory(tiny_llama, tmp_path_factory):
     """`(*extra_args, model=tiny_llama, env=None) -> Server`, one process per distinct call,
-    all stopped at the end of the session. Pass `model=None` for the default model."""
-    servers: dict[tuple, Server] = {}
+    all stopped after the last API test. Pass `model=None` for the default model."""
+    servers = _servers
     log_dir = tmp_path_factory.mktemp("serve-logs")
 
     def factory(*extra_args: str, model: Path | None = tiny_llama, env: dict | None = None):
@@ -183,8 +199,7 @@ def server_factory(tiny_llama, tmp_path_factory):
         return server
 
     yield factory
-    for server in servers.values():
-        stop_process(server.process)
+    _stop_servers()
 
 
 @pytest.fixture(scope="session")
