@@ -167,9 +167,15 @@ def _flag(args: tuple[str, ...], name: str) -> str | None:
     return args[args.index(name) + 1] if name in args else None
 
 
-# server_factory's servers, by command line. Stopped once the last API test has run (the
-# hook below), not at the end of the session: each holds ~1 GB the later tests need.
+# server_factory's servers by command line, least recently used first. At most
+# MAX_LIVE_SERVERS run at once: starting another stops the least recently used one that
+# the running test module has not asked for (the default `server` stays: session fixtures
+# hold it); a later call starts it again. All stop once the last API test has run, not at
+# the end of the session: each holds ~1 GB, and the suite has some thirty command lines.
+MAX_LIVE_SERVERS = 6
 _servers: dict[tuple, Server] = {}
+_asked_in: dict[tuple, str] = {}  # the test module that last asked for each
+_module = ""  # the running test's module
 
 
 def _stop_servers() -> None:
@@ -178,23 +184,41 @@ def _stop_servers() -> None:
     _servers.clear()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _module
+    _module = str(item.path)  # before the item's fixtures are set up
+
+
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
         _stop_servers()
 
 
+def _make_room(keep: tuple) -> None:
+    for key in list(_servers):
+        if len(_servers) < MAX_LIVE_SERVERS:
+            return
+        if key != keep and _asked_in.get(key) != _module:
+            stop_process(_servers.pop(key).process)
+
+
 @pytest.fixture(scope="session")
 def server_factory(tiny_llama, tmp_path_factory):
-    """`(*extra_args, model=tiny_llama, env=None) -> Server`, one process per distinct call,
-    all stopped after the last API test. Pass `model=None` for the default model."""
-    servers = _servers
+    """`(*extra_args, model=tiny_llama, env=None) -> Server`, one process per distinct call
+    (see MAX_LIVE_SERVERS), all stopped after the last API test. Pass `model=None` for the
+    default model."""
     log_dir = tmp_path_factory.mktemp("serve-logs")
+    default_key = (str(tiny_llama), (), ())
 
     def factory(*extra_args: str, model: Path | None = tiny_llama, env: dict | None = None):
         key = (str(model), extra_args, tuple(sorted((env or {}).items())))
-        if key not in servers:
-            servers[key] = start_server(model, extra_args, env or {}, log_dir)
-        server = servers[key]
+        if key not in _servers:
+            _make_room(keep=default_key)
+            _servers[key] = start_server(model, extra_args, env or {}, log_dir)
+        server = _servers.pop(key)
+        _servers[key] = server  # the most recently used, last
+        _asked_in[key] = _module
         assert server.process.poll() is None, f"serve died:\n{server.log()}"
         return server
 
