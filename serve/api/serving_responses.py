@@ -10,7 +10,7 @@ Responses API's fields (`input`, `max_output_tokens`, `text.format`), not the ch
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,7 +165,7 @@ class ResponsesHandler:
                 raise APIError(400, message, param) from None
         return Turn(request, conversation, chat)
 
-    def _open(self, turn: Turn, prompt: ChatPrompt):
+    def _open(self, turn: Turn, prompt: ChatPrompt) -> AsyncGenerator[RequestOutput, None]:
         with _responses_params():
             return open_stream(
                 self.engine,
@@ -184,7 +184,7 @@ class ResponsesHandler:
         self,
         turn: Turn,
         prompt: ChatPrompt,
-        stream: AsyncIterator[RequestOutput],
+        stream: AsyncGenerator[RequestOutput, None],
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[str]:
         events = EventNumbering()
@@ -197,7 +197,7 @@ class ResponsesHandler:
         state = StreamState(1, stop_holdback(turn.chat.stop))
         status = "completed"
         async with guard_stream() as failed:
-            async for _, completion in choice_outputs([stream], 1):  # type: ignore[list-item]
+            async for _, completion in choice_outputs([stream], 1):
                 text, start, end = state.delta(0, completion)
                 pieces = (reader.feed(text) if reader is not None else [text]) if text else []
                 logprobs = self._logprobs(turn, completion, start, end)
