@@ -317,6 +317,37 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class ResponseStoreConfig:
+    """The Responses API's memory (serve/api/response_store.py): responses kept so that a
+    later request continues one (`previous_response_id`) or reads or deletes it by id. The
+    API server's alone; the engine never reads it."""
+
+    response_store_max_entries: int = setting(
+        1024,
+        "most responses (POST /v1/responses with store, the default) kept in memory for "
+        "previous_response_id and GET; past it the least recently used one is dropped",
+        metavar="N",
+    )
+    response_store_ttl_s: float = setting(
+        3600.0,
+        "seconds a stored response is kept after it was created; past them its id is a 404",
+        metavar="SECONDS",
+    )
+
+    def __post_init__(self) -> None:
+        if self.response_store_max_entries < 1:
+            raise InvalidSettingError(
+                "response_store_max_entries",
+                f"must be positive, got {self.response_store_max_entries}.",
+            )
+        if not self.response_store_ttl_s > 0:
+            raise InvalidSettingError(
+                "response_store_ttl_s",
+                f"must be a positive number of seconds, got {self.response_store_ttl_s}.",
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The whole engine's settings: one section (a config class) per concern, and the
     device. `create` builds it from the flat keywords that `LLM` and the CLI use."""
@@ -328,6 +359,9 @@ class EngineConfig:
     )
     parallel: ParallelConfig = field(
         default_factory=ParallelConfig, metadata={_TITLE: "tensor parallelism"}
+    )
+    responses: ResponseStoreConfig = field(
+        default_factory=ResponseStoreConfig, metadata={_TITLE: "responses API"}
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
 

@@ -40,6 +40,8 @@ EXAMPLES = {
     "sjf_max_wait_s": Example(("--sjf-max-wait-s", "12.5"), 12.5),
     "tensor_parallel_size": Example(("--tensor-parallel-size", "2"), 2),
     "distributed_executor_backend": Example(("--distributed-executor-backend", "mp"), "mp"),
+    "response_store_max_entries": Example(("--response-store-max-entries", "16"), 16),
+    "response_store_ttl_s": Example(("--response-store-ttl-s", "90.5"), 90.5),
     "device": Example(("--device", "cpu"), "cpu"),
 }
 

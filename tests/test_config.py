@@ -74,6 +74,8 @@ def test_sizes_read_as_the_flags_say():
         ({"load_format": "pt"}, "load_format 'pt' loads pickled weights"),
         ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0."),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be positive, got 0."),
+        ({"response_store_max_entries": 0}, "response_store_max_entries must be positive"),
+        ({"response_store_ttl_s": 0}, "response_store_ttl_s must be a positive number"),
         (
             {"distributed_executor_backend": "slurm"},
             "distributed_executor_backend must be one of uniproc, mp, ray; got 'slurm'.",

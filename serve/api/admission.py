@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import error_body
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 DRAINING_RETRY_AFTER_S = 5
 QUEUE_FULL_RETRY_AFTER_S = 1
 

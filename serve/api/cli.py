@@ -287,6 +287,7 @@ def _load(args: argparse.Namespace):
         grammar_compile_timeout_s=args.grammar_compile_timeout,
         scheduling_policy=config.scheduler.scheduling_policy,
         limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
+        response_store=config.responses,
     )
     return build_app(engine, settings), settings
 

@@ -30,6 +30,8 @@ from serve.api.protocol import (
     TokenizeRequest,
     now,
 )
+from serve.api.protocol_responses import ResponsesRequest
+from serve.api.response_store import ResponseStore
 from serve.api.serving_base import (
     PromptCharLimit,
     ServerSettings,
@@ -39,6 +41,7 @@ from serve.api.serving_base import (
 )
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
+from serve.api.serving_responses import ResponsesHandler
 from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
@@ -68,6 +71,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)  # reads the vocab
     chat = ChatHandler(engine, settings, prompt_chars)
     completions = CompletionHandler(engine, settings, prompt_chars)
+    stored = settings.response_store
+    responses = ResponsesHandler(
+        chat, ResponseStore(stored.response_store_max_entries, stored.response_store_ttl_s)
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -101,7 +108,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.allowed_origins),
-            allow_methods=["GET", "POST"],
+            allow_methods=["GET", "POST", "DELETE"],
             # The OpenAI SDKs send their own headers besides Authorization and
             # Content-Type (X-Stainless-*, OpenAI-Organization, ...), and no fixed list
             # keeps up with them. The API key, not CORS, is what guards the routes.
@@ -163,6 +170,25 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completions(body: CompletionRequest, request: Request) -> Any:
         return await respond(completions, body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        _log_unknown(body)
+        if body.stream:
+            events = await responses.stream(body, _usage_recorder(request))
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await _unless_disconnected(
+            responses.create(body, _usage_recorder(request)), request
+        )
+        return Response(status_code=CLIENT_CLOSED) if result is None else result
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from serve.api.errors import APIError, error_body
 from serve.api.limits import RequestLimits
 from serve.api.protocol import SamplingRequest, now
+from serve.config import ResponseStoreConfig
 from serve.engine.protocol import (
     EngineClient,
     EngineDeadError,
@@ -47,6 +48,7 @@ class ServerSettings:
     grammar_compile_timeout_s: float | None = None  # compiling a request's grammar
     scheduling_policy: str = "fcfs"  # a request's `priority` is refused under the others
     limits: RequestLimits = field(default_factory=RequestLimits)
+    response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
 
 
 def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:

@@ -143,7 +143,9 @@ class ChatHandler:
             message["content"] = ""
         return message, tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls))
 
-    def _logprobs(self, completion: CompletionOutput, start: int, end: int, num_top: int):
+    def token_logprobs(self, completion: CompletionOutput, start: int, end: int, num_top: int):
+        """OpenAI's logprobs of output tokens [start, end): `{"content": [...]}`, or None
+        when the request asked for none."""
         if completion.logprobs is None:
             return None
         content = []
@@ -179,7 +181,7 @@ class ChatHandler:
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self._logprobs(
+                    "logprobs": self.token_logprobs(
                         completion, 0, len(completion.token_ids), request.top_logprobs or 0
                     ),
                     "finish_reason": finish_reason,
@@ -244,7 +246,7 @@ class ChatHandler:
         readers = defaultdict(parser.stream) if parser is not None else None  # per choice
 
         def content(index, completion, text, start, end, sent_chars):
-            logprobs = self._logprobs(completion, start, end, num_top)
+            logprobs = self.token_logprobs(completion, start, end, num_top)
             if readers is None:
                 return [{"delta": {"content": text}, "logprobs": logprobs}]
             return event_fields(readers[index].feed(text), logprobs)

@@ -26,6 +26,9 @@ OPERATIONS = [
     ("GET", "/v1/models"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/{response_id}"),
+    ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
 ]
@@ -57,6 +60,8 @@ def _with_a_plain_prompt(model: str):
                 body["model"] = model
             if "prompt" in body and not (isinstance(body["prompt"], str) and body["prompt"]):
                 body["prompt"] = "Hello!"
+            if "input" in body and not isinstance(body["input"], str):
+                body["input"] = "Hello!"
             if isinstance(body.get("messages"), list):
                 first = body["messages"][0] if body["messages"] else None
                 text = first.get("content") if isinstance(first, dict) else None

@@ -1,0 +1,349 @@
+"""OpenAI's Responses API request (POST /v1/responses), validated at the door.
+
+What this server cannot honour is refused by name with a 400 rather than ignored: image,
+file and audio input, built-in tools (web search, file search, computer use, ...), item
+kinds other than messages and function calls, background runs, reasoning settings,
+conversations and prompt templates. Unknown fields are accepted and ignored, as on the
+other endpoints; vLLM's sampling extras (`top_k`, `seed`, `stop`, ...) pass through to the
+chat request that runs the response (`SAMPLING_EXTRAS`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from serve.api.protocol import OpenAIModel
+from serve.api.tool_parsers.base import load_json
+
+# Fields of the chat request a Responses request may also set, as vLLM's extras.
+SAMPLING_EXTRAS = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "bad_words",
+        "allowed_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "priority",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+    }
+)
+TEXT_PARTS = ("input_text", "output_text", "refusal")
+ITEM_KINDS = ("message", "function_call", "function_call_output")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA_PAIRS = 16  # OpenAI's bounds: 16 pairs, keys of 64 and values of 512 chars
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+
+def _refuse_unsupported(values: Any, field: str, supported: tuple[str, ...], why: str) -> Any:
+    """A ValueError naming the first entry of a list whose `type` is not `supported`."""
+    if not isinstance(values, list):
+        return values
+    for index, value in enumerate(values):
+        kind = value.get("type", supported[0]) if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind not in supported:
+            raise ValueError(f"{field}[{index}] has type {kind!r}, which {why}")
+    return values
+
+
+class ContentPart(OpenAIModel):
+    """A text part of a message: `input_text`, or `output_text` / `refusal` in assistant
+    turns sent back."""
+
+    type: Literal["input_text", "output_text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+
+    @model_validator(mode="after")
+    def _has_its_text(self) -> ContentPart:
+        key = "refusal" if self.type == "refusal" else "text"
+        if getattr(self, key) is None:
+            raise PydanticCustomError("missing", f"{self.type} parts need {key}")
+        return self
+
+    @property
+    def value(self) -> str:
+        return (self.refusal if self.type == "refusal" else self.text) or ""
+
+
+def _text_parts(parts: Any) -> Any:
+    return _refuse_unsupported(
+        parts,
+        "content",
+        TEXT_PARTS,
+        "this server does not read: its models take text only (input_text parts; "
+        "output_text and refusal in assistant turns)",
+    )
+
+
+def chat_content(content: str | list[ContentPart]) -> str | list[dict[str, str]]:
+    """Content as a chat message holds it (text parts joined as chat joins them)."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": part.value} for part in content]
+
+
+class MessageItem(OpenAIModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+    _text_only = field_validator("content", mode="before")(_text_parts)
+
+
+class FunctionCallItem(OpenAIModel):
+    """A call the model made (an output item sent back), which a function_call_output
+    answers by its `call_id`."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object, as text
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v: str) -> str:
+        if v.strip() and not isinstance(load_json(v), dict):
+            raise ValueError("must be a JSON object, as text")
+        return v
+
+
+class FunctionCallOutputItem(OpenAIModel):
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
+
+    _text_only = field_validator("output", mode="before")(_text_parts)
+
+
+def _item_kind(item: Any) -> str:
+    """An input item's kind: its `type`, "message" when it has none (EasyInputMessage)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return kind if kind in ITEM_KINDS else "message"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(OpenAIModel):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type "object"
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v and v.get("type") != "object":
+            raise ValueError('must be a JSON schema of type "object" (arguments are named)')
+        return v
+
+
+class FunctionToolChoice(OpenAIModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and (self.schema_ is None or not self.name):
+            raise ValueError('type "json_schema" needs a name and a schema')
+        return self
+
+
+class TextConfig(OpenAIModel):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _medium_only(cls, v: str | None) -> str | None:
+        if v not in (None, "medium"):
+            raise ValueError(
+                f"{v!r} is not supported: the model's answers are as long as it writes them"
+            )
+        return v
+
+
+class ReasoningConfig(OpenAIModel):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None  # a system message first; not carried to a continuation
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    include: list[str] | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    store: bool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # Accepted and echoed; they change nothing here.
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Refused unless off: what this server cannot do.
+    background: bool = False
+    reasoning: ReasoningConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    conversation: str | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _supported_items(cls, items: Any) -> Any:
+        if isinstance(items, list) and not items:
+            raise ValueError("must not be an empty list")
+        return _refuse_unsupported(
+            items,
+            "input",
+            ITEM_KINDS,
+            f"this server does not take: it takes {', '.join(ITEM_KINDS)} items",
+        )
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, tools: Any) -> Any:
+        return _refuse_unsupported(
+            tools,
+            "tools",
+            ("function",),
+            "this server does not run: it has no built-in tools, only functions "
+            '(type "function") that the client runs',
+        )
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        names = [tool.name for tool in tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"function names must be unique; repeated: {repeated}")
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice(cls, choice: Any) -> Any:
+        if isinstance(choice, dict) and choice.get("type") != "function":
+            raise ValueError(
+                f"of type {choice.get('type')!r} is not supported: give none, auto, required "
+                'or {"type": "function", "name": ...}'
+            )
+        return choice
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is None:
+            return None
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise ValueError(f"has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS}")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"keys are at most {MAX_METADATA_KEY_CHARS} characters and values at "
+                    f"most {MAX_METADATA_VALUE_CHARS}; {key[:MAX_METADATA_KEY_CHARS]!r} is not"
+                )
+        return metadata
+
+    @field_validator("background")
+    @classmethod
+    def _not_background(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("background responses are not supported; stream, or wait for it")
+        return v
+
+    @field_validator("reasoning")
+    @classmethod
+    def _no_reasoning(cls, v: ReasoningConfig | None) -> ReasoningConfig | None:
+        if v is not None and (v.effort not in (None, "none") or v.summary or v.generate_summary):
+            raise ValueError(
+                "is not supported: this server's models write no separate reasoning "
+                "(leave it out, or set effort to none)"
+            )
+        return v
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, v: str | None) -> str | None:
+        if v == "auto":
+            raise ValueError(
+                '"auto" is not supported: an input longer than the context window is '
+                'refused ("disabled"); shorten it'
+            )
+        return v
+
+    @field_validator("conversation", "prompt")
+    @classmethod
+    def _not_supported(cls, v: Any, info: Any) -> Any:
+        if v is not None:
+            what = {"conversation": "conversations", "prompt": "stored prompt templates"}
+            raise ValueError(
+                f"{what[info.field_name]} are not supported; continue a conversation "
+                "with previous_response_id"
+            )
+        return v
+
+    @property
+    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.top_logprobs) or LOGPROBS_INCLUDE in (self.include or [])
+
+    @property
+    def text_format(self) -> TextFormat:
+        if self.text is None or self.text.format is None:
+            return TextFormat(type="text")
+        return self.text.format
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return [name for name in super().unknown_fields if name not in SAMPLING_EXTRAS]
+
+    @property
+    def sampling_extras(self) -> dict[str, Any]:
+        return {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_EXTRAS}

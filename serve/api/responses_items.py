@@ -1,0 +1,139 @@
+"""The Responses API's items and the chat conversation they stand for.
+
+Input items become chat messages (instructions a system message first, a function call
+joining the assistant message before it as one of its tool calls, a function call's
+output a tool message); the model's output (content text and calls, as the chat
+parsers read them) becomes output items, and output items become input items again for
+the conversation a continuation starts from.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from serve.api.errors import APIError
+from serve.api.protocol_responses import (
+    ContentPart,
+    FunctionCallItem,
+    MessageItem,
+    chat_content,
+)
+from serve.api.response_store import ConversationItem
+from serve.api.tool_parsers import ToolCall
+
+
+def new_id(prefix: str) -> str:
+    """OpenAI's id shape: `resp_`, `msg_`, `fc_` and hex."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def chat_messages(
+    instructions: str | None, items: Sequence[ConversationItem]
+) -> list[dict[str, Any]]:
+    """The chat messages (ChatMessage's fields) of a conversation. A function_call_output
+    must answer a function_call made earlier in it: a 400 otherwise."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+    call_names: dict[str, str] = {}
+    for item in items:
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": chat_content(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # content and calls: one turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            call_names[item.call_id] = item.name
+        else:  # a function_call_output
+            if item.call_id not in call_names:
+                raise APIError(
+                    400,
+                    f"No function_call with call_id {item.call_id!r} comes before the "
+                    "function_call_output that answers it (in this input or the responses "
+                    "it continues).",
+                    param="input",
+                )
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.call_id,
+                    "name": call_names[item.call_id],
+                    "content": chat_content(item.output),
+                }
+            )
+    return messages
+
+
+def message_item(
+    text: str, status: str, logprobs: list[dict[str, Any]], item_id: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": item_id or new_id("msg"),
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [output_text_part(text, logprobs)],
+    }
+
+
+def output_text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def function_call_item(
+    call_id: str, name: str, arguments: str, status: str, item_id: str | None = None
+) -> dict[str, Any]:
+    return {
+        "id": item_id or new_id("fc"),
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def output_items(
+    content: str | None, calls: list[ToolCall], status: str, logprobs: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """A message with the content (also when there is nothing at all), then the calls."""
+    items = []
+    if content is not None or not calls:
+        items.append(message_item(content or "", status, logprobs))
+    items += [function_call_item(c.id, c.name, c.arguments, status) for c in calls]
+    return items
+
+
+def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
+    """Output items as the input items a continuation sees. A call cut short by the token
+    limit keeps its arguments as written: continuing from it is refused by the chat
+    request's checks, as sending it back would be."""
+    items: list[ConversationItem] = []
+    for item in output:
+        if item["type"] == "message":
+            parts = [ContentPart(type="output_text", text=p["text"]) for p in item["content"]]
+            items.append(MessageItem(role="assistant", content=parts))
+        else:
+            fields = {k: item[k] for k in ("type", "call_id", "name", "arguments")}
+            items.append(FunctionCallItem.model_construct(**fields))
+    return items
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage; serve keeps no per-request count of cached tokens."""
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
