@@ -121,5 +121,6 @@ async def _refuse(
     headers = {"Connection": "close"}
     if retry_after_s is not None:
         headers["Retry-After"] = str(retry_after_s)
-    response = JSONResponse(error_body(status, message), status_code=status, headers=headers)
+    body = error_body(status, message, path=scope["path"])
+    response = JSONResponse(body, status_code=status, headers=headers)
     await response(scope, receive, send)

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, authentication, OpenAI-shaped errors, access log."""
+"""The FastAPI app: routes, authentication, errors in each API's shape, access log."""
 
 from __future__ import annotations
 
@@ -71,23 +71,25 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.scope["path"])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors(), exc.body)
-        return JSONResponse(error_body(400, message, param), status_code=400)
+        body = error_body(400, message, param, path=request.scope["path"])
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}."
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+        body = error_body(exc.status_code, message, path=request.scope["path"])
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(error_body(503, str(exc)), status_code=503)
+        return JSONResponse(error_body(503, str(exc), path=request.scope["path"]), status_code=503)
 
     app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
     # The last added runs first: access log → CORS → API key → admission → last word on
