@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import error_body
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
 DRAINING_RETRY_AFTER_S = 5
 QUEUE_FULL_RETRY_AFTER_S = 1
 
@@ -29,7 +29,7 @@ class Admission:
     max_body_bytes: int | None = None
     is_draining: bool = False
     in_flight: int = 0  # every HTTP request being answered
-    num_generating: int = 0  # of those, completions and chat completions
+    num_generating: int = 0  # of those, completions, chat completions and messages
 
 
 class AdmissionGate:

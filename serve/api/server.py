@@ -30,6 +30,7 @@ from serve.api.protocol import (
     TokenizeRequest,
     now,
 )
+from serve.api.protocol_anthropic import MessagesInput, MessagesRequest
 from serve.api.serving_base import (
     PromptCharLimit,
     ServerSettings,
@@ -39,6 +40,7 @@ from serve.api.serving_base import (
 )
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
+from serve.api.serving_messages import MessagesHandler
 from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
@@ -68,6 +70,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)  # reads the vocab
     chat = ChatHandler(engine, settings, prompt_chars)
     completions = CompletionHandler(engine, settings, prompt_chars)
+    messages = MessagesHandler(chat)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -165,6 +168,20 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completions(body: CompletionRequest, request: Request) -> Any:
         return await respond(completions, body, request)
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Any:
+        _log_unknown(body)
+        if body.stream:
+            events = await messages.stream(body, _usage_recorder(request))
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await _unless_disconnected(messages.create(body, _usage_recorder(request)), request)
+        return Response(status_code=CLIENT_CLOSED) if result is None else result
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: MessagesInput) -> dict[str, int]:
+        _log_unknown(body)
+        return await messages.count_tokens(body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

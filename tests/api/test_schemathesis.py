@@ -28,6 +28,8 @@ OPERATIONS = [
     ("POST", "/v1/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
 ]
 EXAMPLES_PER_OPERATION = 50
 SEED = 9  # the same examples on every run
