@@ -41,6 +41,7 @@ from serve.api.serving_base import (
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
 from serve.api.serving_messages import MessagesHandler
+from serve.api.tokenizer_info import tokenizer_info
 from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
@@ -182,6 +183,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def count_message_tokens(body: MessagesInput) -> dict[str, int]:
         _log_unknown(body)
         return await messages.count_tokens(body)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info(engine.tokenizer, settings.chat_template, settings.served_model_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

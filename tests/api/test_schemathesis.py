@@ -30,6 +30,7 @@ OPERATIONS = [
     ("POST", "/detokenize"),
     ("POST", "/v1/messages"),
     ("POST", "/v1/messages/count_tokens"),
+    ("GET", "/tokenizer_info"),
 ]
 EXAMPLES_PER_OPERATION = 50
 SEED = 9  # the same examples on every run
