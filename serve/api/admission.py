@@ -18,7 +18,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import error_body
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+)
 DRAINING_RETRY_AFTER_S = 5
 QUEUE_FULL_RETRY_AFTER_S = 1
 
@@ -29,7 +31,7 @@ class Admission:
     max_body_bytes: int | None = None
     is_draining: bool = False
     in_flight: int = 0  # every HTTP request being answered
-    num_generating: int = 0  # of those, completions and chat completions
+    num_generating: int = 0  # of those, completions, chat completions and messages
 
 
 class AdmissionGate:
@@ -121,5 +123,6 @@ async def _refuse(
     headers = {"Connection": "close"}
     if retry_after_s is not None:
         headers["Retry-After"] = str(retry_after_s)
-    response = JSONResponse(error_body(status, message), status_code=status, headers=headers)
+    body = error_body(status, message, path=scope["path"])
+    response = JSONResponse(body, status_code=status, headers=headers)
     await response(scope, receive, send)

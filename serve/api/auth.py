@@ -3,6 +3,8 @@
 With keys set, every path needs one but the probes a load balancer or an orchestrator
 sends without credentials (and /metrics, if the operator made it public). A path that
 does not exist needs one too, so a client without a key learns nothing of the routes.
+A key comes as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+(Anthropic's API), on any path.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from serve.api.errors import error_body
 PUBLIC_PATHS = frozenset({"/health", "/version"})
 METRICS_PATH = "/metrics"
 
-UNAUTHORIZED_MESSAGE = "Invalid or missing API key. Send 'Authorization: Bearer KEY'."
+UNAUTHORIZED_MESSAGE = (
+    "Invalid or missing API key. Send 'Authorization: Bearer KEY' (or 'x-api-key: KEY')."
+)
 
 
 def public_paths(metrics_public: bool) -> frozenset[str]:
@@ -32,15 +36,20 @@ def is_authorized(authorization: bytes, keys: Iterable[bytes]) -> bool:
     check takes says nothing about which key matched, or how much of one.
     """
     scheme, _, token = authorization.partition(b" ")
+    return is_key(token, keys) and scheme.lower() == b"bearer"
+
+
+def is_key(token: bytes, keys: Iterable[bytes]) -> bool:
+    """Whether `token` is one of `keys`, every key compared in constant time."""
     matched = False
     for key in keys:
         matched |= secrets.compare_digest(token, key)
-    return matched and scheme.lower() == b"bearer"
+    return matched
 
 
 class APIKeyAuth:
-    """ASGI middleware answering 401, in OpenAI's error shape, to a request without a
-    valid key. It sits inside CORS, whose preflights carry no `Authorization` header."""
+    """ASGI middleware answering 401, in the error shape of the path's API, to a request
+    without a valid key. It sits inside CORS, whose preflights carry no key."""
 
     def __init__(self, app: ASGIApp, keys: Iterable[str], public: frozenset[str]) -> None:
         self.app = app
@@ -52,9 +61,12 @@ class APIKeyAuth:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
-        if is_authorized(headers.get(b"authorization", b""), self.keys):
+        bearer_ok = is_authorized(headers.get(b"authorization", b""), self.keys)
+        x_api_key = headers.get(b"x-api-key")
+        if bearer_ok or (x_api_key is not None and is_key(x_api_key, self.keys)):
             await self.app(scope, receive, send)
             return
-        response = JSONResponse(error_body(401, UNAUTHORIZED_MESSAGE), status_code=401)
+        body = error_body(401, UNAUTHORIZED_MESSAGE, path=scope["path"])
+        response = JSONResponse(body, status_code=401)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)

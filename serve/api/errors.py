@@ -1,4 +1,11 @@
-"""OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}` with its status."""
+"""Error bodies in the shape of the API a path speaks, with their HTTP status.
+
+OpenAI's, `{"error": {"message", "type", "param", "code"}}`, everywhere but Anthropic's
+Messages paths, which get Anthropic's `{"type": "error", "error": {"type", "message"}}`.
+Every place that answers an error (route handlers, auth, admission, the last-resort
+handler) builds its body here from the request's path, so a client of either API reads
+errors its SDK understands, whichever layer refused the request.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,19 @@ _TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+# Anthropic's error types by status (docs.anthropic.com/en/api/errors): other 4xx are
+# invalid requests, other 5xx api errors; a server at capacity is "overloaded".
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 
 class APIError(Exception):
@@ -29,7 +49,16 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+def error_body(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    path: str = "",
+) -> dict[str, Any]:
+    """The error body for a request to `path` (Anthropic's shape on its paths)."""
+    if path in ANTHROPIC_PATHS:
+        return anthropic_error_body(status, message)
     return {
         "error": {
             "message": message,
@@ -40,10 +69,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     }
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(error.status, error.message, error.param, error.code), status_code=error.status
-    )
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    default = "invalid_request_error" if status < 500 else "api_error"
+    return {
+        "type": "error",
+        "error": {"type": _ANTHROPIC_TYPES.get(status, default), "message": message},
+    }
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    body = error_body(error.status, error.message, error.param, error.code, path)
+    return JSONResponse(body, status_code=error.status)
 
 
 def validation_message(errors: Sequence[Any], body: Any) -> tuple[str, str | None]:

@@ -63,7 +63,8 @@ class AccessLog:
 
 
 class InternalErrors:
-    """A 500 in OpenAI's shape for an exception no handler took, logged with its traceback.
+    """A 500 (in the path's API's error shape) for an exception no handler took, logged
+    with its traceback.
 
     Starlette's own last resort (ServerErrorMiddleware, which runs an `Exception` handler)
     raises the exception again after answering: uvicorn then logs it a second time and
@@ -94,7 +95,8 @@ class InternalErrors:
                 message = (
                     f"Internal server error (request {request_id}); the server log has details."
                 )
-                await JSONResponse(error_body(500, message), status_code=500)(scope, receive, send)
+                body = error_body(500, message, path=scope["path"])
+                await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 def _log(scope: Scope, status: int, start: float) -> None:

@@ -294,6 +294,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0)
     add_generation_prompt: bool = True
+    # vLLM's extra: the final message stays open and the model continues it ("prefill");
+    # add_generation_prompt must then be false.
+    continue_final_message: bool = False
     chat_template: str | None = None
     tools: list[ChatTool] | None = None
     # Default: "auto" when tools are given, else "none" (see `effective_tool_choice`).
@@ -304,6 +307,15 @@ class ChatCompletionRequest(SamplingRequest):
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_or_prompt(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: set "
+                "add_generation_prompt to false to continue the final message"
+            )
         return self
 
     @field_validator("tools")

@@ -1,4 +1,4 @@
-"""The FastAPI app: routes, authentication, OpenAI-shaped errors, access log."""
+"""The FastAPI app: routes, authentication, errors in each API's shape, access log."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from serve.api.protocol import (
     TokenizeRequest,
     now,
 )
+from serve.api.protocol_anthropic import MessagesInput, MessagesRequest
 from serve.api.protocol_responses import ResponsesRequest
 from serve.api.response_store import ResponseStore
 from serve.api.serving_base import (
@@ -41,7 +42,9 @@ from serve.api.serving_base import (
 )
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
+from serve.api.serving_messages import MessagesHandler
 from serve.api.serving_responses import ResponsesHandler
+from serve.api.tokenizer_info import tokenizer_info
 from serve.engine.protocol import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve.api")
@@ -75,26 +78,29 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     responses = ResponsesHandler(
         chat, ResponseStore(stored.response_store_max_entries, stored.response_store_ttl_s)
     )
+    messages = MessagesHandler(chat)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.scope["path"])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors(), exc.body)
-        return JSONResponse(error_body(400, message, param), status_code=400)
+        body = error_body(400, message, param, path=request.scope["path"])
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}."
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code)
+        body = error_body(exc.status_code, message, path=request.scope["path"])
+        return JSONResponse(body, status_code=exc.status_code)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(error_body(503, str(exc)), status_code=503)
+        return JSONResponse(error_body(503, str(exc), path=request.scope["path"]), status_code=503)
 
     app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
     # The last added runs first: access log → CORS → API key → admission → last word on
@@ -189,6 +195,23 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Any:
+        _log_unknown(body)
+        if body.stream:
+            events = await messages.stream(body, _usage_recorder(request))
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        result = await _unless_disconnected(messages.create(body, _usage_recorder(request)), request)
+        return Response(status_code=CLIENT_CLOSED) if result is None else result
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: MessagesInput) -> dict[str, int]:
+        _log_unknown(body)
+        return await messages.count_tokens(body)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info(engine.tokenizer, settings.chat_template, settings.served_model_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -303,14 +303,15 @@ class StreamFailure:
 
 
 @asynccontextmanager
-async def guard_stream() -> AsyncIterator[StreamFailure]:
+async def guard_stream(path: str = "") -> AsyncIterator[StreamFailure]:
     """Turn a failure mid-stream (the response has started: its status is sent) into an
-    error event for the client, instead of a connection cut without a word."""
+    error event for the client, in the error shape of `path`'s API, instead of a
+    connection cut without a word."""
     failure = StreamFailure()
     try:
         yield failure
     except _ENGINE_ERRORS as e:
-        failure.error = error_body(_engine_error_status(e), str(e))
+        failure.error = error_body(_engine_error_status(e), str(e), path=path)
 
 
 # (index, completion, new text, first new token, end of new tokens, chars sent before)

@@ -5,7 +5,7 @@ JSON their schema forces (tool_parsers/forced.py), "none" not at all."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,8 +95,17 @@ class ChatHandler:
                 param="chat_template",
             )
         output_parser = self._output_parser(request)
+        text, prompt_ids = self.render(request)
+        max_tokens = resolve_max_tokens(
+            len(prompt_ids), request.requested_max_tokens, self.engine.max_model_len
+        )
+        return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
+
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt's text and token ids: the conversation and its tools through the
+        chat template."""
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
-        text, prompt_ids = render_chat(
+        return render_chat(
             self.tokenizer,
             template_messages(request.messages),
             request.add_generation_prompt,
@@ -104,11 +113,8 @@ class ChatHandler:
             tools,
             self.tool_parser,
             lambda text: self.prompt_chars.check(text, "messages"),
+            request.continue_final_message,
         )
-        max_tokens = resolve_max_tokens(
-            len(prompt_ids), request.requested_max_tokens, self.engine.max_model_len
-        )
-        return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
 
     def _output_parser(self, request: ChatCompletionRequest) -> OutputParser | None:
         choice = request.effective_tool_choice
@@ -172,7 +178,7 @@ class ChatHandler:
     async def create(self, request: ChatCompletionRequest) -> dict[str, Any]:
         prompt = await off_the_loop(self.prepare, request)
         request_id = random_id("chatcmpl")
-        (out,) = await final_outputs([self._open(request, request_id, prompt)])
+        (out,) = await final_outputs([self.generate(request, request_id, prompt)])
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
         for index, completion in enumerate(finals):
@@ -215,10 +221,13 @@ class ChatHandler:
             self.settings.served_model_name,
             bool(request.stream_options and request.stream_options.include_usage),
         )
-        stream = self._open(request, writer.id, prompt)
+        stream = self.generate(request, writer.id, prompt)
         return self._events(request, [stream], writer, prompt, on_usage)
 
-    def _open(self, request: ChatCompletionRequest, request_id: str, prompt: ChatPrompt):
+    def generate(
+        self, request: ChatCompletionRequest, request_id: str, prompt: ChatPrompt
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine request for a prepared prompt."""
         return open_stream(
             self.engine,
             request,

@@ -31,6 +31,9 @@ OPERATIONS = [
     ("DELETE", "/v1/responses/{response_id}"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
+    ("GET", "/tokenizer_info"),
 ]
 EXAMPLES_PER_OPERATION = 50
 SEED = 9  # the same examples on every run

@@ -1,0 +1,371 @@
+"""Anthropic's Messages API request shapes (pydantic), and their mapping onto the chat
+path's request (OpenAI's messages, tools and tool_choice), which renders, limits and
+samples them.
+
+As on the OpenAI paths, unknown fields are accepted and ignored (`cache_control`,
+`citations`, beta fields). What this server cannot do is refused with a 400 that names
+it: image, document and other non-text content blocks, extended thinking, server tools.
+
+The mapping: `system` becomes a system message; text blocks are joined with newlines (as
+the chat path joins text parts); an assistant's `tool_use` blocks become its `tool_calls`;
+a user's `tool_result` blocks become `tool` messages, in their order among its text.
+Consecutive turns of one role are merged into one, as Anthropic's API does. A conversation
+that ends with an assistant's text is a prefill: the model continues that text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from serve.api.protocol import OpenAIModel
+
+# The content blocks this server reads, per place they may appear.
+_READ_BLOCKS = {
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use"),
+    "system": ("text",),
+    "tool_result": ("text",),
+}
+
+
+def _supported_blocks(place: str):
+    """A before-validator refusing, by name, content blocks of types this server does not
+    read in `place` (images, documents, thinking, server-tool results, ...)."""
+    allowed = _READ_BLOCKS[place]
+
+    def check(content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        for index, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if isinstance(kind, str) and kind not in allowed:
+                names = " and ".join(allowed)
+                raise PydanticCustomError(
+                    "unsupported_content",
+                    "block {index} is of type '{kind}', which this server does not support "
+                    "in {place} content (it reads {names} blocks)",
+                    {"index": index, "kind": kind, "place": place, "names": names},
+                )
+        return content
+
+    return check
+
+
+class TextBlock(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(OpenAIModel):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(OpenAIModel):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+
+    _supported = field_validator("content", mode="before")(_supported_blocks("tool_result"))
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else _joined(self.content)
+        return f"Error: {text}" if self.is_error else text  # the model has no other flag
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class InputMessage(OpenAIModel):
+    role: Literal["user", "assistant", "system"]
+    content: str | list[ContentBlock]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _supported(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        return _supported_blocks(role)(content) if role in _READ_BLOCKS else content
+
+    @property
+    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
+        if isinstance(self.content, str):
+            return [TextBlock(type="text", text=self.content)]
+        return list(self.content)
+
+
+class Tool(OpenAIModel):
+    """A client tool: the model writes its `input`, the client runs it."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tool(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "custom":
+            raise ValueError(
+                f"server tools (type {kind!r}) are not supported by this server; give client "
+                "tools: name, description, input_schema"
+            )
+        return data
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        if schema.get("type") != "object":
+            raise ValueError('must be a JSON schema of type "object"')
+        return schema
+
+
+class ToolChoiceAuto(OpenAIModel):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceAny(OpenAIModel):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceTool(OpenAIModel):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class ToolChoiceNone(OpenAIModel):
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
+
+
+class OutputFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(OpenAIModel):
+    format: OutputFormat | None = None  # `effort` and other fields are accepted, unused
+
+
+class Metadata(OpenAIModel):
+    user_id: str | None = None
+
+
+class MessagesInput(OpenAIModel):
+    """What a prompt is made of: the fields /v1/messages/count_tokens takes."""
+
+    model: str
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+
+    _supported_system = field_validator("system", mode="before")(_supported_blocks("system"))
+
+    @field_validator("thinking")
+    @classmethod
+    def _no_thinking(cls, thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+        if thinking is not None and thinking.get("type") != "disabled":
+            raise ValueError(
+                "extended thinking is not supported by this server; leave thinking out or "
+                'set it to {"type": "disabled"}'
+            )
+        return thinking
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.name for tool in tools or []]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"tool names must be unique; repeated: {repeated}")
+        return tools
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> MessagesInput:
+        choice = self.tool_choice
+        names = [tool.name for tool in self.tools or []]
+        if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)) and not names:
+            raise ValueError(f'tool_choice "{choice.type}" needs tools')
+        if isinstance(choice, ToolChoiceTool) and choice.name not in names:
+            raise ValueError(
+                f"tool_choice names the tool {choice.name!r}, which is not among the tools "
+                f"({', '.join(names)})"
+            )
+        forced = isinstance(choice, (ToolChoiceAny, ToolChoiceTool))
+        if forced and self.output_config is not None and self.output_config.format is not None:
+            raise ValueError(
+                f'tool_choice "{choice.type}" sets the output\'s format itself; it cannot be '
+                "combined with output_config.format"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _final_turn(self) -> MessagesInput:
+        last = self.messages[-1]
+        if last.role == "assistant" and any(b.type == "tool_use" for b in last.blocks):
+            raise ValueError(
+                "the final assistant message holds tool_use blocks: send their tool_result "
+                "blocks in a user message after it"
+            )
+        return self
+
+    def chat_fields(self) -> dict[str, Any]:
+        """The chat path's request (OpenAI's field names) for this conversation."""
+        messages = _merged(_chat_messages(self.system, self.messages))
+        prefill = messages[-1]["role"] == "assistant"
+        fields: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "add_generation_prompt": not prefill,
+            "continue_final_message": prefill,
+        }
+        if self.tools:
+            fields["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool.name,
+                        "description": tool.description,
+                        "parameters": tool.input_schema,
+                    },
+                }
+                for tool in self.tools
+            ]
+            fields.update(_chat_tool_choice(self.tool_choice))
+        if self.output_config is not None and self.output_config.format is not None:
+            schema = self.output_config.format.schema_
+            fields["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": schema},
+            }
+        return fields
+
+
+class MessagesRequest(MessagesInput):
+    """POST /v1/messages."""
+
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    metadata: Metadata | None = None
+
+    def chat_fields(self) -> dict[str, Any]:
+        fields = super().chat_fields()
+        fields.update(max_tokens=self.max_tokens, temperature=self.temperature)
+        optional = {
+            "stop": self.stop_sequences,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "user": self.metadata.user_id if self.metadata else None,
+        }
+        fields.update({name: value for name, value in optional.items() if value is not None})
+        return fields
+
+
+def _joined(blocks: list[TextBlock]) -> str:
+    return "\n".join(block.text for block in blocks)
+
+
+def _chat_messages(
+    system: str | list[TextBlock] | None, messages: list[InputMessage]
+) -> list[dict[str, Any]]:
+    chat: list[dict[str, Any]] = []
+    if system:
+        chat.append(
+            {"role": "system", "content": system if isinstance(system, str) else _joined(system)}
+        )
+    for message in messages:
+        if message.role == "assistant":
+            chat.append(_assistant_message(message))
+            continue
+        texts: list[str] = []
+        for block in message.blocks:
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolResultBlock):
+                if texts:
+                    chat.append({"role": message.role, "content": "\n".join(texts)})
+                    texts = []
+                chat.append(
+                    {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()}
+                )
+        if texts or not message.blocks:
+            chat.append({"role": message.role, "content": "\n".join(texts)})
+    return chat
+
+
+def _assistant_message(message: InputMessage) -> dict[str, Any]:
+    texts = [block.text for block in message.blocks if isinstance(block, TextBlock)]
+    calls = [
+        {
+            "id": block.id,
+            "type": "function",
+            "function": {"name": block.name, "arguments": json.dumps(block.input)},
+        }
+        for block in message.blocks
+        if isinstance(block, ToolUseBlock)
+    ]
+    entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        entry["tool_calls"] = calls
+    return entry
+
+
+def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user (or assistant) turns as one, their texts joined by newlines; the
+    calls of merged assistant turns in order. An empty final assistant turn is dropped:
+    there is nothing to continue."""
+    merged: list[dict[str, Any]] = []
+    for message in messages:
+        previous = merged[-1] if merged else None
+        same_turn = previous is not None and previous["role"] == message["role"]
+        if same_turn and message["role"] in ("user", "assistant"):
+            texts = [t for t in (previous["content"], message["content"]) if t]
+            previous["content"] = "\n".join(texts)
+            calls = previous.get("tool_calls", []) + message.get("tool_calls", [])
+            if calls:
+                previous["tool_calls"] = calls
+        else:
+            merged.append(dict(message))
+    last = merged[-1]
+    if len(merged) > 1 and last["role"] == "assistant" and not last["content"]:
+        merged.pop()
+    return merged
+
+
+def _chat_tool_choice(choice: Any) -> dict[str, Any]:
+    """The chat path's `tool_choice` and `parallel_tool_calls` for Anthropic's choice."""
+    if choice is None:
+        return {}  # "auto", as on both APIs
+    fields: dict[str, Any] = {}
+    if isinstance(choice, ToolChoiceNone):
+        fields["tool_choice"] = "none"
+    elif isinstance(choice, ToolChoiceAuto):
+        fields["tool_choice"] = "auto"
+    elif isinstance(choice, ToolChoiceAny):
+        fields["tool_choice"] = "required"
+    else:
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+    if not isinstance(choice, ToolChoiceNone):
+        fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    return fields

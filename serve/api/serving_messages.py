@@ -1,0 +1,282 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API on the chat
+path.
+
+A request is mapped onto a chat completion request (protocol_anthropic.py), which the
+chat handler checks, renders and runs as it would its own: the model name, the server's
+limits, the context window, the grammar of forced tool calls and of `output_config`, the
+request timeout and the engine's metrics are the chat path's. Here the output becomes
+Anthropic's content blocks (text, `tool_use`) and stop reasons, and a stream becomes
+Anthropic's events: message_start, ping, per block content_block_start / _delta / _stop,
+message_delta (stop reason, output tokens) and message_stop; or an `error` event.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import from_json
+
+from serve.api.errors import APIError, validation_message
+from serve.api.protocol import ChatCompletionRequest
+from serve.api.protocol_anthropic import MessagesInput, MessagesRequest, ToolChoiceAuto
+from serve.api.serving_base import (
+    StreamState,
+    UsageCallback,
+    check_model,
+    check_structured_output,
+    choice_outputs,
+    final_outputs,
+    guard_stream,
+    off_the_loop,
+    stop_holdback,
+    usage,
+)
+from serve.api.serving_chat import ChatHandler, ChatPrompt
+from serve.api.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamEvent, ToolCall
+from serve.outputs import CompletionOutput, RequestOutput
+
+MESSAGES_PATH = "/v1/messages"
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's `toolu_` id for a call the tool parsers named `call_...`."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's `input` object from its arguments' JSON text. Arguments cut short by
+    max_tokens give the members they completed, as a client parsing the streamed
+    `input_json_delta`s gets."""
+    try:
+        value = from_json(arguments, allow_partial=True)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stop_reason(completion: CompletionOutput | None, has_calls: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence for a finished output."""
+    if completion is not None and completion.finish_reason == "length":
+        return "max_tokens", None
+    if has_calls:
+        return "tool_use", None
+    if completion is not None and isinstance(completion.stop_reason, str):
+        return "stop_sequence", completion.stop_reason
+    return "end_turn", None  # EOS, a stop token, a completed grammar (or an abort)
+
+
+def sse_event(name: str, payload: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class ContentBlockEvents:
+    """Anthropic's content-block events for one streamed output, from the chat path's
+    stream events (text, and tool-call headers and argument fragments): a text block is
+    open while text comes, each call is a tool_use block whose input arrives as
+    `input_json_delta`s."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open_type: str | None = None
+        self.num_calls = 0
+
+    def events(self, event: StreamEvent) -> list[str]:
+        if isinstance(event, str):
+            if not event:
+                return []
+            started = [] if self.open_type == "text" else self._start({"type": "text", "text": ""})
+            return [*started, self._delta({"type": "text_delta", "text": event})]
+        started = []
+        if event.id is not None:  # a new call
+            self.num_calls += 1
+            block = {"type": "tool_use", "id": tool_use_id(event.id), "name": event.name}
+            started = self._start({**block, "input": {}})
+        if not event.arguments:
+            return started
+        return [
+            *started,
+            self._delta({"type": "input_json_delta", "partial_json": event.arguments}),
+        ]
+
+    def close(self) -> list[str]:
+        """The open block's content_block_stop, if one is open."""
+        if self.open_type is None:
+            return []
+        self.open_type = None
+        return [
+            sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        ]
+
+    def _start(self, block: dict[str, Any]) -> list[str]:
+        stopped = self.close()
+        self.index += 1
+        self.open_type = block["type"]
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        return [*stopped, sse_event("content_block_start", start)]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        body = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse_event("content_block_delta", body)
+
+
+@dataclass(frozen=True)
+class PreparedMessage:
+    chat: ChatCompletionRequest
+    prompt: ChatPrompt
+    id: str
+
+
+class MessagesHandler:
+    def __init__(self, chat: ChatHandler) -> None:
+        self.chat = chat
+        self.engine, self.settings = chat.engine, chat.settings
+
+    def chat_request(self, request: MessagesInput) -> ChatCompletionRequest:
+        """The chat path's request for `request`; a 400 for what that path refuses."""
+        stops = getattr(request, "stop_sequences", None) or []
+        limit = self.settings.limits.max_stop_sequences
+        if len(stops) > limit:
+            raise APIError(
+                400,
+                f"stop_sequences has {len(stops)} entries; this server allows at most {limit} "
+                "(--max-stop-sequences).",
+                param="stop_sequences",
+            )
+        auto = request.tool_choice is None or isinstance(request.tool_choice, ToolChoiceAuto)
+        if request.tools and auto and self.chat.tool_parser is None:
+            raise APIError(
+                400,
+                'tool_choice "auto" (the default when tools are given) needs a tool-call parser: '
+                f"start the server with --tool-call-parser {'|'.join(TOOL_PARSERS)}, or ask for "
+                'tool_choice "any", "tool" (with a name) or "none".',
+                param="tool_choice",
+            )
+        fields = request.chat_fields()
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:
+            message, param = validation_message(e.errors(), fields)
+            raise APIError(400, message, param) from None
+
+    async def prepare(self, request: MessagesRequest) -> PreparedMessage:
+        """Everything that can refuse the request, before a response starts."""
+        chat = self.chat_request(request)
+        await check_structured_output(self.engine, chat, self.settings.grammar_compile_timeout_s)
+        prompt = await off_the_loop(self.chat.prepare, chat)
+        return PreparedMessage(chat, prompt, message_id())
+
+    def _generate(self, prepared: PreparedMessage) -> AsyncGenerator[RequestOutput, None]:
+        return self.chat.generate(prepared.chat, prepared.id, prepared.prompt)
+
+    async def create(
+        self, request: MessagesRequest, on_usage: UsageCallback | None = None
+    ) -> dict[str, Any]:
+        prepared = await self.prepare(request)
+        (out,) = await final_outputs([self._generate(prepared)])
+        completion = out.outputs[0]
+        parser = prepared.prompt.output_parser
+        parsed = parser.parse(completion.text) if parser else ParsedOutput(completion.text, [])
+        content: list[dict[str, Any]] = []
+        if parsed.content:
+            content.append({"type": "text", "text": parsed.content})
+        content += [_tool_use_block(call) for call in parsed.tool_calls]
+        reason, sequence = stop_reason(completion, bool(parsed.tool_calls))
+        num_prompt_tokens = len(prepared.prompt.token_ids)
+        if on_usage is not None:
+            on_usage(usage(num_prompt_tokens, out.num_output_tokens))
+        return {
+            **self._message(prepared, content, reason, sequence),
+            "usage": {"input_tokens": num_prompt_tokens, "output_tokens": out.num_output_tokens},
+        }
+
+    async def stream(
+        self, request: MessagesRequest, on_usage: UsageCallback | None = None
+    ) -> AsyncIterator[str]:
+        """The events of a streamed message. Bad requests raise here, before the response
+        starts; a failure after that is an `error` event."""
+        prepared = await self.prepare(request)
+        return self._events(prepared, self._generate(prepared), on_usage)
+
+    async def _events(
+        self,
+        prepared: PreparedMessage,
+        outputs: AsyncGenerator[RequestOutput, None],
+        on_usage: UsageCallback | None,
+    ) -> AsyncIterator[str]:
+        num_prompt_tokens = len(prepared.prompt.token_ids)
+        start = self._message(prepared, [], None, None)
+        start["usage"] = {"input_tokens": num_prompt_tokens, "output_tokens": 0}
+        yield sse_event("message_start", {"type": "message_start", "message": start})
+        yield sse_event("ping", {"type": "ping"})
+        parser = prepared.prompt.output_parser
+        reader = parser.stream() if parser is not None else None
+        state = StreamState(1, stop_holdback(prepared.chat.stop))
+        blocks = ContentBlockEvents()
+        finished: CompletionOutput | None = None
+        async with guard_stream(MESSAGES_PATH) as failed:
+            async for _, completion in choice_outputs([outputs], 1):
+                if finished is not None:
+                    continue
+                text, _, _ = state.delta(0, completion)
+                events: list[StreamEvent] = reader.feed(text) if reader else [text]
+                if completion.finished:
+                    finished = completion
+                    events += reader.finish() if reader else []
+                for event in events:
+                    for sse in blocks.events(event):
+                        yield sse
+        if on_usage is not None:
+            on_usage(usage(num_prompt_tokens, state.completion_tokens))
+        if failed.error is not None:
+            yield sse_event("error", failed.error)
+            return
+        for sse in blocks.close():
+            yield sse
+        reason, sequence = stop_reason(finished, blocks.num_calls > 0)
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        output_usage = {"output_tokens": state.completion_tokens}
+        yield sse_event(
+            "message_delta", {"type": "message_delta", "delta": delta, "usage": output_usage}
+        )
+        yield sse_event("message_stop", {"type": "message_stop"})
+
+    async def count_tokens(self, request: MessagesInput) -> dict[str, int]:
+        """The prompt's tokens, as /v1/messages would count them in `usage.input_tokens`."""
+        check_model(request.model, self.settings)
+        _, prompt_ids = await off_the_loop(self.chat.render, self.chat_request(request))
+        return {"input_tokens": len(prompt_ids)}
+
+    def _message(
+        self,
+        prepared: PreparedMessage,
+        content: list[dict[str, Any]],
+        reason: str | None,
+        sequence: str | None,
+    ) -> dict[str, Any]:
+        return {
+            "id": prepared.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.settings.served_model_name,
+            "content": content,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+        }
+
+
+def _tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": tool_use_id(call.id),
+        "name": call.name,
+        "input": tool_input(call.arguments),
+    }
