@@ -30,6 +30,7 @@ from serve.api.protocol import (
     TokenizeRequest,
     now,
 )
+from serve.api.protocol_embeddings import EmbeddingRequest
 from serve.api.protocol_responses import ResponsesRequest
 from serve.api.response_store import ResponseStore
 from serve.api.serving_base import (
@@ -41,6 +42,7 @@ from serve.api.serving_base import (
 )
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
+from serve.api.serving_embeddings import EmbeddingHandler
 from serve.api.serving_responses import ResponsesHandler
 from serve.engine.protocol import EngineClient, EngineDeadError
 
@@ -75,6 +77,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     responses = ResponsesHandler(
         chat, ResponseStore(stored.response_store_max_entries, stored.response_store_ttl_s)
     )
+    embeddings = EmbeddingHandler(engine, settings, prompt_chars)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -189,6 +192,15 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        _log_unknown(body)
+        result = await _unless_disconnected(embeddings.create(body), request)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)
+        request.state.usage = result["usage"]
+        return result
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
