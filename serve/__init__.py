@@ -1,6 +1,6 @@
 """serve: an OpenAI-compatible LLM serving engine.
 
-`from serve import LLM, SamplingParams` — imported lazily, so `import serve` stays cheap.
+`from serve import LLM, SamplingParams, PoolingParams` — imported lazily, so `import serve` stays cheap.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "serve.engine.llm",
     "SamplingParams": "serve.sampling_params",
+    "PoolingParams": "serve.pooling_params",
     "RequestOutput": "serve.outputs",
     "CompletionOutput": "serve.outputs",
 }

@@ -19,6 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, get_type_hints
 
+from serve.pooling_params import POOLING_TYPES
+
 GiB = 1 << 30
 
 
@@ -111,6 +113,20 @@ class ModelConfig:
         "serve's paged attention (one rank); auto: native where serve has the architecture, "
         "else transformers",
         choices=MODEL_IMPLS,
+    )
+    # vLLM's pooler config (`pooling_type`, `normalize`) for POST /v1/embeddings and
+    # LLM.embed; None: the model's sentence-transformers config decides, else last + L2.
+    pooling_type: str | None = setting(
+        None,
+        "how embeddings pool the prompt's final hidden states: last (token), mean, cls "
+        "(first token); default: the model's sentence-transformers config (1_Pooling), "
+        "else last",
+        choices=POOLING_TYPES,
+    )
+    pooling_normalize: bool | None = setting(
+        None,
+        "L2-normalise embeddings; default: as the model's sentence-transformers config "
+        "says (a Normalize module), else on",
     )
 
     def __post_init__(self) -> None:

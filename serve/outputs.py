@@ -42,10 +42,32 @@ class RequestOutput:
     # Set when the engine failed this request alone (its other requests ran on): why.
     # The request is finished, its blocks freed; `outputs` may be cut short or empty.
     error: str | None = None
+    # A pooling request's vector (its embedding), once finished; its `outputs` hold one
+    # empty completion.
+    pooled: list[float] | None = None
 
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, shaped as vLLM's (`out.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.pooling_params import PoolingParams
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -57,7 +59,10 @@ class SamplingParams:
     with a `seed`, sample i draws from its own stream seeded `seed + i`. With
     `use_beam_search`, `best_of` is the beam width and `n` of the best beams are returned,
     ranked as HF transformers ranks them (`length_penalty`, `early_stopping`).
-    `max_tokens=None` means "until the context window is full".
+    `max_tokens=None` means "until the context window is full". `max_tokens=0` makes a
+    prefill-only request: its prompt is computed (for `prompt_logprobs`, or pooled into an
+    embedding with `pooling`), no token is sampled, and it ends in the step that computes
+    its last prompt token.
     """
 
     n: int = 1
@@ -88,6 +93,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be generated
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token but the first
     structured_outputs: StructuredOutputsParams | None = None
+    # Pool the prompt's hidden states into one vector (pooling_params.py); max_tokens 0.
+    pooling: PoolingParams | None = None
     _stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     # Each bad word's token ids, with and without a leading space (update_from_tokenizer).
     _bad_words_token_ids: list[list[int]] = field(
@@ -111,8 +118,18 @@ class SamplingParams:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {self.max_tokens}.")
+        if self.is_prefill_only and (self.best_of != 1 or self.use_beam_search):
+            raise ValueError(
+                "max_tokens is 0: the prompt alone is computed and nothing sampled, so n and "
+                "best_of must be 1 and use_beam_search off."
+            )
+        if self.pooling is not None and not self.is_prefill_only:
+            raise ValueError(
+                f"max_tokens must be 0 for a pooling request (it samples nothing), got "
+                f"{self.max_tokens}."
+            )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
         if self.seed is not None and (
@@ -268,6 +285,11 @@ class SamplingParams:
         enough to fill the beams even if every stop token ranks among them. Each beam's
         best that many next tokens are all the step can pick from that beam."""
         return max(2, 1 + len(self.beam_stop_token_ids(eos_token_ids))) * (self.best_of or 1)
+
+    @property
+    def is_prefill_only(self) -> bool:
+        """Nothing is sampled: the request ends once its prompt is computed."""
+        return self.max_tokens == 0
 
     @property
     def is_greedy(self) -> bool:

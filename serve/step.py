@@ -57,7 +57,8 @@ class ScheduledSequence:
     table_start: int
     block_ids: list[int]
     # This step reaches the sequence's last token, so its next one is sampled (False for a
-    # prefill chunk that stops short of it).
+    # prefill chunk that stops short of it, and always for a prefill-only request, which
+    # samples nothing: the workers see from its params and prompt length where it ends).
     is_sampled: bool
     # `best_of` > 1, sampled for the first time: the row is sampled once more for each id
     # here, and each id becomes a new sequence copying this one (a fork with a seed of
@@ -156,6 +157,10 @@ class ModelRunnerOutput:
     # each sequence that sampled its first token this step (seq id -> hidden state), a
     # feature of its output-length prediction.
     prompt_hidden_states: dict[int, list[float]] = field(default_factory=dict)
+    # Pooling requests (max_tokens 0 with `pooling`) whose last prompt token this step
+    # computed: seq id -> the pooled vector (truncated, normalised as their params say).
+    # The worker's pooler owns it (worker/pooler.py); the sjf feature above is separate.
+    pooled: dict[int, list[float]] = field(default_factory=dict)
     prepare_s: float = 0.0  # host time building the inputs
     forward_s: float = 0.0  # block moves, the forward pass and the logits
     sample_s: float = 0.0  # logits processing, sampling, logprobs

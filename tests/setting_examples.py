@@ -25,6 +25,8 @@ EXAMPLES = {
     "max_logprobs": Example(("--max-logprobs", "5"), 5),
     "allow_pickle_weights": Example(("--allow-pickle-weights",), True),
     "model_impl": Example(("--model-impl", "transformers"), "transformers"),
+    "pooling_type": Example(("--pooling-type", "mean"), "mean"),
+    "pooling_normalize": Example(("--no-pooling-normalize",), False),
     "block_size": Example(("--block-size", "32"), 32),
     "kv_cache_memory": Example(("--kv-cache-memory", "512MiB"), "512MiB"),
     "gpu_memory_utilization": Example(("--gpu-memory-utilization", "0.5"), 0.5),

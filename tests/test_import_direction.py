@@ -23,7 +23,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = REPO_ROOT / "serve"
 
-LEAVES = frozenset({"config", "sampling_params", "sequence", "outputs", "step"})
+LEAVES = frozenset({"config", "sampling_params", "pooling_params", "sequence", "outputs", "step"})
 LAYERS = frozenset(
     {"api", "engine", "scheduler", "kv_cache", "executor", "worker", "models", "distributed"}
     | {"kernels", "bench"}

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from serve.pooling_params import PoolingParams
 from serve.sampling_params import SamplingParams
 
 
@@ -18,8 +19,10 @@ from serve.sampling_params import SamplingParams
         ({"top_k": -2}, "top_k"),
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": -0.1}, "min_p"),
-        ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0, "n": 2}, "max_tokens"),  # nothing sampled: nothing to sample n of
+        ({"max_tokens": 0, "best_of": 3, "use_beam_search": True, "temperature": 0}, "max_tokens"),
+        ({"max_tokens": 4, "pooling": PoolingParams()}, "max_tokens"),
         ({"stop": ""}, "stop"),
         ({"stop": ["ok", ""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
@@ -66,7 +69,7 @@ ABOVE_ONE = math.nextafter(1.0, 2.0)
         ("top_k", -1, 0, -2, {}),  # -1 means disabled, stored as 0
         ("min_p", 0.0, 0.0, -SMALLEST_FLOAT, {}),
         ("min_p", 1.0, 1.0, ABOVE_ONE, {}),
-        ("max_tokens", 1, 1, 0, {}),
+        ("max_tokens", 0, 0, -1, {}),  # 0: the prompt alone (prefill only)
         ("min_tokens", 0, 0, -1, {}),
         ("min_tokens", 5, 5, 6, {"max_tokens": 5}),  # min_tokens <= max_tokens
         ("logprobs", 0, 0, -1, {}),

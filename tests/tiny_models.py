@@ -188,6 +188,51 @@ def hf_log_softmax(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def hf_embedding(
+    model_dir: Path,
+    token_ids: list[int],
+    pooling_type: str = "last",
+    normalize: bool = True,
+    dimensions: int | None = None,
+) -> torch.Tensor:
+    """HF's float32 embedding of `token_ids`: the final hidden states (transformers'
+    `hidden_states[-1]`, which is after the final norm, as `last_hidden_state` is)
+    pooled at the last token, the first (cls) or by the mean, truncated, L2-normalised."""
+    input_ids = torch.tensor([token_ids], dtype=torch.long)
+    with torch.no_grad():
+        hidden = _hf_model(model_dir)(input_ids, output_hidden_states=True).hidden_states[-1][0]
+    pooled = {"last": hidden[-1], "cls": hidden[0], "mean": hidden.mean(dim=0)}[pooling_type]
+    if dimensions is not None:
+        pooled = pooled[:dimensions]
+    return torch.nn.functional.normalize(pooled, dim=-1) if normalize else pooled
+
+
+def write_sentence_transformers_config(
+    model_dir: Path, pooling_mode: str, normalize: bool = True
+) -> Path:
+    """Make `model_dir` a sentence-transformers model: modules.json (Transformer, Pooling,
+    optionally Normalize) and 1_Pooling/config.json with `pooling_mode` ("lasttoken",
+    "mean_tokens", "cls_token", ...) on."""
+    import json
+
+    kinds = [("", "Transformer"), ("1_Pooling", "Pooling")]
+    if normalize:
+        kinds.append(("2_Normalize", "Normalize"))
+    modules = [
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(kinds)
+    ]
+    model_dir = Path(model_dir)
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    modes = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "lasttoken")
+    config = {f"pooling_mode_{mode}": mode == pooling_mode for mode in modes}
+    (model_dir / "1_Pooling").mkdir(exist_ok=True)
+    (model_dir / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": 64, **config, "include_prompt": True})
+    )
+    return model_dir
+
+
 def hf_greedy(
     model_dir: Path, prompt_token_ids: list[int], max_new_tokens: int, ignore_eos: bool = False
 ) -> list[int]:

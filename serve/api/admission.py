@@ -3,7 +3,7 @@ asks the engine for anything.
 
 - While it drains for shutdown (shutdown.py): every request gets 503 with Retry-After,
   `/health` included, so a load balancer moves on.
-- Past `--max-num-queued-requests` generation requests beyond what one step can run
+- Past `--max-num-queued-requests` generation (and embedding) requests beyond what one step can run
   (`--max-num-seqs`): 503 with Retry-After, at once, instead of an unbounded queue.
 - A body over `--max-request-body-bytes`: 413, by its Content-Length or, for a chunked
   body, as soon as what has arrived passes the cap.
@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve.api.errors import error_body
 
 GENERATION_PATHS = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
 )
 DRAINING_RETRY_AFTER_S = 5
 QUEUE_FULL_RETRY_AFTER_S = 1

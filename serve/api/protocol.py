@@ -378,6 +378,9 @@ class ChatCompletionRequest(SamplingRequest):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with `echo` scores the prompt (its logprobs) without sampling, as OpenAI's legacy
+    # API allowed; 0 without echo is refused (serving_completion.py).
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None

@@ -31,6 +31,7 @@ from serve.api.protocol import (
     now,
 )
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest
+from serve.api.protocol_embeddings import EmbeddingRequest
 from serve.api.protocol_responses import ResponsesRequest
 from serve.api.response_store import ResponseStore
 from serve.api.serving_base import (
@@ -42,6 +43,7 @@ from serve.api.serving_base import (
 )
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
+from serve.api.serving_embeddings import EmbeddingHandler
 from serve.api.serving_messages import MessagesHandler
 from serve.api.serving_responses import ResponsesHandler
 from serve.api.tokenizer_info import tokenizer_info
@@ -79,6 +81,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         chat, ResponseStore(stored.response_store_max_entries, stored.response_store_ttl_s)
     )
     messages = MessagesHandler(chat)
+    embeddings = EmbeddingHandler(engine, settings, prompt_chars)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -195,13 +198,16 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)
+
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Any:
         _log_unknown(body)
         if body.stream:
             events = await messages.stream(body, _usage_recorder(request))
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await _unless_disconnected(messages.create(body, _usage_recorder(request)), request)
+        result = await _unless_disconnected(
+            messages.create(body, _usage_recorder(request)), request
+        )
         return Response(status_code=CLIENT_CLOSED) if result is None else result
 
     @app.post("/v1/messages/count_tokens")
@@ -212,6 +218,15 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/tokenizer_info")
     async def get_tokenizer_info() -> dict[str, Any]:
         return tokenizer_info(engine.tokenizer, settings.chat_template, settings.served_model_name)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
+        _log_unknown(body)
+        result = await _unless_disconnected(embeddings.create(body), request)
+        if result is None:
+            return Response(status_code=CLIENT_CLOSED)
+        request.state.usage = result["usage"]
+        return result
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -89,10 +89,9 @@ def _check_num_entries(
 
 
 def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
-    """The completion budget; a 400 in OpenAI's words when prompt + output cannot fit."""
-    if prompt_len >= max_model_len or (
-        requested is not None and prompt_len + requested > max_model_len
-    ):
+    """The completion budget; a 400 in OpenAI's words when prompt + output cannot fit
+    (with `requested` None, at least one token of output must)."""
+    if prompt_len + (1 if requested is None else requested) > max_model_len:
         asked = prompt_len + (requested or 0)
         raise APIError(
             400,

@@ -1,4 +1,10 @@
-"""POST /v1/completions."""
+"""POST /v1/completions.
+
+`max_tokens` 0 with `echo` scores the prompt, as OpenAI's legacy API did (lm-evaluation-
+harness asks for it with `logprobs`): a prefill-only engine request, which samples
+nothing and ends once its prompt is computed. Each choice's text is the prompt, its
+logprobs the prompt tokens' (the first's null), its finish reason "length", and no
+completion token is counted. Streamed, each choice is one chunk with all of that."""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import CompletionRequest, now, random_id
 from serve.api.serving_base import (
+    SSE_DONE,
     ChunkWriter,
     PromptCharLimit,
     ServerSettings,
@@ -16,11 +23,14 @@ from serve.api.serving_base import (
     check_model,
     final_outputs,
     finish_chunk,
+    guard_stream,
+    merge_streams,
     off_the_loop,
     open_stream,
     prompt_logprobs_json,
     ranked_alternatives,
     resolve_max_tokens,
+    sse,
     stream_choices,
     token_text,
     usage,
@@ -67,7 +77,15 @@ class CompletionHandler:
         check_limits(request, self.settings)
         if request.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix")
-        if request.echo and request.logprobs is not None and request.stream:
+        if request.requested_max_tokens == 0 and not request.echo:
+            raise APIError(
+                400,
+                "max_tokens is 0, which generates nothing: set echo to true to score the "
+                "prompt (its logprobs with logprobs), or ask for at least 1 token.",
+                param="max_tokens",
+            )
+        scores_prompt = request.requested_max_tokens == 0
+        if request.echo and request.logprobs is not None and request.stream and not scores_prompt:
             raise APIError(
                 400,
                 "echo with logprobs is not supported when streaming; set stream to false, or "
@@ -197,7 +215,34 @@ class CompletionHandler:
             bool(request.stream_options and request.stream_options.include_usage),
         )
         streams = self._open(request, writer.id, prompts)
+        if request.requested_max_tokens == 0:
+            return self._prompt_score_events(request, prompts, streams, writer, on_usage)
         return self._events(request, prompts, streams, writer, on_usage)
+
+    async def _prompt_score_events(
+        self,
+        request: CompletionRequest,
+        prompts: list[tuple[str, list[int], int]],
+        streams: list[AsyncIterator[RequestOutput]],
+        writer: ChunkWriter,
+        on_usage: UsageCallback | None,
+    ) -> AsyncIterator[str]:
+        """max_tokens 0 with echo, streamed: one chunk per choice, once its prompt is
+        computed, with the prompt's text, logprobs and finish reason."""
+        async with guard_stream() as failed:
+            async for index, out in merge_streams(streams):
+                if out.finished:
+                    choice = self._choice(request, index, prompts[index][0], out)
+                    del choice["index"]
+                    yield writer.chunk(index, **choice)
+        counts = usage(sum(len(ids) for _, ids, _ in prompts), 0)
+        if on_usage is not None:
+            on_usage(counts)
+        if failed.error is not None:
+            yield sse(failed.error)
+        elif writer.include_usage:
+            yield writer.usage_chunk(counts)
+        yield SSE_DONE
 
     async def _events(
         self,

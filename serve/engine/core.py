@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from dataclasses import replace
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.validation import (
@@ -31,6 +32,7 @@ from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
 from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
 from serve.models.partition import check_tensor_parallel
+from serve.models.pooling_config import model_pooling
 from serve.models.registry import get_arch_config
 from serve.models.tokenizer import eos_token_ids, load_tokenizer
 from serve.outputs import EngineStats, StepTimes, request_error_message
@@ -59,6 +61,13 @@ class EngineCore:
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
         self.vocab_size = arch.vocab_size
+        self.pooling = model_pooling(
+            self.model_path,
+            hf_config,
+            arch.hidden_size,
+            config.model.pooling_type,
+            config.model.pooling_normalize,
+        )
         device_type = resolve_device(config.device).type
         if device_type == "cuda" and config.parallel.executor_backend != "ray":
             import torch
@@ -119,6 +128,12 @@ class EngineCore:
             "on" if config.cache.enable_prefix_caching else "off",
             self.max_model_len,
         )
+        logger.info(
+            "Embeddings pool by %s%s%s",
+            self.pooling.pooling_type,
+            ", L2-normalised" if self.pooling.normalize else "",
+            ", Matryoshka dimensions allowed" if self.pooling.supports_dimensions else "",
+        )
 
     # -- requests ------------------------------------------------------------------------
 
@@ -134,6 +149,8 @@ class EngineCore:
         scheduler's queue once its grammar has compiled."""
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
         self.check_params(params)
+        if params.pooling is not None:  # the model's defaults, so the workers read them
+            params = replace(params, pooling=self.pooling.resolve(params.pooling))
         check_priority(priority, self.config.scheduler.scheduling_policy)
         # Everything that can fail comes before the request is registered anywhere, so a
         # failure leaves no trace of it.
@@ -157,7 +174,7 @@ class EngineCore:
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
-        check_params(params, self.vocab_size, self.config.model.max_logprobs)
+        check_params(params, self.vocab_size, self.config.model.max_logprobs, self.pooling)
 
     @property
     def structured_output(self) -> StructuredOutputManager:

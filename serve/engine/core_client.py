@@ -86,6 +86,7 @@ class EngineCoreClient(EngineFrontEnd):
         self.vocab_size = ready.vocab_size
         self.max_logprobs = ready.max_logprobs
         self.eos_token_ids = ready.eos_token_ids
+        self.pooling = ready.pooling
         self._grammars = LazyStructuredOutput(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -106,7 +107,7 @@ class EngineCoreClient(EngineFrontEnd):
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
-        check_params(params, self.vocab_size, self.max_logprobs)
+        check_params(params, self.vocab_size, self.max_logprobs, self.pooling)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar here, off the event loop, so that an invalid one is

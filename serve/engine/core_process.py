@@ -90,6 +90,7 @@ def run_core_process(
         core.vocab_size,
         config.model.max_logprobs,
         frozenset(core.eos_token_ids),
+        core.pooling,
     )
     try:
         outputs.send(ready)

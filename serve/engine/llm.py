@@ -12,7 +12,8 @@ from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.output_processor import OutputProcessor
-from serve.outputs import EngineStats, RequestOutput
+from serve.outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineStats, RequestOutput
+from serve.pooling_params import PoolingParams
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
 
@@ -75,6 +76,45 @@ class LLM:
             )
         requests = [(*self._tokenize(p), params) for p, params in zip(prompts, params_list)]
         return self._run(requests, use_tqdm, priorities)
+
+    def embed(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order given: the model's final hidden states
+        pooled as `pooling_params` says (None: the model's defaults, see
+        `pooling_type` / `pooling_normalize`), as vLLM's `LLM.embed` returns them
+        (`out.outputs.embedding`). They share steps with any other request."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            pooling_list = list(pooling_params)
+            if len(pooling_list) != len(prompts):
+                raise ValueError(
+                    f"Got {len(pooling_list)} PoolingParams for {len(prompts)} prompts; "
+                    "give one for all or one per prompt."
+                )
+        requests = [
+            (*self._tokenize(p), SamplingParams(max_tokens=0, pooling=pooling))
+            for p, pooling in zip(prompts, pooling_list)
+        ]
+        results = []
+        for out in self._run(requests, use_tqdm):
+            if out.pooled is None:  # the engine failed it (the error says why)
+                raise RuntimeError(out.error or f"Request {out.request_id} was not pooled.")
+            results.append(
+                EmbeddingRequestOutput(
+                    out.request_id, out.prompt_token_ids, EmbeddingOutput(out.pooled)
+                )
+            )
+        return results
 
     def beam_search(
         self,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from serve.outputs import EngineStats, StepTimes
+from serve.pooling_params import ModelPooling
 from serve.sampling_params import SamplingParams
 
 # -- commands: front end → core ---------------------------------------------------------
@@ -72,6 +73,7 @@ class CoreReady:
     vocab_size: int
     max_logprobs: int
     eos_token_ids: frozenset[int]
+    pooling: ModelPooling  # the model's embedding defaults and `dimensions` it allows
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ class RequestState:
         self.tokenizer = tokenizer
         self.seqs: dict[int, _SeqOutput] = {}  # by index, in the order the core made them
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.pooled: list[float] | None = None
         self.is_finished = False
         # time.monotonic() of its arrival here, its first and its latest output tokens.
         self.arrival_time = arrival_time
@@ -105,6 +106,8 @@ class RequestState:
         """Take one message: whether the output changed, and what the core must stop."""
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.pooled is not None:
+            self.pooled = delta.pooled
         changed = False
         stopped: list[int] = []  # sequences a stop string ended while the core runs them
         for d in delta.seqs:
@@ -142,6 +145,7 @@ class RequestState:
             completions,
             self.is_finished,
             self.prompt_logprobs,
+            pooled=self.pooled,
         )
 
     def _new_seq(self, index: int) -> _SeqOutput:
@@ -289,6 +293,8 @@ class OutputProcessor:
             self.metrics.ended_early("abort")  # ended by the core (a shutdown, a stop)
             return
         params = state.params
+        if params.is_prefill_only:  # no first token: its prompt counts now
+            self.metrics.prompt_done(len(state.prompt_token_ids))
         self.metrics.finished(
             first.finish_reason.value,
             now - state.arrival_time,

@@ -115,7 +115,7 @@ class Histogram:
 @dataclass
 class RequestMetricsSnapshot:
     histograms: dict[str, Histogram]
-    prompt_tokens: int  # of requests that have had their first token
+    prompt_tokens: int  # of requests that have had their first token (or finished without)
     generation_tokens: int  # output tokens that reached the front end
     finished: dict[str, int]  # requests by finish reason: stop, length, abort, error
 
@@ -134,6 +134,12 @@ class RequestMetrics:
     def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         with self._lock:
             self._histograms["time_to_first_token_seconds"].observe(ttft_s)
+            self._prompt_tokens += num_prompt_tokens
+
+    def prompt_done(self, num_prompt_tokens: int) -> None:
+        """A request that samples no token (max_tokens 0, an embedding) finished its
+        prompt: its prompt tokens count, with no time to first token."""
+        with self._lock:
             self._prompt_tokens += num_prompt_tokens
 
     def new_tokens(self, num_tokens: int, since_last_s: float | None) -> None:

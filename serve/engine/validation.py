@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from serve.pooling_params import ModelPooling
 from serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -21,9 +22,15 @@ def check_token_ids(token_ids: list[int], vocab_size: int, what: str = "Token id
         raise ValueError(f"{what} must be in [0, {vocab_size}); got {bad[:5]}.")
 
 
-def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
-    """What SamplingParams cannot check alone: token ids against the vocabulary and logprob
-    counts against --max-logprobs. Each message starts with the field's name."""
+def check_params(
+    params: SamplingParams,
+    vocab_size: int,
+    max_logprobs: int,
+    pooling: ModelPooling | None = None,
+) -> None:
+    """What SamplingParams cannot check alone: token ids against the vocabulary, logprob
+    counts against --max-logprobs, pooling against the model (`dimensions`). Each message
+    starts with the field's name."""
     for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
         bad = _out_of_vocab(getattr(params, name) or [], vocab_size)
         if bad:
@@ -35,6 +42,8 @@ def check_params(params: SamplingParams, vocab_size: int, max_logprobs: int) -> 
                 f"{name} asks for {value} alternatives; this server returns at most "
                 f"{max_logprobs} (--max-logprobs)."
             )
+    if params.pooling is not None and pooling is not None:
+        pooling.check(params.pooling)
 
 
 def check_priority(priority: int, scheduling_policy: str) -> None:

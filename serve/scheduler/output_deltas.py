@@ -47,6 +47,8 @@ class RequestDelta:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # the core failed this request alone (RequestOutput.error)
     times: RequestTimes | None = None  # with the final message of a request that finished
+    # A pooling request's final message: its pooled vector (RequestOutput.pooled).
+    pooled: list[float] | None = None
 
 
 def step_delta(group: SequenceGroup) -> RequestDelta:

@@ -150,6 +150,11 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
 
     def on_add(self, group: SequenceGroup) -> None:
         params = group.sampling_params
+        if params.is_prefill_only:
+            # No output to predict (rank 0: it is the shortest job there is, so a waiting
+            # one may take a running request's seat, as SRPT would), and none to learn
+            # from: its empty output says nothing of generation requests.
+            return
         room = self.max_model_len - len(group.prompt_token_ids)
         cap = room if params.max_tokens is None else min(room, params.max_tokens)
         self._requests[group.request_id] = _Prediction(prompt_features(group.prompt_token_ids, cap))

@@ -48,6 +48,14 @@ while in flight is computed in vain (recompute), or swapped out after the step h
 written its K/V (the swap-out runs at the start of the next step). A step whose sampling
 forks sequences (`SchedulerOutput.forks_sequences`) is not scheduled past.
 
+Prefill-only requests (`max_tokens` 0: an embedding, or a prompt scored for its logprobs)
+are scheduled as any prompt is, chunks included, but never sampled: the step that
+computes their last prompt token ends them, and `update_from_output` frees their blocks
+(full ones stay in the prefix cache) and sends their pooled vector. Pooling that reads
+every position (mean, cls) takes no prefix-cache hit: a hit's hidden states are never
+computed. Last-token pooling does: the last token is always computed, attending to the
+cached K/V as it would to its own.
+
 Writers: everything in a `Sequence` and `SequenceGroup` is written here (serve/sequence.py);
 block tables and ref counts by the block manager; what the workers hold by `WorkerSync`.
 """
@@ -204,14 +212,26 @@ class Scheduler:
 
     def check(self, group: SequenceGroup) -> None:
         """Refuse (ValueError) a group that could never run."""
-        self.check_request(len(group.prompt_token_ids), group.max_num_seqs)
+        self.check_request(
+            len(group.prompt_token_ids),
+            group.max_num_seqs,
+            group.sampling_params.is_prefill_only,
+        )
 
-    def check_request(self, num_prompt: int, max_num_seqs: int) -> None:
+    def check_request(
+        self, num_prompt: int, max_num_seqs: int, is_prefill_only: bool = False
+    ) -> None:
         """Refuse (ValueError) a request that could never run: an empty prompt, one that
-        leaves no room for output, or more sequences at once than a step holds."""
+        leaves no room for output (a prefill-only one needs none), or more sequences at
+        once than a step holds."""
         if num_prompt == 0:
             raise ValueError("The prompt is empty: give at least one token.")
-        if num_prompt >= self.max_model_len:
+        if is_prefill_only and num_prompt > self.max_model_len:
+            raise ValueError(
+                f"The prompt has {num_prompt} tokens, but this model's context window "
+                f"(max_model_len) is {self.max_model_len} tokens. Shorten the prompt."
+            )
+        if not is_prefill_only and num_prompt >= self.max_model_len:
             raise ValueError(
                 f"The prompt has {num_prompt} tokens, but this model's context window "
                 f"(max_model_len) is {self.max_model_len} tokens, and at least one must be "
@@ -346,7 +366,7 @@ class Scheduler:
                 plans[group] = plan
                 budget -= len(plan)
         for group in self.running:
-            if _is_decoding(group):
+            if _is_decoding(group) or _is_fully_scheduled(group):
                 continue
             plan = self._plan(group, budget)
             if not plan:
@@ -391,6 +411,7 @@ class Scheduler:
         for seq, n in plan:
             start = seq.num_planned_tokens
             is_sampled = start + n == seq.num_tokens + seq.num_pending_tokens
+            is_sampled = is_sampled and not group.sampling_params.is_prefill_only
             fork_seq_ids: list[int] = []
             if is_sampled and group.needs_fork:
                 fork_seq_ids = [
@@ -452,8 +473,12 @@ class Scheduler:
         chunk's plan and the free blocks both use. None if no token of it fits `budget`."""
         bm = self.block_manager
         live = group.live_seqs
-        # Prompt logprobs need the logits of every prompt position, so nothing is skipped.
-        use_cache = group.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need the logits of every prompt position, and mean or cls pooling
+        # the hidden states of every one, so nothing is skipped for them.
+        params = group.sampling_params
+        use_cache = params.prompt_logprobs is None and not (
+            params.pooling is not None and params.pooling.needs_every_position
+        )
         hits = {seq.seq_id: bm.find_cached_prefix(seq) if use_cache else [] for seq in live}
         cached = {seq.seq_id: len(hits[seq.seq_id]) * bm.block_size for seq in live}
         plan = self._plan(group, budget, cached)
@@ -571,6 +596,7 @@ class Scheduler:
             if (group := self._groups.get(request_id)) is not None:
                 deltas.append(self._fail(group, message))
         self._record_prompt_logprobs(result, deltas)
+        self._finish_prefill_only(out, result, deltas)
         for seq_id, hidden in result.prompt_hidden_states.items():
             seq = self._seqs.get(seq_id)
             if seq is not None and (group := self._groups.get(seq.request_id)) is not None:
@@ -628,6 +654,34 @@ class Scheduler:
             seq.num_scheduled_tokens -= s.num_new_tokens
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.mark_computed(seq)
+
+    def _finish_prefill_only(
+        self, out: SchedulerOutput, result: ModelRunnerOutput, deltas: list[RequestDelta]
+    ) -> None:
+        """End the prefill-only requests whose last prompt token this step computed (also
+        one preempted while the step ran: what it computed stands), freeing their blocks;
+        a pooling one's final message carries its pooled vector. Finish reason: "stop"
+        for pooling (vLLM's), "length" for a prompt scored with max_tokens 0 (OpenAI's)."""
+        for s in out.scheduled:
+            seq = self._seqs.get(s.seq_id)
+            group = None if seq is None else self._groups.get(seq.request_id)
+            if seq is None or group is None or not group.sampling_params.is_prefill_only:
+                continue
+            if s.start + s.num_new_tokens < seq.num_prompt_tokens:
+                continue  # a chunk short of the end
+            with self._request_scope(group, deltas):
+                pooled = None
+                if group.sampling_params.pooling is not None:
+                    pooled = result.pooled[seq.seq_id]  # KeyError: not pooled (fails it)
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    seq.finish_reason = FinishReason.LENGTH
+                self._finish_seq(seq)
+                now = self.clock()
+                group.first_token_time = now  # the prompt is done: prefill ends here
+                delta = replace(self._delta(group), pooled=pooled, times=_request_times(group, now))
+                self._remove(group)
+                deltas.append(delta)
 
     def _record_prompt_logprobs(
         self, result: ModelRunnerOutput, failed: list[RequestDelta]
@@ -807,6 +861,12 @@ def _request_times(group: SequenceGroup, now: float) -> RequestTimes | None:
         prefill_s=group.first_token_time - group.first_scheduled_time,
         decode_s=now - group.first_token_time,
     )
+
+
+def _is_fully_scheduled(group: SequenceGroup) -> bool:
+    """Every token is computed or being computed, and none is to be sampled: a
+    prefill-only request whose last chunk is in flight (async scheduling)."""
+    return all(seq.num_unscheduled_tokens == 0 for seq in group.live_seqs)
 
 
 def _is_decoding(group: SequenceGroup) -> bool:

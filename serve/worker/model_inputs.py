@@ -24,6 +24,17 @@ class PromptSpan:
 
 
 @dataclass
+class PoolSpan:
+    """Prompt positions [start, start + count) of a pooling sequence, computed this step:
+    rows [offset, offset + count) of the step's hidden states."""
+
+    seq: MirroredSequence
+    start: int
+    count: int
+    offset: int
+
+
+@dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
@@ -32,6 +43,7 @@ class ModelInputs:
     sampled_seqs: list[MirroredSequence]  # row i of the logits is sampled_seqs[i]'s
     prompt_logits_indices: torch.Tensor | None = None  # rows for prompt logprobs
     prompt_spans: list[PromptSpan] = field(default_factory=list)
+    pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling sequences' rows
 
 
 def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
@@ -55,6 +67,7 @@ def build_model_inputs(
     sampled: list[MirroredSequence] = []
     prompt_indices: list[int] = []
     prompt_spans: list[PromptSpan] = []
+    pool_spans: list[PoolSpan] = []
     for s in ordered:
         seq, start, n = mirror[s.seq_id], s.start, s.num_new_tokens
         new_tokens = seq.token_ids_between(start, start + n)
@@ -71,6 +84,8 @@ def build_model_inputs(
             if count > 0:
                 prompt_spans.append(PromptSpan(seq, start, count, len(prompt_indices)))
                 prompt_indices.extend(range(len(positions), len(positions) + count))
+        if seq.sampling_params.pooling is not None:
+            pool_spans.append(PoolSpan(seq, start, n, len(positions)))
         table = seq.block_table
         span = range(start, start + n)
         positions.extend(span)
@@ -104,4 +119,5 @@ def build_model_inputs(
         sampled,
         _long_tensor(prompt_indices, device) if prompt_indices else None,
         prompt_spans,
+        pool_spans,
     )

@@ -7,6 +7,7 @@ forward pass, and (on the driver) the step's sampled tokens.
         inputs from the mirror     tokens, positions, slots, block tables (model_inputs.py)
         forward, logits            every rank (tensor parallel: collectives inside)
         sample                     the driver (step_sampler.py); the tokens are broadcast
+        pool                       the driver: pooling sequences' hidden states (pooler.py)
         mirror.append_sampled      every rank, so every mirror stays the same
 """
 
@@ -28,6 +29,7 @@ from serve.models.loader import load_model
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
+from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 from serve.worker.step_sampler import StepSampler
 from serve.worker.structured_output import LazyStructuredOutput
@@ -51,7 +53,9 @@ class ModelRunner:
         self.cache_engine: CacheEngine | None = None
         self.mirror = SequenceMirror()
         self.step_sampler: StepSampler | None = None
+        self.pooler: Pooler | None = None
         if config.is_driver:
+            self.pooler = Pooler()
             tokenizer_path = engine.model.tokenizer or config.model_path
             grammars = LazyStructuredOutput(
                 lambda: load_tokenizer(tokenizer_path),
@@ -148,6 +152,8 @@ class ModelRunner:
         if self.step_sampler is not None:
             assert output is not None
             self.step_sampler.forget(forgotten)
+            assert self.pooler is not None
+            self.pooler.forget(forgotten)
             for new in out.new_seqs:
                 seq = self.mirror[new.seq_id]
                 self.step_sampler.start(seq, new.grammar, output.failed_requests)
@@ -159,7 +165,9 @@ class ModelRunner:
         self._move_blocks(out)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
+        if inputs.sampled_seqs:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         prompt_logits = None
         if inputs.prompt_logits_indices is not None:
             prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices])
@@ -169,9 +177,14 @@ class ModelRunner:
         sampled = [seq for row in rows if not _is_beam(row[0]) for seq in row]
         token_ids = None
         if self.step_sampler is not None:
-            assert output is not None and logits is not None
+            assert output is not None and self.pooler is not None
             prompt = None if prompt_logits is None else prompt_logits.float()
-            self.step_sampler.sample(logits.float(), rows, prompt, inputs.prompt_spans, output)
+            sampled_logits = None if logits is None else logits.float()
+            self.step_sampler.sample(sampled_logits, rows, prompt, inputs.prompt_spans, output)
+            if inputs.pool_spans:  # timed with sampling: the driver's work after the forward
+                pool_start = time.perf_counter()
+                self.pooler.pool(hidden, inputs.pool_spans, output)
+                output.sample_s += time.perf_counter() - pool_start
             if self.config.engine.scheduler.scheduling_policy == "sjf":
                 self._record_prompt_hidden_states(hidden[inputs.logits_indices], inputs, output)
             token_ids = output.token_ids

@@ -65,7 +65,7 @@ class StepSampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # [num_sampled, vocab] float32, row i for rows[i]'s sequences
+        logits: torch.Tensor | None,  # [num_sampled, vocab] float32, row i rows[i]'s (or none)
         rows: list[list[MirroredSequence]],  # per logits row: who samples it (forks share one)
         prompt_logits: torch.Tensor | None,  # [sum of span counts, vocab]
         prompt_spans: list[PromptSpan],
@@ -76,6 +76,9 @@ class StepSampler:
         start = time.perf_counter()
         failed = output.failed_requests
         self._prompt_logprobs(prompt_logits, prompt_spans, output)
+        if logits is None:  # no sequence samples this step (prefill-only ones alone)
+            output.sample_s += time.perf_counter() - start
+            return
         sample_rows: list[int] = []
         seqs: list[MirroredSequence] = []
         for row, row_seqs in enumerate(rows):

@@ -392,7 +392,7 @@ def test_unknown_model_and_route_are_404(http, server):
     assert_openai_error(http.post(COMPLETIONS, json=completion(server, model="gpt-4")), 404)
     assert_openai_error(http.post("/tokenize", json={"model": "gpt-4", "prompt": "Hi"}), 404)
     assert_openai_error(http.get("/v1/nothing-here"), 404)
-    assert_openai_error(http.post("/v1/embeddings", json={"input": "hi"}), 404)
+    assert_openai_error(http.post("/v1/no-such-route", json={"input": "hi"}), 404)
     refused = http.get(CHAT)
     assert_openai_error(refused, 405)
     assert_still_serving(http, server, refused)

@@ -29,6 +29,7 @@ OPERATIONS = [
     ("POST", "/v1/responses"),
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
+    ("POST", "/v1/embeddings"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
     ("POST", "/v1/messages"),
@@ -63,7 +64,7 @@ def _with_a_plain_prompt(model: str):
                 body["model"] = model
             if "prompt" in body and not (isinstance(body["prompt"], str) and body["prompt"]):
                 body["prompt"] = "Hello!"
-            if "input" in body and not isinstance(body["input"], str):
+            if "input" in body and not (isinstance(body["input"], str) and body["input"]):
                 body["input"] = "Hello!"
             if isinstance(body.get("messages"), list):
                 first = body["messages"][0] if body["messages"] else None

@@ -5,8 +5,9 @@ a `FakeWorker`, update from the worker's fake output. The fake worker keeps the 
 sequence mirror (serve/worker/sequence_mirror.py), so every step also tests the message
 protocol: the mirror's tokens and block tables must equal the scheduler's. It makes the
 step's block moves and K/V writes in a fake KV cache of token ids, samples the token
-`FAKE_TOKEN + seq_id` for each sampled sequence (and each fork it is told to make), and
-scores beams with pseudo-random candidates. Every invariant is checked after each step,
+`FAKE_TOKEN + seq_id` for each sampled sequence (and each fork it is told to make),
+scores beams with pseudo-random candidates, and pools a pooling sequence's prompt into
+`fake_pooled(prompt)` when its last prompt token is computed. Every invariant is checked after each step,
 the fake KV included: each sequence's blocks must hold exactly its computed tokens. Every
 step must also carry the running decodes before other work, and with chunked prefill off
 never split a prompt.
@@ -117,6 +118,11 @@ def add_all(sched: Scheduler, groups: list[SequenceGroup]) -> list[SequenceGroup
     return groups
 
 
+def fake_pooled(prompt_token_ids: list[int]) -> list[float]:
+    """The fake worker's pooled vector of a prompt."""
+    return [float(len(prompt_token_ids)), float(sum(prompt_token_ids))]
+
+
 def sample_token(seq_id: int) -> int:
     """Forked siblings sample different tokens, so their K/V differ after the fork."""
     return FAKE_TOKEN + seq_id
@@ -155,6 +161,9 @@ class FakeWorker:
             assert len(tokens) == s.num_new_tokens, "the worker lacks a token it must compute"
             for pos, token in zip(range(s.start, s.start + s.num_new_tokens), tokens):
                 self.device[seq.block_table[pos // bs]][pos % bs] = token
+            pools = seq.sampling_params.pooling is not None
+            if pools and s.start + s.num_new_tokens == seq.num_prompt_tokens:
+                result.pooled[s.seq_id] = fake_pooled(seq.prompt_token_ids)
             if not s.is_sampled:
                 continue
             if seq.sampling_params.use_beam_search:
