@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from serve.api.protocol import OpenAIModel
+from serve.api.protocol import FunctionDefinition, OpenAIModel
 from serve.api.tool_parsers.base import load_json
 
 # Fields of the chat request a Responses request may also set, as vLLM's extras.
@@ -145,19 +145,10 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(OpenAIModel):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of type "object"
-    strict: bool | None = None
+class FunctionTool(FunctionDefinition):
+    """A function tool: the chat tool's function, flattened (`type` beside `name`)."""
 
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type") != "object":
-            raise ValueError('must be a JSON schema of type "object" (arguments are named)')
-        return v
+    type: Literal["function"]
 
 
 class FunctionToolChoice(OpenAIModel):
