@@ -160,36 +160,36 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    async def respond(handler: ChatHandler | CompletionHandler, body: Any, request: Request):
+    async def respond(
+        handler: ChatHandler | CompletionHandler | ResponsesHandler | MessagesHandler,
+        body: Any,
+        request: Request,
+        check_grammar: bool = False,
+    ) -> Any:
+        """A generation request's SSE stream, or its JSON body; a client gone before the
+        body is ready gets none (its request is aborted). `check_grammar`: compile the
+        body's structured output first (the Responses and Messages handlers do it as they
+        map their bodies onto chat's)."""
         _log_unknown(body)
-        await check_structured_output(engine, body, settings.grammar_compile_timeout_s)
+        if check_grammar:
+            await check_structured_output(engine, body, settings.grammar_compile_timeout_s)
+        on_usage = _usage_recorder(request)
         if body.stream:
-            events = await handler.stream(body, _usage_recorder(request))
+            events = await handler.stream(body, on_usage)
             return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await _unless_disconnected(handler.create(body), request)
-        if result is None:
-            return Response(status_code=CLIENT_CLOSED)  # nobody is listening
-        request.state.usage = result["usage"]
-        return result
+        return await _json_unless_disconnected(handler.create(body, on_usage), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await respond(chat, body, request)
+        return await respond(chat, body, request, check_grammar=True)
 
     @app.post("/v1/completions")
     async def create_completions(body: CompletionRequest, request: Request) -> Any:
-        return await respond(completions, body, request)
+        return await respond(completions, body, request, check_grammar=True)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
-        _log_unknown(body)
-        if body.stream:
-            events = await responses.stream(body, _usage_recorder(request))
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await _unless_disconnected(
-            responses.create(body, _usage_recorder(request)), request
-        )
-        return Response(status_code=CLIENT_CLOSED) if result is None else result
+        return await respond(responses, body, request)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
@@ -201,14 +201,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Any:
-        _log_unknown(body)
-        if body.stream:
-            events = await messages.stream(body, _usage_recorder(request))
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        result = await _unless_disconnected(
-            messages.create(body, _usage_recorder(request)), request
-        )
-        return Response(status_code=CLIENT_CLOSED) if result is None else result
+        return await respond(messages, body, request)
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(body: MessagesInput) -> dict[str, int]:
@@ -222,11 +215,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
         _log_unknown(body)
-        result = await _unless_disconnected(embeddings.create(body), request)
-        if result is None:
-            return Response(status_code=CLIENT_CLOSED)
-        request.state.usage = result["usage"]
-        return result
+        work = embeddings.create(body, _usage_recorder(request))
+        return await _json_unless_disconnected(work, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -278,6 +268,12 @@ async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Request
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def _json_unless_disconnected(work: Awaitable[dict[str, Any]], request: Request) -> Any:
+    """The body `work` makes, or an empty 499 if the client hung up first."""
+    result = await _unless_disconnected(work, request)
+    return Response(status_code=CLIENT_CLOSED) if result is None else result
 
 
 def _usage_recorder(request: Request):

@@ -175,7 +175,9 @@ class ChatHandler:
             )
         return {"content": content}
 
-    async def create(self, request: ChatCompletionRequest) -> dict[str, Any]:
+    async def create(
+        self, request: ChatCompletionRequest, on_usage: UsageCallback | None = None
+    ) -> dict[str, Any]:
         prompt = await off_the_loop(self.prepare, request)
         request_id = random_id("chatcmpl")
         (out,) = await final_outputs([self.generate(request, request_id, prompt)])
@@ -206,6 +208,8 @@ class ChatHandler:
             body["prompt_logprobs"] = prompt_logprobs_json(
                 self.tokenizer, out, request.prompt_logprobs
             )
+        if on_usage is not None:
+            on_usage(body["usage"])
         return body
 
     async def stream(

@@ -184,7 +184,9 @@ class CompletionHandler:
             )
         return choice
 
-    async def create(self, request: CompletionRequest) -> dict[str, Any]:
+    async def create(
+        self, request: CompletionRequest, on_usage: UsageCallback | None = None
+    ) -> dict[str, Any]:
         prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("cmpl")
         outs = await final_outputs(self._open(request, request_id, prompts))
@@ -193,15 +195,18 @@ class CompletionHandler:
             out.outputs.sort(key=lambda c: c.index)
             for j in range(request.n):
                 choices.append(self._choice(request, i * request.n + j, prompts[i][0], out))
-        num_prompt = sum(len(ids) for _, ids, _ in prompts)
-        num_completion = sum(out.num_output_tokens for out in outs)
+        counts = usage(
+            sum(len(ids) for _, ids, _ in prompts), sum(out.num_output_tokens for out in outs)
+        )
+        if on_usage is not None:
+            on_usage(counts)
         return {
             "id": request_id,
             "object": "text_completion",
             "created": now(),
             "model": self.settings.served_model_name,
             "choices": choices,
-            "usage": usage(num_prompt, num_completion),
+            "usage": counts,
         }
 
     async def stream(

@@ -16,6 +16,7 @@ from serve.api.protocol_embeddings import EmbeddingRequest, embedding_response
 from serve.api.serving_base import (
     PromptCharLimit,
     ServerSettings,
+    UsageCallback,
     check_model,
     final_outputs,
     off_the_loop,
@@ -79,7 +80,9 @@ class EmbeddingHandler:
             prompts.append(ids)
         return prompts
 
-    async def create(self, request: EmbeddingRequest) -> dict[str, Any]:
+    async def create(
+        self, request: EmbeddingRequest, on_usage: UsageCallback | None = None
+    ) -> dict[str, Any]:
         params = self.params(request)
         prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("embd")
@@ -101,6 +104,9 @@ class EmbeddingHandler:
                 raise APIError(500, f"Request {out.request_id} ended without an embedding.")
             vectors.append(out.pooled)
         num_prompt = sum(len(ids) for ids in prompts)
-        return embedding_response(
+        body = embedding_response(
             self.settings.served_model_name, vectors, request.encoding_format, num_prompt
         )
+        if on_usage is not None:
+            on_usage(body["usage"])
+        return body
