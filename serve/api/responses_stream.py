@@ -11,10 +11,10 @@ and `response.content_part.done`; a function call has
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from serve.api.responses_items import function_call_item, message_item, output_text_part
+from serve.api.serving_base import sse
 from serve.api.tool_parsers import StreamEvent
 
 Event = tuple[str, dict[str, Any]]  # (type, fields)
@@ -29,7 +29,7 @@ class EventNumbering:
     def sse(self, type: str, **fields: Any) -> str:
         payload = {"type": type, **fields, "sequence_number": self.sequence_number}
         self.sequence_number += 1
-        return f"event: {type}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return sse(payload, event=type)
 
 
 class StreamedOutput:

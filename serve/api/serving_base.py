@@ -247,8 +247,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+# Python's str.splitlines, and so httpx's `aiter_lines`, also ends a line at U+0085, U+2028
+# and U+2029, which json.dumps leaves raw inside strings; escaped, a token's text cannot cut
+# an event in two for such a client. (Lower control characters json.dumps escapes itself.)
+_LINE_BREAKS_KEPT_RAW = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: dict[str, Any]) -> str:
+    """`payload` as one SSE data line: no character in it ends a line for any client."""
+    return json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS_KEPT_RAW)
+
+
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    named = f"event: {event}\n" if event else ""
+    return f"{named}data: {sse_json(payload)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -12,7 +12,6 @@ message_delta (stop reason, output tokens) and message_stop; or an `error` event
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from serve.api.serving_base import (
     final_outputs,
     guard_stream,
     off_the_loop,
+    sse,
     stop_holdback,
     usage,
 )
@@ -75,7 +75,7 @@ def stop_reason(completion: CompletionOutput | None, has_calls: bool) -> tuple[s
 
 
 def sse_event(name: str, payload: dict[str, Any]) -> str:
-    return f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return sse(payload, event=name)
 
 
 class ContentBlockEvents:

@@ -94,6 +94,20 @@ def test_completion_stream_framing(http, server):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
 
 
+def test_text_with_unicode_line_separators_stays_in_its_event(http, server):
+    """U+0085, U+2028 and U+2029 end a line for Python's splitlines, which httpx's
+    `aiter_lines` follows: in a token's text they must not cut a `data:` line in two."""
+    prompt = "one\u2028two\x85three\u2029four"
+    body = {"model": server.model, "prompt": prompt, "echo": True, "max_tokens": 2}
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    text = "".join(json.loads(line[len("data: ") :])["choices"][0]["text"] for line in lines[:-1])
+    assert text.startswith(prompt)
+
+
 def test_streamed_logprobs_match(http, server):
     body = {
         "model": server.model,
