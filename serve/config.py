@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.util
+import json
 from collections import defaultdict
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, get_type_hints
@@ -280,6 +281,109 @@ class SchedulerConfig:
             )
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeMethod:
+    """`--speculative-config`, parsed: how proposals are made and how many a step checks.
+
+    ngram (prompt lookup): the longest n-gram (`prompt_lookup_max` down to
+    `prompt_lookup_min` tokens) that ends the sequence and occurred before in its prompt
+    or output proposes the tokens that followed it. draft_model: `model`, a smaller model
+    with the target's tokenizer, proposes its greedy continuation."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    # No speculation in a step with more running sequences than this (None: always).
+    disable_by_batch_size: int | None = None
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeMethod | None:
+    """The `speculative_config` setting (JSON text or a dict, as vLLM takes it), checked;
+    InvalidSettingError names what is wrong."""
+    if value is None:
+        return None
+    name = "speculative_config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidSettingError(name, f"is not valid JSON: {e}.") from None
+    if not isinstance(value, dict):
+        raise InvalidSettingError(name, f"must be a JSON object, got {value!r}.")
+    known = {f.name for f in fields(SpeculativeMethod)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidSettingError(
+            name, f"has unknown keys {unknown}; the keys are: {', '.join(sorted(known))}."
+        )
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise InvalidSettingError(
+            name, f"needs \"method\": one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}."
+        )
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        if key in value and (type(value[key]) is not int or value[key] < 1):
+            raise InvalidSettingError(name, f"needs {key} to be a positive integer.")
+    if "num_speculative_tokens" not in value:
+        raise InvalidSettingError(name, "needs num_speculative_tokens (proposals per step).")
+    limit = value.get("disable_by_batch_size")
+    if limit is not None and (type(limit) is not int or limit < 1):
+        raise InvalidSettingError(name, "needs disable_by_batch_size to be a positive integer.")
+    if method == "ngram":
+        if "model" in value:
+            raise InvalidSettingError(name, "method ngram takes no model.")
+        # One bound given: the other follows it, as far as the pair stays ordered.
+        low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if low is None and high is not None:
+            value["prompt_lookup_min"] = min(high, SpeculativeMethod.prompt_lookup_min)
+        if high is None and low is not None:
+            value["prompt_lookup_max"] = max(low, SpeculativeMethod.prompt_lookup_max)
+    elif not isinstance(value.get("model"), str):
+        raise InvalidSettingError(name, "method draft_model needs \"model\": the draft's path.")
+    spec = SpeculativeMethod(**value)
+    if spec.prompt_lookup_min > spec.prompt_lookup_max:
+        raise InvalidSettingError(
+            name,
+            f"has prompt_lookup_min {spec.prompt_lookup_min} above prompt_lookup_max "
+            f"{spec.prompt_lookup_max}.",
+        )
+    return spec
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: proposals for the next tokens, checked by the model in one
+    forward and kept as far as they agree with it (worker/speculative.py)."""
+
+    speculative_config: str | dict[str, Any] | None = setting(
+        None,
+        'speculative decoding as JSON, as vLLM takes it: {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} '
+        '(proposals copied from the prompt and output) or {"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4} (a smaller model with the same '
+        'tokenizer); "disable_by_batch_size": N turns it off in steps of more than N '
+        "sequences. Output is distributed exactly as without it (greedy: the same tokens).",
+        metavar="JSON",
+    )
+
+    def __post_init__(self) -> None:
+        parse_speculative_config(self.method_config)
+
+    @property
+    def method_config(self) -> str | dict[str, Any] | None:
+        value = self.speculative_config
+        return dict(value) if isinstance(value, dict) else value
+
+    @property
+    def method(self) -> SpeculativeMethod | None:
+        return parse_speculative_config(self.method_config)
+
+
 EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 
 
@@ -378,6 +482,9 @@ class EngineConfig:
     )
     responses: ResponseStoreConfig = field(
         default_factory=ResponseStoreConfig, metadata={_TITLE: "responses API"}
+    )
+    speculative: SpeculativeConfig = field(
+        default_factory=SpeculativeConfig, metadata={_TITLE: "speculative decoding"}
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
 

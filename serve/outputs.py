@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def request_error_message(error: BaseException) -> str:
@@ -110,6 +110,39 @@ class QueueTimes:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts since start, as vLLM exports them: a draft is one
+    sequence's proposals checked in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # [j]: drafts whose proposal j (0-based) was accepted.
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_proposed:
+            self.accepted_per_position += [0] * (num_proposed - len(self.accepted_per_position))
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a draft's step gives its sequence: the accepted proposals and one more."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def copy(self) -> SpecDecodeStats:
+        return replace(self, accepted_per_position=list(self.accepted_per_position))
+
+
+@dataclass
 class EngineStats:
     """The KV cache and scheduler at one moment (`LLM.stats()`, the stats line, metrics)."""
 
@@ -130,6 +163,7 @@ class EngineStats:
     # --scheduling-policy sjf: the output-length predictor's mean absolute error in tokens
     # (None until it predicts).
     sjf_predictor_mae_tokens: float | None = None
+    spec_decode: SpecDecodeStats | None = None  # None: no --speculative-config
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -64,6 +64,10 @@ class ScheduledSequence:
     # here, and each id becomes a new sequence copying this one (a fork with a seed of
     # its own). The workers create them; the scheduler adds them when it updates.
     fork_seq_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the last `num_spec_tokens` positions of the range are room for
+    # proposals, which the workers make themselves (they may find fewer, even none) and
+    # check in this step's forward; the sequence then takes 1 to 1 + proposals tokens.
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -84,6 +88,16 @@ class SchedulerOutput:
     # scheduler has seen this one's output.
     preempted_request_ids: list[str] = field(default_factory=list)
     forks_sequences: bool = False
+
+    @property
+    def speculates(self) -> bool:
+        return any(s.num_spec_tokens for s in self.scheduled)
+
+    @property
+    def next_waits_for_output(self) -> bool:
+        """The next step cannot be scheduled before this one's output is in: its sampling
+        forks sequences, or its sequences take a number of tokens known only then."""
+        return self.forks_sequences or self.speculates
 
     @property
     def num_batched_tokens(self) -> int:
@@ -140,7 +154,9 @@ class ModelRunnerOutput:
     """What the driver worker returns for one step: the sampled tokens as data.
 
     Row i of the sampled lists is sequence `seq_ids[i]` (a sequence forked this step, by
-    its new id); beams are not sampled but scored (`beam_candidates`)."""
+    its new id); beams are not sampled but scored (`beam_candidates`). A sequence that
+    speculated has one row per token it takes, in order: the proposals accepted, then one
+    sampled where the first was rejected (or after the last)."""
 
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -161,6 +177,10 @@ class ModelRunnerOutput:
     # computed: seq id -> the pooled vector (truncated, normalised as their params say).
     # The worker's pooler owns it (worker/pooler.py); the sjf feature above is separate.
     pooled: dict[int, list[float]] = field(default_factory=dict)
+    # Speculating sequences: seq id -> proposals checked this step, and how many of them
+    # were accepted (its rows above are those, then one more).
+    spec_proposed: dict[int, int] = field(default_factory=dict)
+    spec_accepted: dict[int, int] = field(default_factory=dict)
     prepare_s: float = 0.0  # host time building the inputs
     forward_s: float = 0.0  # block moves, the forward pass and the logits
     sample_s: float = 0.0  # logits processing, sampling, logprobs

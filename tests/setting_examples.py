@@ -44,6 +44,10 @@ EXAMPLES = {
     "distributed_executor_backend": Example(("--distributed-executor-backend", "mp"), "mp"),
     "response_store_max_entries": Example(("--response-store-max-entries", "16"), 16),
     "response_store_ttl_s": Example(("--response-store-ttl-s", "90.5"), 90.5),
+    "speculative_config": Example(
+        ("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'),
+        '{"method": "ngram", "num_speculative_tokens": 3}',
+    ),
     "device": Example(("--device", "cpu"), "cpu"),
 }
 

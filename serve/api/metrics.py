@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 
 from serve.engine.protocol import EngineClient
 from serve.engine.request_metrics import HISTOGRAMS, Histogram
-from serve.outputs import QUEUE_TIME_BUCKETS_S, QueueTimes
+from serve.outputs import QUEUE_TIME_BUCKETS_S, QueueTimes, SpecDecodeStats
 
 METRIC_PREFIXES = {"serve": "serve_", "vllm": "vllm:"}  # --metrics-names
 # vLLM's older names, which its example Grafana dashboard still reads: alias → name.
@@ -165,6 +165,46 @@ class _EngineCollector(Collector):
         ):
             yield _counter(self.prefix + name, doc, model, value)
         yield self._queue_time_histogram(e.queue_times)
+        if e.spec_decode is not None:
+            yield from self._spec_decode_metrics(e.spec_decode)
+
+    def _spec_decode_metrics(self, spec: SpecDecodeStats) -> Iterator[Metric]:
+        """vLLM's speculative decoding counters; the acceptance rate is accepted over draft
+        tokens, the mean accepted length 1 + accepted over drafts (as rates of these)."""
+        model = [self.model_name]
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Sequence steps that checked proposals.", spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Proposed tokens checked.", spec.num_draft_tokens),
+            (
+                "spec_decode_num_accepted_tokens",
+                "Proposed tokens accepted.",
+                spec.num_accepted_tokens,
+            ),
+        ):
+            yield _counter(self.prefix + name, doc, model, value)
+        per_position = CounterMetricFamily(
+            self.prefix + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose proposal at this position (0-based) was accepted.",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
+        for name, doc, value in (
+            (
+                "spec_decode_acceptance_rate",
+                "Accepted over proposed tokens since start.",
+                spec.acceptance_rate,
+            ),
+            (
+                "spec_decode_mean_accepted_length",
+                "Tokens a checking step gives a sequence on average since start (1 + accepted).",
+                spec.mean_accepted_length,
+            ),
+        ):
+            gauge = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge
 
     def _queue_time_histogram(self, queue_times: QueueTimes) -> HistogramMetricFamily:
         family = HistogramMetricFamily(

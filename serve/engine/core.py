@@ -101,6 +101,7 @@ class EngineCore:
             self.max_model_len,
             self.block_manager,
             self.eos_token_ids,
+            speculation=config.speculative.method,
         )
         self._grammars = LazyStructuredOutput(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -225,6 +226,7 @@ class EngineCore:
             num_cpu_blocks_total=bm.cpu_pool.num_blocks,
             queue_times=sched.queue_times.copy(),
             sjf_predictor_mae_tokens=sched.policy.predictor_error,
+            spec_decode=None if sched.spec_decode is None else sched.spec_decode.copy(),
         )
 
     def reset_peak(self) -> None:
@@ -251,7 +253,8 @@ class EngineCore:
         here. Step N+1 counts the tokens step N samples before they exist (the workers
         fill them in). So a sequence that step N ends (a stop token, its length) may be in
         step N+1 too, computing a token that is dropped. A step whose sampling forks
-        sequences (beam search, the first sample of `best_of`) is not scheduled past. The
+        sequences (beam search, the first sample of `best_of`), or speculates (how many tokens
+        each sequence takes is known only after it), is not scheduled past. The
         tokens are the same either way.
 
         The forward stays on the calling thread: on CPU, glibc reuses freed activations
@@ -265,7 +268,7 @@ class EngineCore:
     def _step_ahead(self) -> list[RequestDelta]:
         deltas: list[RequestDelta] = []
         out, self._ahead = self._ahead, None
-        if out is None:  # nothing scheduled ahead: the step before forks, or just started
+        if out is None:  # not scheduled ahead: just started, or the step before forks or speculates
             deltas += self._settle_in_flight()
             out = self._schedule(wait_for_grammar=True)
         if not out.has_worker_work:
@@ -284,11 +287,12 @@ class EngineCore:
         self, previous: _Step | None, running: SchedulerOutput
     ) -> tuple[list[RequestDelta], SchedulerOutput | None]:
         """The helper thread's work while `running` runs: the step before's output taken
-        in, then the next step scheduled (None: it waits for `running`'s forks)."""
+        in, then the next step scheduled (None: it waits for `running`'s output, whose
+        forks or accepted proposals it depends on)."""
         start = time.perf_counter()
         deltas = [] if previous is None else self._update(*previous)
         ahead = None
-        if not running.forks_sequences:
+        if not running.next_waits_for_output:
             ahead = self._schedule(wait_for_grammar=False)
             self.step_times.num_steps_ahead += ahead.has_worker_work
         self.step_times.overlapped_s += time.perf_counter() - start

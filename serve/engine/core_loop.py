@@ -17,6 +17,7 @@ from typing import Protocol
 
 from serve.engine.core import EngineCore
 from serve.engine.messages import AbortRequest, Command, CoreStats, Stop, StopSequence
+from serve.outputs import SpecDecodeStats
 from serve.scheduler.output_deltas import RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class StatsLogger:
         self.last_log = time.monotonic()
         self.tokens_at_start = core.num_generated_tokens
         self.times_at_start = replace(core.step_times)
+        spec = core.scheduler.spec_decode
+        self.spec_at_start = SpecDecodeStats() if spec is None else spec.copy()
 
     def record(self, core: EngineCore) -> None:
         now = time.monotonic()
@@ -142,4 +145,18 @@ class StatsLogger:
             times.output_s * per_step_ms,
             times.overlapped_s * per_step_ms,
         )
+        spec = stats.spec_decode
+        if spec is not None:
+            drafts = spec.num_drafts - self.spec_at_start.num_drafts
+            proposed = spec.num_draft_tokens - self.spec_at_start.num_draft_tokens
+            accepted = spec.num_accepted_tokens - self.spec_at_start.num_accepted_tokens
+            logger.info(
+                "speculative decoding: %d drafts, %d proposed tokens, %d accepted "
+                "(acceptance rate %.1f%%, mean accepted length %.2f)",
+                drafts,
+                proposed,
+                accepted,
+                100 * accepted / max(proposed, 1),
+                1 + accepted / max(drafts, 1),
+            )
         self.start_window(core)

@@ -250,6 +250,16 @@ class BlockManager:
         if parent.seq_id in self._block_hashes:
             self._block_hashes[child.seq_id] = list(self._block_hashes[parent.seq_id])
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Give back the blocks of `seq`'s table past those `num_tokens` tokens fill: the
+        room a step made for proposals that were rejected. Returns the blocks kept."""
+        table = self.block_tables[seq.seq_id]
+        keep = self.num_required_blocks(num_tokens)
+        while len(table) > keep:
+            self.block_pool.free(table.pop())  # never hashed: no computed token is in it
+        self._num_slots_filled[seq.seq_id] = min(self._num_slots_filled[seq.seq_id], num_tokens)
+        return keep
+
     def free(self, seq_id: int) -> None:
         """Release every block of seq_id's table (device or CPU); unknown ids are a no-op."""
         # Reverse order: a sequence's tail blocks, the least likely to be shared by a later

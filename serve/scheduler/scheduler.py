@@ -70,9 +70,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
-from serve.config import SchedulerConfig
+from serve.config import SchedulerConfig, SpeculativeMethod
 from serve.kv_cache.block_manager import BlockManager
-from serve.outputs import QueueTimes, RequestTimes, request_error_message
+from serve.outputs import QueueTimes, RequestTimes, SpecDecodeStats, request_error_message
 from serve.sampling_params import SamplingParams
 from serve.scheduler.beam_search import BeamSearch
 from serve.scheduler.output_deltas import (
@@ -104,8 +104,10 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
+        speculation: SpeculativeMethod | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        self.speculation = speculation
         self.preemption_mode = config.preemption_mode
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,6 +126,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.queue_times = QueueTimes()  # arrival to first scheduled, by priority
         self.num_generated_tokens = 0  # tokens appended to sequences, beams included
+        self.spec_decode = SpecDecodeStats() if speculation is not None else None
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished request
         # Requests whose grammar is still compiling (the engine's): they join `waiting`
         # once it is ready (`set_grammar`), in arrival order among themselves.
@@ -289,7 +292,7 @@ class Scheduler:
         # it does not hold admissions back (they are what it is for).
         yielded = self._preempt_for_waiting(out) if self.policy.preempts_for_waiting else []
         self.waiting = deque(self.policy.order_waiting(self.waiting, now))
-        plans = self._plan_running()
+        plans, spec_slots = self._plan_running()
         # Blocks in rank order, so that preemption takes the worst-ranked: those after `i`,
         # which have allocated nothing yet this step.
         i = 0
@@ -303,7 +306,7 @@ class Scheduler:
         gone = set(preempted) | set(cannot_fit)
         for group, plan in plans.items():  # decodes first, then prefills
             if group not in gone:
-                self._schedule(group, plan, out)
+                self._schedule(group, plan, out, spec_slots)
         budget = self.max_num_batched_tokens - out.num_batched_tokens
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
@@ -355,16 +358,19 @@ class Scheduler:
         self.worker_sync.flush(out)
         return out
 
-    def _plan_running(self) -> dict[SequenceGroup, Plan]:
+    def _plan_running(self) -> tuple[dict[SequenceGroup, Plan], dict[int, int]]:
         """The running groups' share of the token budget: every decode that fits (a group
-        of several sequences may not, when older decodes took the budget), then prefills
-        in rank order, up to the first that does not fit."""
+        of several sequences may not, when older decodes took the budget), room for their
+        proposals when speculating, then prefills in rank order, up to the first that does
+        not fit. Also returns the proposal room by seq id (included in the plans)."""
         plans: dict[SequenceGroup, Plan] = {}
         budget = self.max_num_batched_tokens
         for group in self.running:
             if _is_decoding(group) and (plan := self._plan(group, budget)):
                 plans[group] = plan
                 budget -= len(plan)
+        spec_slots = self._plan_speculation(plans, budget)
+        budget -= sum(spec_slots.values())
         for group in self.running:
             if _is_decoding(group) or _is_fully_scheduled(group):
                 continue
@@ -373,7 +379,37 @@ class Scheduler:
                 break
             plans[group] = plan
             budget -= sum(n for _, n in plan)
-        return plans
+        return plans, spec_slots
+
+    def _plan_speculation(self, decodes: dict[SequenceGroup, Plan], budget: int) -> dict[int, int]:
+        """Room for proposals after each decode, in rank order, from `budget`: as many as
+        the method makes, fewer near the sequence's token limits, none for beams or
+        grammars, and none at all in a step with more running sequences than
+        `disable_by_batch_size`. Grows the plans; returns the room by seq id."""
+        spec = self.speculation
+        if spec is None:
+            return {}
+        num_running = sum(g.num_live_seqs for g in self.running)
+        if spec.disable_by_batch_size is not None and num_running > spec.disable_by_batch_size:
+            return {}
+        slots: dict[int, int] = {}
+        for group, plan in decodes.items():
+            params = group.sampling_params
+            if params.use_beam_search or group.grammar is not None:
+                continue
+            for i, (seq, n) in enumerate(plan):
+                # After this step the sequence holds up to its tokens + k + 1 (a bonus token).
+                num_tokens = seq.num_tokens + seq.num_pending_tokens
+                room = self.max_model_len - num_tokens - 1
+                if params.max_tokens is not None:
+                    num_output = num_tokens - seq.num_prompt_tokens
+                    room = min(room, params.max_tokens - num_output - 1)
+                k = min(spec.num_speculative_tokens, room, budget)
+                if k > 0:
+                    plan[i] = (seq, n + k)
+                    slots[seq.seq_id] = k
+                    budget -= k
+        return slots
 
     def _fit(self, num_tokens: int, budget: int) -> int:
         """How many of a sequence's `num_tokens` remaining tokens this step computes: as
@@ -407,10 +443,17 @@ class Scheduler:
             return plan
         return [(seq, 1) for seq in live] if len(live) <= budget else []
 
-    def _schedule(self, group: SequenceGroup, plan: Plan, out: SchedulerOutput) -> int:
+    def _schedule(
+        self,
+        group: SequenceGroup,
+        plan: Plan,
+        out: SchedulerOutput,
+        spec_slots: dict[int, int] | None = None,
+    ) -> int:
         for seq, n in plan:
             start = seq.num_planned_tokens
-            is_sampled = start + n == seq.num_tokens + seq.num_pending_tokens
+            num_spec = spec_slots.get(seq.seq_id, 0) if spec_slots else 0
+            is_sampled = start + n - num_spec == seq.num_tokens + seq.num_pending_tokens
             is_sampled = is_sampled and not group.sampling_params.is_prefill_only
             fork_seq_ids: list[int] = []
             if is_sampled and group.needs_fork:
@@ -419,7 +462,9 @@ class Scheduler:
                 ]
             if is_sampled and (group.needs_fork or group.sampling_params.use_beam_search):
                 out.forks_sequences = True
-            self.worker_sync.schedule(group, seq, start, n, is_sampled, fork_seq_ids, out)
+            self.worker_sync.schedule(
+                group, seq, start, n, is_sampled, fork_seq_ids, out, num_spec
+            )
             seq.num_scheduled_tokens += n
             seq.num_pending_tokens += is_sampled
         return sum(n for _, n in plan)
@@ -591,7 +636,10 @@ class Scheduler:
         samples of `best_of` fork; beam search advances. Returns the token deltas of the
         requests that moved, and the final messages of those that ended."""
         deltas, self._ended = self._ended, []
-        self._settle_computed(out)
+        self._settle_computed(out, result)
+        if self.spec_decode is not None:
+            for seq_id, num_proposed in result.spec_proposed.items():
+                self.spec_decode.record(num_proposed, result.spec_accepted.get(seq_id, 0))
         for request_id, message in result.failed_requests.items():
             if (group := self._groups.get(request_id)) is not None:
                 deltas.append(self._fail(group, message))
@@ -603,7 +651,9 @@ class Scheduler:
                 self.policy.on_prompt_hidden_state(group, hidden)
         touched: dict[str, SequenceGroup] = {}
         beam_groups: dict[str, SequenceGroup] = {}
-        rows = {seq_id: row for row, seq_id in enumerate(result.seq_ids)}
+        rows: dict[int, list[int]] = {}  # seq id -> its rows (several when it speculated)
+        for row, seq_id in enumerate(result.seq_ids):
+            rows.setdefault(seq_id, []).append(row)
         grammar_ended = set(result.grammar_ended_seq_ids)
         for s in out.scheduled:
             if not s.is_sampled:
@@ -643,17 +693,23 @@ class Scheduler:
                     deltas.append(self._delta(group))
         return deltas
 
-    def _settle_computed(self, out: SchedulerOutput) -> None:
+    def _settle_computed(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """The scheduled tokens' K/V are in the cache now (or, for a sequence swapped out
-        meanwhile, in the blocks the swap-out will copy)."""
+        meanwhile, in the blocks the swap-out will copy). Of a speculating sequence's
+        proposals only the accepted ones count: the rest of the room it had is rolled back,
+        and its blocks past what it now holds go back to the pool."""
         for s in out.scheduled:
             seq = self._seqs.get(s.seq_id)
             if seq is None or seq.status in (SequenceStatus.FINISHED, SequenceStatus.WAITING):
                 continue  # ended, or preempted to recompute, while the step ran
-            seq.num_computed_tokens += s.num_new_tokens
+            num_accepted = result.spec_accepted.get(s.seq_id, 0) if s.num_spec_tokens else 0
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens + num_accepted
             seq.num_scheduled_tokens -= s.num_new_tokens
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.mark_computed(seq)
+                if s.num_spec_tokens:  # its next token (sampled this step) fits the table
+                    keep = self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+                    self.worker_sync.table_changed(seq.seq_id, keep)
 
     def _finish_prefill_only(
         self, out: SchedulerOutput, result: ModelRunnerOutput, deltas: list[RequestDelta]
@@ -699,15 +755,25 @@ class Scheduler:
                 recorded.extend(span.entries[len(recorded) - 1 - span.start :])
 
     def _append_sampled(
-        self, seq: Sequence, result: ModelRunnerOutput, rows: dict[int, int], grammar_ended: bool
+        self,
+        seq: Sequence,
+        result: ModelRunnerOutput,
+        rows: dict[int, list[int]],
+        grammar_ended: bool,
     ) -> None:
-        row = rows[seq.seq_id]  # KeyError: the worker did not sample it (fails the request)
-        token = result.token_ids[row]
-        seq.append_token(token, result.logprobs[row], result.top_logprobs[row])
-        self.num_generated_tokens += 1
-        seq.finish_reason = self._stop_reason(seq, token, grammar_ended)
-        if seq.finish_reason is not None:
-            self._finish_seq(seq)
+        """Append the sequence's tokens of the step (several, after accepted proposals)
+        up to the first that stops it; the rest are dropped."""
+        seq_rows = rows[seq.seq_id]  # KeyError: the worker did not sample it (fails it)
+        for i, row in enumerate(seq_rows):
+            token = result.token_ids[row]
+            seq.append_token(token, result.logprobs[row], result.top_logprobs[row])
+            self.num_generated_tokens += 1
+            seq.finish_reason = self._stop_reason(
+                seq, token, grammar_ended and i == len(seq_rows) - 1
+            )
+            if seq.finish_reason is not None:
+                self._finish_seq(seq)
+                return
 
     def _stop_reason(self, seq: Sequence, token: int, grammar_ended: bool) -> FinishReason | None:
         """The stops that a sampled token decides alone (stop strings are the front end's)."""

@@ -41,6 +41,7 @@ class WorkerSync:
         is_sampled: bool,
         fork_seq_ids: list[int],
         out: SchedulerOutput,
+        num_spec_tokens: int = 0,
     ) -> None:
         """Add `seq`'s share of the step to `out`, with what the workers lack of it."""
         table = self.block_manager.get_block_table(seq.seq_id)
@@ -66,6 +67,7 @@ class WorkerSync:
                 table[num_known:],
                 is_sampled,
                 fork_seq_ids,
+                num_spec_tokens,
             )
         )
         self._num_table_blocks[seq.seq_id] = len(table)

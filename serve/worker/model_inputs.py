@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve.kernels import AttentionMetadata
-from serve.step import SchedulerOutput
+from serve.step import ScheduledSequence, SchedulerOutput
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 
 
@@ -39,11 +39,23 @@ class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: the last token of each sampled sequence
-    sampled_seqs: list[MirroredSequence]  # row i of the logits is sampled_seqs[i]'s
+    # The last token of each sampled sequence, then one row per proposal it checks:
+    # sampled_seqs[i] has 1 + len(draft_token_ids[i]) consecutive rows of the logits.
+    logits_indices: torch.Tensor
+    sampled_seqs: list[MirroredSequence]
+    draft_token_ids: list[list[int]]  # per sampled sequence: its proposals (speculation)
     prompt_logits_indices: torch.Tensor | None = None  # rows for prompt logprobs
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling sequences' rows
+
+    @property
+    def first_logits_rows(self) -> list[int]:
+        """Each sampled sequence's first row of the logits (its last known token's)."""
+        rows, row = [], 0
+        for seq_drafts in self.draft_token_ids:
+            rows.append(row)
+            row += 1 + len(seq_drafts)
+        return rows
 
 
 def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
@@ -51,12 +63,23 @@ def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
 
 
 def build_model_inputs(
-    out: SchedulerOutput, mirror: SequenceMirror, block_size: int, device: torch.device
+    out: SchedulerOutput,
+    mirror: SequenceMirror,
+    block_size: int,
+    device: torch.device,
+    drafts: dict[int, list[int]] | None = None,
 ) -> ModelInputs:
     """The flat token stream of the step's sequences, decodes first (so attention can
-    batch them in one gather), with their positions, cache slots and block tables."""
-    ordered = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable
-    num_decode_seqs = sum(1 for s in ordered if s.num_new_tokens == 1)
+    batch them in one gather), with their positions, cache slots and block tables.
+    `drafts` (seq id -> proposals) follow their sequence's last token, in the room the
+    scheduler made for them (`num_spec_tokens`): a query of 1 + proposals tokens."""
+    drafts = drafts or {}
+
+    def num_tokens(s: ScheduledSequence) -> int:  # what the step computes of it
+        return s.num_new_tokens - s.num_spec_tokens + len(drafts.get(s.seq_id, ()))
+
+    ordered = sorted(out.scheduled, key=lambda s: num_tokens(s) != 1)  # stable
+    num_decode_seqs = sum(1 for s in ordered if num_tokens(s) == 1)
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -65,18 +88,22 @@ def build_model_inputs(
     tables: list[list[int]] = []
     logits_indices: list[int] = []
     sampled: list[MirroredSequence] = []
+    sampled_drafts: list[list[int]] = []
     prompt_indices: list[int] = []
     prompt_spans: list[PromptSpan] = []
     pool_spans: list[PoolSpan] = []
     for s in ordered:
-        seq, start, n = mirror[s.seq_id], s.start, s.num_new_tokens
-        new_tokens = seq.token_ids_between(start, start + n)
-        if len(new_tokens) != n:
+        seq, start = mirror[s.seq_id], s.start
+        n_known = s.num_new_tokens - s.num_spec_tokens
+        new_tokens = seq.token_ids_between(start, start + n_known)
+        if len(new_tokens) != n_known:
             raise RuntimeError(
-                f"sequence {s.seq_id}: the step computes positions [{start}, {start + n}), "
-                f"but the worker knows {seq.num_tokens} of its tokens"
+                f"sequence {s.seq_id}: the step computes positions [{start}, "
+                f"{start + n_known}), but the worker knows {seq.num_tokens} of its tokens"
             )
-        token_ids += new_tokens
+        seq_drafts = drafts.get(s.seq_id, [])
+        n = n_known + len(seq_drafts)
+        token_ids += new_tokens + seq_drafts
         if seq.sampling_params.prompt_logprobs is not None:
             # Position p's logits predict prompt token p + 1; the last prompt position
             # predicts the first output token, which the sampler reports.
@@ -94,8 +121,10 @@ def build_model_inputs(
         query_lens.append(n)
         tables.append(table)
         if s.is_sampled:
-            logits_indices.append(len(token_ids) - 1)
+            last = len(token_ids) - 1 - len(seq_drafts)  # the sequence's last known token
+            logits_indices.extend(range(last, len(token_ids)))
             sampled.append(seq)
+            sampled_drafts.append(seq_drafts)
     max_blocks = max(len(t) for t in tables)
     tables = [t + [0] * (max_blocks - len(t)) for t in tables]
     query_start_loc = [0]
@@ -117,6 +146,7 @@ def build_model_inputs(
         meta,
         _long_tensor(logits_indices, device),
         sampled,
+        sampled_drafts,
         _long_tensor(prompt_indices, device) if prompt_indices else None,
         prompt_spans,
         pool_spans,

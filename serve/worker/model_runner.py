@@ -31,6 +31,7 @@ from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
+from serve.worker.speculative import make_proposer
 from serve.worker.step_sampler import StepSampler
 from serve.worker.structured_output import LazyStructuredOutput
 
@@ -52,6 +53,7 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim  # this rank's
         self.cache_engine: CacheEngine | None = None
         self.mirror = SequenceMirror()
+        self.proposer = make_proposer(engine.speculative.method)
         self.step_sampler: StepSampler | None = None
         self.pooler: Pooler | None = None
         if config.is_driver:
@@ -160,7 +162,8 @@ class ModelRunner:
         if out.is_empty:
             self._move_blocks(out)
             return output
-        inputs = build_model_inputs(out, self.mirror, self.block_size, self.device)
+        drafts = self._propose(out)
+        inputs = build_model_inputs(out, self.mirror, self.block_size, self.device, drafts)
         prepared = time.perf_counter()
         self._move_blocks(out)
         with forward_context(inputs.meta):
@@ -175,24 +178,42 @@ class ModelRunner:
 
         rows = self._sampled_rows(out, inputs.sampled_seqs)
         sampled = [seq for row in rows if not _is_beam(row[0]) for seq in row]
-        token_ids = None
         if self.step_sampler is not None:
             assert output is not None and self.pooler is not None
             prompt = None if prompt_logits is None else prompt_logits.float()
             sampled_logits = None if logits is None else logits.float()
-            self.step_sampler.sample(sampled_logits, rows, prompt, inputs.prompt_spans, output)
+            self.step_sampler.sample(
+                sampled_logits, rows, prompt, inputs.prompt_spans, output, inputs.draft_token_ids
+            )
             if inputs.pool_spans:  # timed with sampling: the driver's work after the forward
                 pool_start = time.perf_counter()
                 self.pooler.pool(hidden, inputs.pool_spans, output)
                 output.sample_s += time.perf_counter() - pool_start
             if self.config.engine.scheduler.scheduling_policy == "sjf":
-                self._record_prompt_hidden_states(hidden[inputs.logits_indices], inputs, output)
-            token_ids = output.token_ids
+                last_rows = inputs.logits_indices[inputs.first_logits_rows]
+                self._record_prompt_hidden_states(hidden[last_rows], inputs, output)
             output.prepare_s = prepared - start
             output.forward_s = forwarded - prepared
-        token_ids = self._share_sampled(token_ids, len(sampled))
-        self.mirror.append_sampled([seq.seq_id for seq in sampled], token_ids)
+        # Rows each sampled sequence may take: one, or one more than its proposals.
+        checking = {s.seq_id: 1 + len(d) for s, d in zip(inputs.sampled_seqs, inputs.draft_token_ids)}
+        slots = [(seq.seq_id, checking.get(seq.seq_id, 1)) for seq in sampled]
+        self.mirror.append_sampled(*self._share_sampled(output, slots))
         return output
+
+    def _propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Proposals for the room the scheduler made after sequences' last tokens: the
+        same on every rank (the proposer reads only the mirror)."""
+        if self.proposer is None:
+            return {}
+        drafts = {}
+        for s in out.scheduled:
+            if s.num_spec_tokens:
+                seq = self.mirror[s.seq_id]
+                known = seq.token_ids_between(0, s.start + s.num_new_tokens - s.num_spec_tokens)
+                proposed = self.proposer.propose(known, s.num_spec_tokens)
+                if proposed:
+                    drafts[s.seq_id] = proposed
+        return drafts
 
     @staticmethod
     def _record_prompt_hidden_states(
@@ -224,18 +245,38 @@ class ModelRunner:
             rows.append(row)
         return rows
 
-    def _share_sampled(self, token_ids: list[int] | None, count: int) -> list[int]:
-        """The driver's sampled tokens, on every rank (a broadcast when there are several)."""
+    def _share_sampled(
+        self, output: ModelRunnerOutput | None, slots: list[tuple[int, int]]
+    ) -> tuple[list[int], list[int]]:
+        """The driver's sampled (seq id, token) rows, on every rank: a broadcast when there
+        are several, of each sequence's tokens in `slots` (seq id, most rows), -1 padded
+        (a speculating sequence takes a number of tokens only the driver knows)."""
         if self.config.world_size == 1:
-            assert token_ids is not None
-            return token_ids
+            assert output is not None
+            return output.seq_ids, output.token_ids
         from serve.distributed.parallel_state import get_tp_group
 
-        if token_ids is not None:
-            tensor = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        total = sum(n for _, n in slots)
+        if output is not None:
+            taken: dict[int, list[int]] = {}
+            for seq_id, token in zip(output.seq_ids, output.token_ids):
+                taken.setdefault(seq_id, []).append(token)
+            padded = []
+            for seq_id, n in slots:
+                tokens = taken.get(seq_id, [])
+                padded += tokens + [-1] * (n - len(tokens))
+            tensor = torch.tensor(padded, dtype=torch.long, device=self.device)
         else:
-            tensor = torch.empty(count, dtype=torch.long, device=self.device)
-        return get_tp_group().broadcast(tensor, src=0).tolist()
+            tensor = torch.empty(total, dtype=torch.long, device=self.device)
+        flat = get_tp_group().broadcast(tensor, src=0).tolist()
+        seq_ids, token_ids, i = [], [], 0
+        for seq_id, n in slots:
+            for token in flat[i : i + n]:
+                if token >= 0:
+                    seq_ids.append(seq_id)
+                    token_ids.append(token)
+            i += n
+        return seq_ids, token_ids
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """Swap out, swap in, then copy on write: swap-outs read blocks that the scheduler

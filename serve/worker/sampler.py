@@ -65,14 +65,20 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            token_ids[rows] = self._sample(processed[rows], [seqs[i] for i in random_rows])
+            random_seqs = [seqs[i] for i in random_rows]
+            probs = self.probabilities(processed[rows], random_seqs)
+            token_ids[rows] = self.draw(probs, self.uniform(random_seqs, logits.device))
+        return self.report(logits, token_ids.tolist(), seqs)
 
-        # Log-probabilities under the model's own distribution (before temperature and
-        # filters), as vLLM reports them; logit - logsumexp avoids a full log_softmax.
+    def report(self, logits: torch.Tensor, token_ids: list[int], seqs: list[Sequence]) -> SamplerOutput:
+        """Row i's token `token_ids[i]` with its logprob, and the top logprobs its sequence
+        asked for, under the model's own distribution (before temperature and filters),
+        as vLLM reports them; logit - logsumexp avoids a full log_softmax."""
+        params = [s.sampling_params for s in seqs]
+        token_list = token_ids
         log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # [num_seqs, 1]
-        sampled_logprobs = (logits.gather(1, token_ids[:, None]) - log_normalizer).squeeze(1)
-        token_list = token_ids.tolist()
-        sampled_list = sampled_logprobs.tolist()
+        index = torch.tensor(token_ids, device=logits.device)[:, None]
+        sampled_list = (logits.gather(1, index) - log_normalizer).squeeze(1).tolist()
         num_top = max((p.logprobs or 0 for p in params), default=0)
         if num_top:
             top = logits.topk(num_top, dim=-1)
@@ -167,7 +173,9 @@ class Sampler:
         rows_t = torch.tensor(rows, device=device)
         lp.apply_penalties(logits, rows_t, output_counts, prompt_counts, penalties)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row's token is drawn from, [num_seqs, vocab]: processed
+        logits under the row's temperature, top-k, top-p and min-p."""
         params = [s.sampling_params for s in seqs]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
@@ -181,7 +189,11 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], device=device)
             threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
 
+    def uniform(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
+        """One uniform number per row, [num_seqs]: a seeded sequence's from its own
+        generator, the others' from the shared one."""
         uniform = torch.empty(len(seqs), device=device)
         unseeded = [i for i, seq in enumerate(seqs) if seq.seed is None]
         if unseeded:
@@ -193,6 +205,11 @@ class Sampler:
                 uniform[i] = torch.rand(
                     1, device=device, generator=self._seq_generator(seq, device)
                 )
+        return uniform
+
+    @staticmethod
+    def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """Row i's token by inverse-CDF sampling of `probs[i]` (unnormalised) at `uniform[i]`."""
         cdf = probs.cumsum(dim=-1)  # [num_seqs, vocab]
         # The first token whose cumulative probability exceeds u; zero-probability tokens
         # never qualify, since the CDF does not rise at them.

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from serve.outputs import request_error_message
@@ -27,6 +28,7 @@ from serve.worker.logprobs import token_logprobs
 from serve.worker.model_inputs import PromptSpan
 from serve.worker.sampler import Sampler
 from serve.worker.sequence_mirror import MirroredSequence
+from serve.worker.speculative import verify
 from serve.worker.structured_output import LazyStructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -70,15 +72,19 @@ class StepSampler:
         prompt_logits: torch.Tensor | None,  # [sum of span counts, vocab]
         prompt_spans: list[PromptSpan],
         output: ModelRunnerOutput,
+        drafts: list[list[int]] | None = None,
     ) -> None:
         """Fill `output` with the step's tokens (row order), beam candidates and prompt
-        logprobs; advance the grammars."""
+        logprobs; advance the grammars. `drafts[i]`, when given, are the proposals that
+        rows[i]'s sequence checks: it has 1 + len(drafts[i]) rows of `logits`."""
         start = time.perf_counter()
         failed = output.failed_requests
         self._prompt_logprobs(prompt_logits, prompt_spans, output)
         if logits is None:  # no sequence samples this step (prefill-only ones alone)
             output.sample_s += time.perf_counter() - start
             return
+        if drafts and any(drafts):
+            logits, rows = self._verify_proposals(logits, rows, drafts, output)
         sample_rows: list[int] = []
         seqs: list[MirroredSequence] = []
         for row, row_seqs in enumerate(rows):
@@ -97,6 +103,49 @@ class StepSampler:
                     if self._grammar_ended(seq, token):
                         output.grammar_ended_seq_ids.append(seq.seq_id)
         output.sample_s += time.perf_counter() - start
+
+    def _verify_proposals(
+        self,
+        logits: torch.Tensor,
+        rows: list[list[MirroredSequence]],
+        drafts: list[list[int]],
+        output: ModelRunnerOutput,
+    ) -> tuple[torch.Tensor, list[list[MirroredSequence]]]:
+        """Check the speculating sequences' proposals (speculative.py) and put their tokens
+        in `output`; returns the logits rows and the rows of the other sequences."""
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts]).tolist()
+        plain = [i for i, d in enumerate(drafts) if not d]
+        checked = [i for i, d in enumerate(drafts) if d]
+        spans = [r for i in checked for r in range(starts[i], starts[i + 1])]
+        seqs = [rows[i][0] for i in checked]  # forks and beams never speculate
+        spec_logits = logits.index_select(0, torch.tensor(spans, dtype=torch.long, device=logits.device))
+        try:
+            results = verify(self.sampler, spec_logits, seqs, [drafts[i] for i in checked])
+        except Exception:
+            logger.warning("Checking proposals failed; checking them one sequence at a time", exc_info=True)
+            results = []
+            for i, seq in zip(checked, seqs):
+                one = None
+                with _request_scope(seq.request_id, output.failed_requests):
+                    row_index = torch.arange(starts[i], starts[i + 1], device=logits.device)
+                    (one,) = verify(self.sampler, logits[row_index], [seq], [drafts[i]])
+                results.append(one)
+        for i, seq, result in zip(checked, seqs, results):
+            output.spec_proposed[seq.seq_id] = len(drafts[i])
+            if result is None:  # its request failed
+                output.seq_ids.append(seq.seq_id)
+                output.token_ids.append(PLACEHOLDER_TOKEN)
+                output.logprobs.append(0.0)
+                output.top_logprobs.append(None)
+                continue
+            output.spec_accepted[seq.seq_id] = result.num_accepted
+            sampled = result.sampled
+            output.seq_ids += [seq.seq_id] * len(sampled.token_ids)
+            output.token_ids += sampled.token_ids
+            output.logprobs += sampled.logprobs
+            output.top_logprobs += sampled.top_logprobs
+        first_rows = torch.tensor([starts[i] for i in plain], dtype=torch.long, device=logits.device)
+        return logits.index_select(0, first_rows), [rows[i] for i in plain]
 
     def _sample_rows(
         self,

@@ -1,0 +1,170 @@
+"""Speculative decoding on the worker: proposals for a sequence's next tokens, and their
+check against the model.
+
+The scheduler leaves room after a decoding sequence's last token (`num_spec_tokens`);
+each rank fills it with the same proposals (`NgramProposer` is deterministic over the
+sequence's tokens, which every rank's mirror holds), so the step's forward computes the
+last token and the m proposals as one query of 1 + m tokens over the sequence's cache.
+Row j of its logits is the model's distribution for the token after proposal j (row 0:
+after the last token).
+
+`verify` keeps the proposals as far as the model agrees with them, by rejection sampling
+(Leviathan et al. 2023, Chen et al. 2023) with a deterministic proposer: q is a point mass
+on the proposal d, so d is accepted with probability min(1, p(d) / q(d)) = p(d); at the
+first rejection the token is drawn from the residual max(p - q, 0), renormalised: p with
+d taken out; when all m are accepted, one more token is drawn from row m. Every token
+taken is then distributed exactly as the model's p given the tokens before it. p is the
+distribution plain sampling draws from: the request's controls (penalties, bias, bans,
+min_tokens) applied with the accepted proposals counted as output, then temperature,
+top-k, top-p and min-p. Greedy rows accept a proposal only when it is the argmax, and
+take the argmax where it is not: exactly the tokens of decoding without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from serve.config import SpeculativeMethod
+from serve.worker.sampler import Sampler, SamplerOutput
+from serve.worker.sequence_mirror import MirroredSequence
+
+
+class NgramProposer:
+    """Prompt lookup: the longest n-gram (`max_n` down to `min_n` tokens) that ends the
+    sequence and occurred earlier in it proposes the tokens that followed it there: the
+    latest earlier occurrence followed by k tokens, else the earliest (the longest run)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        length = len(token_ids)
+        if k < 1 or length < self.min_n + 1:
+            return []
+        tokens = np.asarray(token_ids)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # Windows that start at i <= length - 1 - n: each has a token after it.
+            windows = sliding_window_view(tokens[: length - 1], n)
+            starts = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+            if len(starts) == 0:
+                continue
+            whole = starts[starts + n + k <= length]
+            start = int(whole[-1] if len(whole) else starts[0]) + n
+            return tokens[start : start + k].tolist()
+        return []
+
+
+def make_proposer(method: SpeculativeMethod | None) -> NgramProposer | None:
+    if method is None:
+        return None
+    if method.method == "ngram":
+        return NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
+    raise ValueError(f"No proposer for speculative method {method.method!r}.")
+
+
+@dataclass
+class Verified:
+    """One sequence's tokens from a checked step: its accepted proposals, then one more
+    (drawn where the first was rejected, or after the last), with their logprobs."""
+
+    num_accepted: int
+    sampled: SamplerOutput
+
+
+def at_position(seq: MirroredSequence, drafts: list[int], j: int) -> MirroredSequence:
+    """`seq` as the sampler sees it at checked position j: the proposals before j count
+    as its output (penalties, min_tokens, bad words see them)."""
+    if j == 0:
+        return seq
+    return MirroredSequence(
+        seq.seq_id,
+        seq.request_id,
+        seq.prompt_token_ids,
+        seq.sampling_params,
+        seq.seed,
+        seq.output_token_ids + drafts[:j],
+    )
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,  # [sum of 1 + len(drafts[i]), vocab] float32, each sequence's rows
+    seqs: list[MirroredSequence],
+    drafts: list[list[int]],  # per sequence: its proposals (at least one)
+) -> list[Verified]:
+    """Each sequence's accepted proposals and next token, by the rules above."""
+    positions = [at_position(seq, d, j) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+    processed = sampler.process_logits(logits, positions)
+    argmax = processed.argmax(dim=-1).tolist()
+    offsets = np.cumsum([0] + [len(d) + 1 for d in drafts]).tolist()
+    random = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+    taken: dict[int, tuple[int, list[int]]] = {}  # seq index -> (accepted, tokens)
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+        if seq.sampling_params.is_greedy:
+            rows = argmax[offsets[i] : offsets[i + 1]]
+            a = 0
+            while a < len(d) and d[a] == rows[a]:
+                a += 1
+            taken[i] = (a, d[:a] + [rows[a]])
+    if random:
+        taken.update(_verify_random(sampler, processed, positions, seqs, drafts, offsets, random))
+
+    results = []
+    for i, (seq, d) in enumerate(zip(seqs, drafts)):
+        a, tokens = taken[i]
+        rows = list(range(offsets[i], offsets[i] + a + 1))
+        index = torch.tensor(rows, device=logits.device)
+        reported = sampler.report(
+            logits.index_select(0, index), tokens, [at_position(seq, d, j) for j in range(a + 1)]
+        )
+        results.append(Verified(a, reported))
+    return results
+
+
+def _verify_random(
+    sampler: Sampler,
+    processed: torch.Tensor,
+    positions: list[MirroredSequence],
+    seqs: list[MirroredSequence],
+    drafts: list[list[int]],
+    offsets: list[int],
+    which: list[int],
+) -> dict[int, tuple[int, list[int]]]:
+    """Rejection sampling for the sampled (not greedy) sequences `which`."""
+    device = processed.device
+    rows = [r for i in which for r in range(offsets[i], offsets[i + 1])]
+    row_positions = [positions[r] for r in rows]
+    probs = sampler.probabilities(processed[torch.tensor(rows, device=device)], row_positions)
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalised
+    local = {r: k for k, r in enumerate(rows)}  # a global row -> its row of `probs`
+    # p(proposal) at each checked position, and one uniform number per position (the last
+    # position's goes unused: its row is only drawn from).
+    proposal_rows = [local[offsets[i] + j] for i in which for j in range(len(drafts[i]))]
+    proposed = [t for i in which for t in drafts[i]]
+    p_proposed = probs[
+        torch.tensor(proposal_rows, device=device), torch.tensor(proposed, device=device)
+    ].tolist()
+    uniform = sampler.uniform(row_positions, device).tolist()
+    final_rows, residual_tokens = [], []
+    accepted: dict[int, int] = {}
+    k = 0  # index into proposal_rows / proposed / p_proposed
+    for i in which:
+        m, a = len(drafts[i]), 0
+        u = uniform[local[offsets[i]] : local[offsets[i]] + m]
+        while a < m and u[a] < p_proposed[k + a]:
+            a += 1
+        k += m
+        accepted[i] = a
+        final_rows.append(local[offsets[i] + a])
+        residual_tokens.append(drafts[i][a] if a < m else -1)
+    final = probs[torch.tensor(final_rows, device=device)].clone()
+    for r, token in enumerate(residual_tokens):
+        if token >= 0:  # rejected: draw from p without the proposal
+            final[r, token] = 0.0
+    last = [seqs[i] for i in which]
+    drawn = sampler.draw(final, sampler.uniform(last, device)).tolist()
+    return {i: (accepted[i], drafts[i][: accepted[i]] + [t]) for i, t in zip(which, drawn)}
