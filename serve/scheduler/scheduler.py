@@ -383,9 +383,9 @@ class Scheduler:
 
     def _plan_speculation(self, decodes: dict[SequenceGroup, Plan], budget: int) -> dict[int, int]:
         """Room for proposals after each decode, in rank order, from `budget`: as many as
-        the method makes, fewer near the sequence's token limits, none for beams or
-        grammars, and none at all in a step with more running sequences than
-        `disable_by_batch_size`. Grows the plans; returns the room by seq id."""
+        the method makes, fewer near the sequence's token limits, none for beams, and
+        none at all in a step with more running sequences than `disable_by_batch_size`.
+        Grows the plans; returns the room by seq id."""
         spec = self.speculation
         if spec is None:
             return {}
@@ -395,7 +395,7 @@ class Scheduler:
         slots: dict[int, int] = {}
         for group, plan in decodes.items():
             params = group.sampling_params
-            if params.use_beam_search or group.grammar is not None:
+            if params.use_beam_search:
                 continue
             for i, (seq, n) in enumerate(plan):
                 # After this step the sequence holds up to its tokens + k + 1 (a bonus token).

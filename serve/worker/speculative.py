@@ -29,7 +29,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from serve.config import SpeculativeMethod
-from serve.worker.sampler import Sampler, SamplerOutput
+from serve.worker.sampler import LogitsMask, Sampler, SamplerOutput
 from serve.worker.sequence_mirror import MirroredSequence
 
 
@@ -95,10 +95,11 @@ def verify(
     logits: torch.Tensor,  # [sum of 1 + len(drafts[i]), vocab] float32, each sequence's rows
     seqs: list[MirroredSequence],
     drafts: list[list[int]],  # per sequence: its proposals (at least one)
+    logits_mask: LogitsMask | None = None,  # a grammar's, per checked position
 ) -> list[Verified]:
     """Each sequence's accepted proposals and next token, by the rules above."""
     positions = [at_position(seq, d, j) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
-    processed = sampler.process_logits(logits, positions)
+    processed = sampler.process_logits(logits, positions, logits_mask)
     argmax = processed.argmax(dim=-1).tolist()
     offsets = np.cumsum([0] + [len(d) + 1 for d in drafts]).tolist()
     random = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]

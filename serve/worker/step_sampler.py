@@ -119,8 +119,9 @@ class StepSampler:
         spans = [r for i in checked for r in range(starts[i], starts[i + 1])]
         seqs = [rows[i][0] for i in checked]  # forks and beams never speculate
         spec_logits = logits.index_select(0, torch.tensor(spans, dtype=torch.long, device=logits.device))
+        mask = self._proposals_mask([(seq.seq_id, drafts[i]) for i, seq in zip(checked, seqs)])
         try:
-            results = verify(self.sampler, spec_logits, seqs, [drafts[i] for i in checked])
+            results = verify(self.sampler, spec_logits, seqs, [drafts[i] for i in checked], mask)
         except Exception:
             logger.warning("Checking proposals failed; checking them one sequence at a time", exc_info=True)
             results = []
@@ -128,7 +129,8 @@ class StepSampler:
                 one = None
                 with _request_scope(seq.request_id, output.failed_requests):
                     row_index = torch.arange(starts[i], starts[i + 1], device=logits.device)
-                    (one,) = verify(self.sampler, logits[row_index], [seq], [drafts[i]])
+                    one_mask = self._proposals_mask([(seq.seq_id, drafts[i])])
+                    (one,) = verify(self.sampler, logits[row_index], [seq], [drafts[i]], one_mask)
                 results.append(one)
         for i, seq, result in zip(checked, seqs, results):
             output.spec_proposed[seq.seq_id] = len(drafts[i])
@@ -140,12 +142,29 @@ class StepSampler:
                 continue
             output.spec_accepted[seq.seq_id] = result.num_accepted
             sampled = result.sampled
-            output.seq_ids += [seq.seq_id] * len(sampled.token_ids)
-            output.token_ids += sampled.token_ids
-            output.logprobs += sampled.logprobs
-            output.top_logprobs += sampled.top_logprobs
+            for j, token in enumerate(sampled.token_ids):
+                output.seq_ids.append(seq.seq_id)
+                output.token_ids.append(token)
+                output.logprobs.append(sampled.logprobs[j])
+                output.top_logprobs.append(sampled.top_logprobs[j])
+                if seq.sampling_params.structured_outputs is not None:
+                    ended = False
+                    with _request_scope(seq.request_id, output.failed_requests):
+                        ended = self._grammar_ended(seq, token)
+                    if ended:  # complete (or refused): the sequence stops at this token
+                        output.grammar_ended_seq_ids.append(seq.seq_id)
+                        break
         first_rows = torch.tensor([starts[i] for i in plain], dtype=torch.long, device=logits.device)
         return logits.index_select(0, first_rows), [rows[i] for i in plain]
+
+    def _proposals_mask(
+        self, checked: list[tuple[int, list[int]]]
+    ) -> Callable[[torch.Tensor], None] | None:
+        """The grammar mask of speculating sequences' checked rows (None: no grammar)."""
+        manager = self.grammars.built
+        if manager is None or not any(manager.has(seq_id) for seq_id, _ in checked):
+            return None
+        return lambda logits: manager.mask_proposals(logits, checked)
 
     def _sample_rows(
         self,
@@ -196,6 +215,8 @@ class StepSampler:
         manager = self.grammars.get()
         if not manager.has(seq.seq_id):
             return False
+        if manager.is_terminated(seq.seq_id):
+            return True  # ended last step; a step scheduled ahead sampled once more in vain
         if not manager.accept(seq.seq_id, token):
             logger.warning(
                 "Request %s: token %d does not fit its structured output; ending it.",

@@ -178,6 +178,39 @@ class StructuredOutputManager:
             bitmask = bitmask.to(logits.device)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
+    def mask_proposals(self, logits: torch.Tensor, checked: list[tuple[int, list[int]]]) -> None:
+        """`mask_logits` for the rows of speculating sequences: `checked` lists (seq id,
+        proposals), each with 1 + len(proposals) consecutive rows of `logits`; row j is
+        masked as the grammar stands after proposals [0, j). The matcher takes the
+        proposals to fill the rows, then rolls them back: the sampler decides which stay.
+        Past a proposal the grammar refuses, rows are left as they are: that proposal is
+        masked out, so it is rejected and no later row is read."""
+        if not self._matchers:
+            return
+        bitmask = self._bitmask_rows(logits.shape[0])
+        rows, offset = [], 0
+        for seq_id, proposals in checked:
+            matcher = self._matchers.get(seq_id)
+            if matcher is not None:
+                taken = 0
+                for j in range(len(proposals) + 1):
+                    if matcher.is_terminated():
+                        break
+                    if matcher.fill_next_token_bitmask(bitmask, offset + j):
+                        rows.append(offset + j)
+                    if j == len(proposals) or not matcher.accept_token(proposals[j]):
+                        break
+                    taken += 1
+                if taken:
+                    matcher.rollback(taken)
+            offset += 1 + len(proposals)
+        if rows:
+            if bitmask.device != logits.device:
+                bitmask = bitmask.to(logits.device)
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask[: logits.shape[0]], vocab_size=self.vocab_size, indices=rows
+            )
+
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         """The first `num_rows` rows of the one CPU bitmask buffer, grown (doubled) as needed."""
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
