@@ -163,6 +163,28 @@ def test_every_output_equals_one_ranks(runs):
             assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
 
 
+def test_speculation_at_tp2_equals_one_rank_and_keeps_greedy_tokens(runs, tiny_model_factory):
+    """The workload with n-gram speculation: two ranks take exactly the tokens one rank
+    takes (the driver's accepted proposals reach the other rank), and every greedy
+    request's tokens are those without speculation."""
+    model_dir, plain, _ = runs
+    if model_dir != tiny_model_factory("llama", num_key_value_heads=2):
+        pytest.skip("one model is enough: the speculation is the same for every one")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    one = run_workload(LLM(model=str(model_dir), speculative_config=spec, **ENGINE))
+    llm = LLM(model=str(model_dir), tensor_parallel_size=2, speculative_config=spec, **ENGINE)
+    try:
+        two = run_workload(llm)
+        drafts = llm.stats().spec_decode
+    finally:
+        llm.shutdown()
+    assert drafts is not None and drafts.num_accepted_tokens > 0, drafts
+    assert two["tokens"] == one["tokens"]
+    for (_, params), tokens, expected in zip(one["work"], one["tokens"], plain["tokens"]):
+        if params.temperature == 0.0 and not params.use_beam_search:
+            assert tokens == expected
+
+
 # -- Ray ------------------------------------------------------------------------------------
 
 
