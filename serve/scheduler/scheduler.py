@@ -707,8 +707,8 @@ class Scheduler:
             seq.num_scheduled_tokens -= s.num_new_tokens
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.mark_computed(seq)
-                if s.num_spec_tokens:  # its next token (sampled this step) fits the table
-                    keep = self.block_manager.trim(seq, seq.num_computed_tokens + 1)
+                if s.num_spec_tokens:  # as any sequence, it holds blocks for what it computed
+                    keep = self.block_manager.trim(seq, seq.num_computed_tokens)
                     self.worker_sync.table_changed(seq.seq_id, keep)
 
     def _finish_prefill_only(

@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from serve.config import SchedulerConfig
+from serve.config import SchedulerConfig, SpeculativeMethod
 from serve.kv_cache.block_manager import BlockManager
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
@@ -30,6 +30,7 @@ from serve.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from serve.worker.sequence_mirror import SequenceMirror
 
 FAKE_TOKEN = 7
+PROPOSAL_TOKEN = 500_000  # the fake worker's proposals: PROPOSAL_TOKEN + 100 * i + j
 FIRST_SCHEDULER_SEQ_ID = 1_000_000
 BEAM_VOCAB = 40  # beams choose among tokens [FAKE_TOKEN, FAKE_TOKEN + BEAM_VOCAB)
 
@@ -48,6 +49,7 @@ def make_scheduler(
     scheduling_policy: str = "fcfs",
     sjf_max_wait_s: float = 30.0,
     clock: Callable[[], float] = time.monotonic,
+    speculation: SpeculativeMethod | None = None,
 ) -> Scheduler:
     block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     # As the engine does: one sequence of max_model_len always fits in the cache, and
@@ -62,7 +64,14 @@ def make_scheduler(
         scheduling_policy=scheduling_policy,
         sjf_max_wait_s=sjf_max_wait_s,
     )
-    sched = Scheduler(config, max_num_batched_tokens, max_model_len, block_manager, clock=clock)
+    sched = Scheduler(
+        config,
+        max_num_batched_tokens,
+        max_model_len,
+        block_manager,
+        clock=clock,
+        speculation=speculation,
+    )
     # Tests number their requests' sequences themselves; the scheduler's own ids (forks)
     # start far above them.
     sched._next_seq_id = FIRST_SCHEDULER_SEQ_ID
@@ -140,6 +149,7 @@ class FakeWorker:
         self.device: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.cpu: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.rng = random.Random(seed)
+        self.num_proposals = 0
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.mirror.apply(out)
@@ -157,9 +167,12 @@ class FakeWorker:
         result = ModelRunnerOutput()
         for s in out.scheduled:
             seq = self.mirror[s.seq_id]
-            tokens = seq.token_ids_between(s.start, s.start + s.num_new_tokens)
-            assert len(tokens) == s.num_new_tokens, "the worker lacks a token it must compute"
-            for pos, token in zip(range(s.start, s.start + s.num_new_tokens), tokens):
+            num_known = s.num_new_tokens - s.num_spec_tokens
+            tokens = seq.token_ids_between(s.start, s.start + num_known)
+            assert len(tokens) == num_known, "the worker lacks a token it must compute"
+            proposals = self.propose(s.num_spec_tokens)
+            tokens += proposals
+            for pos, token in zip(range(s.start, s.start + len(tokens)), tokens):
                 self.device[seq.block_table[pos // bs]][pos % bs] = token
             pools = seq.sampling_params.pooling is not None
             if pools and s.start + s.num_new_tokens == seq.num_prompt_tokens:
@@ -171,6 +184,15 @@ class FakeWorker:
                 logprobs = sorted((-self.rng.random() * 5 for _ in tokens), reverse=True)
                 result.beam_candidates.append(BeamCandidates(s.seq_id, tokens, logprobs))
                 continue
+            if proposals:  # a random number of them accepted, then one token sampled
+                num_accepted = self.rng.randint(0, len(proposals))
+                result.spec_proposed[s.seq_id] = len(proposals)
+                result.spec_accepted[s.seq_id] = num_accepted
+                for token in proposals[:num_accepted]:
+                    result.seq_ids.append(s.seq_id)
+                    result.token_ids.append(token)
+                    result.logprobs.append(-0.5)
+                    result.top_logprobs.append(None)
             for seq_id in [s.seq_id, *s.fork_seq_ids]:
                 if seq_id != s.seq_id:
                     self.mirror.fork_sample(s.seq_id, seq_id, None)
@@ -180,6 +202,14 @@ class FakeWorker:
                 result.top_logprobs.append(None)
         self.mirror.append_sampled(result.seq_ids, result.token_ids)
         return result
+
+    def propose(self, room: int) -> list[int]:
+        """Speculation: as many proposals as the room, or fewer, even none (distinct
+        tokens: a test sees where each went)."""
+        if room == 0:
+            return []
+        self.num_proposals += 1
+        return [PROPOSAL_TOKEN + self.num_proposals * 100 + i for i in range(self.rng.randint(0, room))]
 
     def check(self, seq: Sequence, table: list[int], on_cpu: bool) -> None:
         blocks, bs = (self.cpu if on_cpu else self.device), self.block_size
@@ -255,7 +285,8 @@ def run_step_with_deltas(sched: Scheduler) -> tuple[SchedulerOutput, list[Reques
     assert not {s.seq_id for s in scheduled} & preempted_ids
     for s, seq in zip(out.scheduled, scheduled):
         assert seq.status is SequenceStatus.RUNNING
-        assert 1 <= s.num_new_tokens <= seq.num_uncomputed_tokens
+        assert 1 <= s.num_new_tokens - s.num_spec_tokens <= seq.num_uncomputed_tokens
+        assert s.num_spec_tokens == 0 or s.is_sampled
         if not sched.enable_chunked_prefill:
             # Whole or not at all: a prompt, a recompute, or a catch-up (all but the last).
             whole = {seq.num_uncomputed_tokens}
