@@ -54,8 +54,10 @@ def average_price(items):
     return subtotal / len(items)
 '''
 PROMPTS = [
-    f"Fix the spelling mistakes in this paragraph and write it out again in full:\n\n{TYPO_PASSAGE}",
-    f"Rename the variable `subtotal` to `running_sum` in this code and show the whole code:\n\n{CODE}",
+    "Fix the spelling mistakes in this paragraph and write it out again in full:\n\n"
+    + TYPO_PASSAGE,
+    "Rename the variable `subtotal` to `running_sum` in this code and show the whole code:\n\n"
+    + CODE,
     f"Repeat the following paragraph exactly, word for word:\n\n{PASSAGE}",
     f"Read this paragraph, then write it again with 'lighthouse' replaced by 'tower':\n\n{PASSAGE}",
 ]

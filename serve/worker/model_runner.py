@@ -195,7 +195,9 @@ class ModelRunner:
             output.prepare_s = prepared - start
             output.forward_s = forwarded - prepared
         # Rows each sampled sequence may take: one, or one more than its proposals.
-        checking = {s.seq_id: 1 + len(d) for s, d in zip(inputs.sampled_seqs, inputs.draft_token_ids)}
+        checking = {
+            seq.seq_id: 1 + len(d) for seq, d in zip(inputs.sampled_seqs, inputs.draft_token_ids)
+        }
         slots = [(seq.seq_id, checking.get(seq.seq_id, 1)) for seq in sampled]
         self.mirror.append_sampled(*self._share_sampled(output, slots))
         return output

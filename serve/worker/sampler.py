@@ -70,7 +70,9 @@ class Sampler:
             token_ids[rows] = self.draw(probs, self.uniform(random_seqs, logits.device))
         return self.report(logits, token_ids.tolist(), seqs)
 
-    def report(self, logits: torch.Tensor, token_ids: list[int], seqs: list[Sequence]) -> SamplerOutput:
+    def report(
+        self, logits: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
+    ) -> SamplerOutput:
         """Row i's token `token_ids[i]` with its logprob, and the top logprobs its sequence
         asked for, under the model's own distribution (before temperature and filters),
         as vLLM reports them; logit - logsumexp avoids a full log_softmax."""

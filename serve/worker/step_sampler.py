@@ -118,12 +118,15 @@ class StepSampler:
         checked = [i for i, d in enumerate(drafts) if d]
         spans = [r for i in checked for r in range(starts[i], starts[i + 1])]
         seqs = [rows[i][0] for i in checked]  # forks and beams never speculate
-        spec_logits = logits.index_select(0, torch.tensor(spans, dtype=torch.long, device=logits.device))
+        index = torch.tensor(spans, dtype=torch.long, device=logits.device)
+        spec_logits = logits.index_select(0, index)
         mask = self._proposals_mask([(seq.seq_id, drafts[i]) for i, seq in zip(checked, seqs)])
         try:
             results = verify(self.sampler, spec_logits, seqs, [drafts[i] for i in checked], mask)
         except Exception:
-            logger.warning("Checking proposals failed; checking them one sequence at a time", exc_info=True)
+            logger.warning(
+                "Checking proposals failed; checking them one sequence at a time", exc_info=True
+            )
             results = []
             for i, seq in zip(checked, seqs):
                 one = None
