@@ -2,7 +2,8 @@
 to the target proposes what the target decodes (every proposal accepted, through chunked
 prefill and swapping, whose moves must carry the draft's KV too); a random draft is
 mostly rejected, and greedy output stays the tokens of decoding without speculation
-through chunking and preemption by recompute; bad drafts are refused at start-up."""
+through chunking and preemption by recompute; two tensor-parallel ranks propose alike;
+bad drafts are refused at start-up."""
 
 from __future__ import annotations
 
@@ -108,3 +109,21 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama, tiny_model_factory
 def test_missing_draft_is_refused(tiny_llama, tmp_path):
     with pytest.raises((FileNotFoundError, InvalidSettingError), match="draft model"):
         LLM(model=str(tiny_llama), speculative_config=_spec(tmp_path / "no-such-draft"))
+
+
+def test_draft_under_tensor_parallelism_proposes_alike_on_both_ranks(tiny_llama, prompts, expected):
+    # Both ranks run the draft's forwards (collectives); rank 0's argmax is broadcast.
+    llm = LLM(
+        model=str(tiny_llama),
+        speculative_config=_spec(tiny_llama),
+        tensor_parallel_size=2,
+        kv_cache_memory="8MiB",
+        **SMALL,
+    )
+    try:
+        assert _generate(llm, prompts[:3]) == expected[:3]
+        spec = llm.stats().spec_decode
+        assert spec is not None and spec.num_draft_tokens > 0
+        assert spec.num_accepted_tokens == spec.num_draft_tokens
+    finally:
+        llm.shutdown()
