@@ -62,6 +62,46 @@ def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class QuerySpan:
+    """One sequence's query in a paged forward: positions [start, start + count), whose
+    K/V go to the slots of `block_table` (which covers them)."""
+
+    block_table: list[int]
+    start: int
+    count: int
+
+
+def paged_attention_inputs(
+    spans: list[QuerySpan], block_size: int, num_decode_seqs: int, device: torch.device
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """The positions ([num_tokens]) and attention metadata of queries laid end to end in
+    `spans`' order; the first `num_decode_seqs` spans are single-token decodes."""
+    positions: list[int] = []
+    slots: list[int] = []
+    for span in spans:
+        table, positions_of = span.block_table, range(span.start, span.start + span.count)
+        positions.extend(positions_of)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in positions_of)
+    seq_lens = [span.start + span.count for span in spans]
+    query_lens = [span.count for span in spans]
+    max_blocks = max(len(span.block_table) for span in spans)
+    tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
+    query_start_loc = [0]
+    for n in query_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=_long_tensor(slots, device),
+        block_tables=_long_tensor(tables, device),
+        seq_lens=_long_tensor(seq_lens, device),
+        query_start_loc=_long_tensor(query_start_loc, device),
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=query_lens,
+        num_decode_seqs=num_decode_seqs,
+    )
+    return _long_tensor(positions, device), meta
+
+
 def build_model_inputs(
     out: SchedulerOutput,
     mirror: SequenceMirror,
@@ -81,11 +121,7 @@ def build_model_inputs(
     ordered = sorted(out.scheduled, key=lambda s: num_tokens(s) != 1)  # stable
     num_decode_seqs = sum(1 for s in ordered if num_tokens(s) == 1)
     token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    seq_lens: list[int] = []
-    query_lens: list[int] = []
-    tables: list[list[int]] = []
+    spans: list[QuerySpan] = []
     logits_indices: list[int] = []
     sampled: list[MirroredSequence] = []
     sampled_drafts: list[list[int]] = []
@@ -103,6 +139,7 @@ def build_model_inputs(
             )
         seq_drafts = drafts.get(s.seq_id, [])
         n = n_known + len(seq_drafts)
+        offset = len(token_ids)  # the sequence's first row of the token stream
         token_ids += new_tokens + seq_drafts
         if seq.sampling_params.prompt_logprobs is not None:
             # Position p's logits predict prompt token p + 1; the last prompt position
@@ -110,39 +147,19 @@ def build_model_inputs(
             count = min(start + n, seq.num_prompt_tokens - 1) - start
             if count > 0:
                 prompt_spans.append(PromptSpan(seq, start, count, len(prompt_indices)))
-                prompt_indices.extend(range(len(positions), len(positions) + count))
+                prompt_indices.extend(range(offset, offset + count))
         if seq.sampling_params.pooling is not None:
-            pool_spans.append(PoolSpan(seq, start, n, len(positions)))
-        table = seq.block_table
-        span = range(start, start + n)
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
-        seq_lens.append(start + n)
-        query_lens.append(n)
-        tables.append(table)
+            pool_spans.append(PoolSpan(seq, start, n, offset))
+        spans.append(QuerySpan(seq.block_table, start, n))
         if s.is_sampled:
             last = len(token_ids) - 1 - len(seq_drafts)  # the sequence's last known token
             logits_indices.extend(range(last, len(token_ids)))
             sampled.append(seq)
             sampled_drafts.append(seq_drafts)
-    max_blocks = max(len(t) for t in tables)
-    tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-    query_start_loc = [0]
-    for n in query_lens:
-        query_start_loc.append(query_start_loc[-1] + n)
-
-    meta = AttentionMetadata(
-        slot_mapping=_long_tensor(slots, device),
-        block_tables=_long_tensor(tables, device),
-        seq_lens=_long_tensor(seq_lens, device),
-        query_start_loc=_long_tensor(query_start_loc, device),
-        seq_lens_cpu=seq_lens,
-        query_lens_cpu=query_lens,
-        num_decode_seqs=num_decode_seqs,
-    )
+    positions, meta = paged_attention_inputs(spans, block_size, num_decode_seqs, device)
     return ModelInputs(
         _long_tensor(token_ids, device),
-        _long_tensor(positions, device),
+        positions,
         meta,
         _long_tensor(logits_indices, device),
         sampled,

@@ -28,6 +28,7 @@ from serve.models.layers.attention import attention_layers
 from serve.models.loader import load_model
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
+from serve.worker.draft_model import DraftModelProposer
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
@@ -53,7 +54,11 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim  # this rank's
         self.cache_engine: CacheEngine | None = None
         self.mirror = SequenceMirror()
-        self.proposer = make_proposer(engine.speculative.method)
+        self.proposer = make_proposer(
+            engine.speculative.method, engine.model, hf_config, self.block_size, device
+        )
+        # A draft model has a KV cache of its own, addressed by the same block ids.
+        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         self.step_sampler: StepSampler | None = None
         self.pooler: Pooler | None = None
         if config.is_driver:
@@ -68,9 +73,11 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
+        """A block's KV bytes: the target's, and the draft model's KV for the same tokens."""
+        target = kv_bytes_per_block(
             self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
         )
+        return target + (self.draft.bytes_per_block if self.draft is not None else 0)
 
     # -- the KV cache ----------------------------------------------------------------------------
 
@@ -108,6 +115,8 @@ class ModelRunner:
         )
         for layer, kv_cache in zip(attention_layers(self.model), self.cache_engine.kv_caches):
             layer.kv_cache = kv_cache
+        if self.draft is not None:
+            self.draft.initialize_cache(num_blocks, num_cpu_blocks)
 
     def _profile_free_cuda_memory(self) -> float:
         """Total memory x utilisation, minus the peak of a forward pass at full token budget."""
@@ -151,6 +160,8 @@ class ModelRunner:
         start = time.perf_counter()
         output = ModelRunnerOutput() if self.step_sampler is not None else None
         forgotten = self.mirror.apply(out)
+        if self.draft is not None:
+            self.draft.forget(forgotten)
         if self.step_sampler is not None:
             assert output is not None
             self.step_sampler.forget(forgotten)
@@ -162,10 +173,10 @@ class ModelRunner:
         if out.is_empty:
             self._move_blocks(out)
             return output
-        drafts = self._propose(out)
+        self._move_blocks(out)  # before a draft model's forwards, which read the cache
+        drafts = self.proposer.propose_step(out, self.mirror) if self.proposer else {}
         inputs = build_model_inputs(out, self.mirror, self.block_size, self.device, drafts)
         prepared = time.perf_counter()
-        self._move_blocks(out)
         with forward_context(inputs.meta):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
@@ -200,22 +211,9 @@ class ModelRunner:
         }
         slots = [(seq.seq_id, checking.get(seq.seq_id, 1)) for seq in sampled]
         self.mirror.append_sampled(*self._share_sampled(output, slots))
+        if self.draft is not None:
+            self.draft.settle(out, self.mirror)
         return output
-
-    def _propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
-        """Proposals for the room the scheduler made after sequences' last tokens: the
-        same on every rank (the proposer reads only the mirror)."""
-        if self.proposer is None:
-            return {}
-        drafts = {}
-        for s in out.scheduled:
-            if s.num_spec_tokens:
-                seq = self.mirror[s.seq_id]
-                known = seq.token_ids_between(0, s.start + s.num_new_tokens - s.num_spec_tokens)
-                proposed = self.proposer.propose(known, s.num_spec_tokens)
-                if proposed:
-                    drafts[s.seq_id] = proposed
-        return drafts
 
     @staticmethod
     def _record_prompt_hidden_states(
@@ -281,33 +279,42 @@ class ModelRunner:
         return seq_ids, token_ids
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in, then copy on write: swap-outs read blocks that the scheduler
-        has already handed to others, who may overwrite them with the later moves."""
+        """Swap out, swap in, then copy on write, in the target's cache and the draft
+        model's: swap-outs read blocks that the scheduler has already handed to others,
+        who may overwrite them with the later moves."""
         if not out.has_block_moves:
             return
         assert self.cache_engine is not None
-        device_caches = self.cache_engine.kv_caches
-        swap_caches = self.cache_engine.swap_caches
-        for pairs, src_caches, dst_caches in (
-            (out.blocks_to_swap_out, device_caches, swap_caches),
-            (out.blocks_to_swap_in, swap_caches, device_caches),
-        ):
-            if not pairs:
-                continue
-            src_ids, dst_ids = zip(*pairs)
-            for src_kv, dst_kv in zip(src_caches, dst_caches):
-                src_index = torch.tensor(src_ids, device=src_kv[0].device)
-                dst_index = torch.tensor(dst_ids, device=dst_kv[0].device)
-                for src, dst in zip(src_kv, dst_kv):
-                    swap_blocks(src, dst, src_index, dst_index)
-        if out.blocks_to_copy:
-            src_ids, dst_ids = zip(*out.blocks_to_copy)
-            copy_blocks(
-                device_caches,
-                torch.tensor(src_ids, device=self.device),
-                torch.tensor(dst_ids, device=self.device),
-            )
+        engines = [self.cache_engine]
+        if self.draft is not None:
+            assert self.draft.cache_engine is not None
+            engines.append(self.draft.cache_engine)
+        for engine in engines:
+            _move_engine_blocks(engine, out, self.device)
 
 
 def _is_beam(seq: MirroredSequence) -> bool:
     return seq.sampling_params.use_beam_search
+
+
+def _move_engine_blocks(engine: CacheEngine, out: SchedulerOutput, device: torch.device) -> None:
+    device_caches, swap_caches = engine.kv_caches, engine.swap_caches
+    for pairs, src_caches, dst_caches in (
+        (out.blocks_to_swap_out, device_caches, swap_caches),
+        (out.blocks_to_swap_in, swap_caches, device_caches),
+    ):
+        if not pairs:
+            continue
+        src_ids, dst_ids = zip(*pairs)
+        for src_kv, dst_kv in zip(src_caches, dst_caches):
+            src_index = torch.tensor(src_ids, device=src_kv[0].device)
+            dst_index = torch.tensor(dst_ids, device=dst_kv[0].device)
+            for src, dst in zip(src_kv, dst_kv):
+                swap_blocks(src, dst, src_index, dst_index)
+    if out.blocks_to_copy:
+        src_ids, dst_ids = zip(*out.blocks_to_copy)
+        copy_blocks(
+            device_caches,
+            torch.tensor(src_ids, device=device),
+            torch.tensor(dst_ids, device=device),
+        )

@@ -3,7 +3,8 @@ check against the model.
 
 The scheduler leaves room after a decoding sequence's last token (`num_spec_tokens`);
 each rank fills it with the same proposals (`NgramProposer` is deterministic over the
-sequence's tokens, which every rank's mirror holds), so the step's forward computes the
+sequence's tokens, which every rank's mirror holds; `DraftModelProposer`, draft_model.py,
+proposes a draft model's argmax, which rank 0 broadcasts), so the step's forward computes the
 last token and the m proposals as one query of 1 + m tokens over the sequence's cache.
 Row j of its logits is the model's distribution for the token after proposal j (row 0:
 after the last token).
@@ -23,14 +24,19 @@ take the argmax where it is not: exactly the tokens of decoding without speculat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from serve.config import SpeculativeMethod
+from serve.config import ModelConfig, SpeculativeMethod
+from serve.step import SchedulerOutput
 from serve.worker.sampler import LogitsMask, Sampler, SamplerOutput
-from serve.worker.sequence_mirror import MirroredSequence
+from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
+
+if TYPE_CHECKING:
+    from serve.worker.draft_model import DraftModelProposer
 
 
 class NgramProposer:
@@ -57,12 +63,36 @@ class NgramProposer:
             return tokens[start : start + k].tolist()
         return []
 
+    def propose_step(self, out: SchedulerOutput, mirror: SequenceMirror) -> dict[int, list[int]]:
+        """Proposals for the room the scheduler made after sequences' last tokens (seq id
+        -> proposals; none found: left out), from the mirror's tokens alone."""
+        drafts = {}
+        for s in out.scheduled:
+            if s.num_spec_tokens:
+                seq = mirror[s.seq_id]
+                known = seq.token_ids_between(0, s.start + s.num_new_tokens - s.num_spec_tokens)
+                proposed = self.propose(known, s.num_spec_tokens)
+                if proposed:
+                    drafts[s.seq_id] = proposed
+        return drafts
 
-def make_proposer(method: SpeculativeMethod | None) -> NgramProposer | None:
+
+def make_proposer(
+    method: SpeculativeMethod | None,
+    model_config: ModelConfig,
+    target_hf_config: Any,
+    block_size: int,
+    device: torch.device,
+) -> NgramProposer | DraftModelProposer | None:
+    """The method's proposer; a draft model is loaded here (draft_model.py)."""
     if method is None:
         return None
     if method.method == "ngram":
         return NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
+    if method.method == "draft_model":
+        from serve.worker.draft_model import DraftModelProposer
+
+        return DraftModelProposer(method, model_config, target_hf_config, block_size, device)
     raise ValueError(f"No proposer for speculative method {method.method!r}.")
 
 

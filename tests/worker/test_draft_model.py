@@ -1,0 +1,129 @@
+"""Speculative decoding with a draft model (serve/worker/draft_model.py): a draft equal
+to the target proposes what the target decodes (every proposal accepted, through chunked
+prefill and swapping, whose moves must carry the draft's KV too); a random draft is
+mostly rejected, and greedy output stays the tokens of decoding without speculation
+through chunking and preemption by recompute; two tensor-parallel ranks propose alike;
+bad drafts are refused at start-up."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import random_prompts
+
+from serve import LLM, SamplingParams
+from serve.config import InvalidSettingError
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+SMALL = {"block_size": 4, "max_num_batched_tokens": 16}  # prompts up to 40 tokens: chunks
+
+
+def _spec(draft, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(512, 6, 8, 40, seed=11)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama, prompts):
+    llm = LLM(model=str(tiny_llama), block_size=4, kv_cache_memory="8MiB")
+    return _generate(llm, prompts)
+
+
+def _generate(llm: LLM, prompts, params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_all_blocks_free(llm: LLM) -> None:
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_draft_equal_to_target_has_every_proposal_accepted(tiny_llama, prompts, expected):
+    # Parallel samples are swapped out under pressure; greedy requests run beside them.
+    llm = LLM(
+        model=str(tiny_llama),
+        speculative_config=_spec(tiny_llama),
+        num_gpu_blocks_override=16,
+        swap_space=0.002,
+        preemption_mode="swap",
+        **SMALL,
+    )
+    max_swapped = 0
+    for i, prompt in enumerate(prompts):
+        llm.add_request(f"g{i}", prompt, GREEDY)
+    results: dict[str, list[int]] = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        max_swapped = max(max_swapped, llm.stats().num_swapped)
+        llm.engine.block_manager.check_invariants()
+    assert [results[f"g{i}"] for i in range(len(prompts))] == expected
+    spec = llm.stats().spec_decode
+    assert spec is not None and spec.num_draft_tokens > 0
+    # Swapped sequences came back with their draft KV: still all accepted.
+    assert max_swapped > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
+    _assert_all_blocks_free(llm)
+
+
+def test_random_draft_keeps_greedy_output_through_chunks_and_preemption(
+    tiny_llama, tiny_model_factory, prompts, expected
+):
+    draft = tiny_model_factory("llama", seed=5, num_hidden_layers=1)
+    llm = LLM(
+        model=str(tiny_llama),
+        speculative_config=_spec(draft),
+        num_gpu_blocks_override=24,  # 96 tokens for 6 requests of up to 46: recomputes
+        **SMALL,
+    )
+    assert _generate(llm, prompts) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    spec = llm.stats().spec_decode
+    assert spec is not None and spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens < spec.num_draft_tokens / 2
+    _assert_all_blocks_free(llm)
+
+
+def test_sampled_request_accepts_draft_proposals(tiny_llama, prompts):
+    llm = LLM(model=str(tiny_llama), speculative_config=_spec(tiny_llama, k=2), **SMALL)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    outputs = _generate(llm, prompts[:2], params)
+    assert [len(tokens) for tokens in outputs] == [16, 16]
+    spec = llm.stats().spec_decode
+    assert spec is not None and 0 < spec.num_accepted_tokens <= spec.num_draft_tokens
+    _assert_all_blocks_free(llm)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llama, tiny_model_factory):
+    draft = tiny_model_factory("llama", num_hidden_layers=1, vocab_size=600)
+    with pytest.raises(ValueError, match=r"vocabulary of 600 tokens, the target model 512"):
+        LLM(model=str(tiny_llama), speculative_config=_spec(draft))
+
+
+def test_missing_draft_is_refused(tiny_llama, tmp_path):
+    with pytest.raises((FileNotFoundError, InvalidSettingError), match="draft model"):
+        LLM(model=str(tiny_llama), speculative_config=_spec(tmp_path / "no-such-draft"))
+
+
+def test_draft_under_tensor_parallelism_proposes_alike_on_both_ranks(tiny_llama, prompts, expected):
+    # Both ranks run the draft's forwards (collectives); rank 0's argmax is broadcast.
+    llm = LLM(
+        model=str(tiny_llama),
+        speculative_config=_spec(tiny_llama),
+        tensor_parallel_size=2,
+        kv_cache_memory="8MiB",
+        **SMALL,
+    )
+    try:
+        assert _generate(llm, prompts[:3]) == expected[:3]
+        spec = llm.stats().spec_decode
+        assert spec is not None and spec.num_draft_tokens > 0
+        assert spec.num_accepted_tokens == spec.num_draft_tokens
+    finally:
+        llm.shutdown()
