@@ -286,7 +286,7 @@ def run_step_with_deltas(sched: Scheduler) -> tuple[SchedulerOutput, list[Reques
     for s, seq in zip(out.scheduled, scheduled):
         assert seq.status is SequenceStatus.RUNNING
         assert 1 <= s.num_new_tokens - s.num_spec_tokens <= seq.num_uncomputed_tokens
-        assert s.num_spec_tokens == 0 or s.is_sampled
+        assert s.num_spec_tokens == 0 or (s.is_sampled and not s.fork_seq_ids)
         if not sched.enable_chunked_prefill:
             # Whole or not at all: a prompt, a recompute, or a catch-up (all but the last).
             whole = {seq.num_uncomputed_tokens}
