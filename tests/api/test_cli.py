@@ -121,6 +121,10 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
             ["-tp", "2", "--distributed-executor-backend", "uniproc"],
             "argument --distributed-executor-backend: 'uniproc' runs one rank",
         ),
+        (
+            ["--speculative-config", "not json"],
+            "argument --speculative-config: is not valid JSON: Expecting value",
+        ),
     ],
 )
 def test_bad_values_stop_serve_with_the_flag_named(run_serve, argv, message):
