@@ -4,8 +4,14 @@ proposes the next tokens, and `parse_speculative_config`'s refusals."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from serve.config import InvalidSettingError, SpeculativeMethod, parse_speculative_config
+from serve.config import (
+    InvalidSettingError,
+    ModelConfig,
+    SpeculativeMethod,
+    parse_speculative_config,
+)
 from serve.worker.speculative import NgramProposer, make_proposer
 
 
@@ -41,11 +47,12 @@ def test_min_n_bounds_the_match():
 
 
 def test_make_proposer_takes_the_lookup_bounds():
-    proposer = make_proposer(
-        parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}')
-    )
+    method = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}')
+    engine = (ModelConfig(), None, 16, torch.device("cpu"))  # what only a draft model reads
+    proposer = make_proposer(method, *engine)
+    assert isinstance(proposer, NgramProposer)
     assert (proposer.min_n, proposer.max_n) == (2, 4)
-    assert make_proposer(None) is None
+    assert make_proposer(None, *engine) is None
 
 
 def test_parse_fills_one_bound_from_the_other():
