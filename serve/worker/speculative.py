@@ -144,15 +144,24 @@ def verify(
     if random:
         taken.update(_verify_random(sampler, processed, positions, seqs, drafts, offsets, random))
 
-    results = []
-    for i, (seq, d) in enumerate(zip(seqs, drafts)):
-        a, tokens = taken[i]
-        rows = list(range(offsets[i], offsets[i] + a + 1))
-        index = torch.tensor(rows, device=logits.device)
-        reported = sampler.report(
-            logits.index_select(0, index), tokens, [at_position(seq, d, j) for j in range(a + 1)]
+    # Every kept token's logprobs in one call: the rows of each sequence's kept positions.
+    rows = [r for i in range(len(seqs)) for r in range(offsets[i], offsets[i] + taken[i][0] + 1)]
+    reported = sampler.report(
+        logits.index_select(0, torch.tensor(rows, device=logits.device)),
+        [t for i in range(len(seqs)) for t in taken[i][1]],
+        [positions[r] for r in rows],
+    )
+    results, start = [], 0
+    for i in range(len(seqs)):
+        a = taken[i][0]
+        end = start + a + 1
+        kept = SamplerOutput(
+            reported.token_ids[start:end],
+            reported.logprobs[start:end],
+            reported.top_logprobs[start:end],
         )
-        results.append(Verified(a, reported))
+        results.append(Verified(a, kept))
+        start = end
     return results
 
 
