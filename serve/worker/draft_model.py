@@ -44,12 +44,12 @@ import torch
 
 from serve.config import ModelConfig, SpeculativeMethod
 from serve.distributed.parallel_state import get_tp_group
-from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
+from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
-from serve.models.layers.attention import attention_layers
 from serve.models.loader import load_hf_config, load_model, resolve_model_path
 from serve.step import SchedulerOutput
 from serve.worker.model_inputs import QuerySpan, paged_attention_inputs
+from serve.worker.model_kv import ModelKV
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 
 
@@ -87,35 +87,17 @@ class DraftModelProposer:
             )
         self.block_size, self.device = block_size, device
         self.model = load_model(model_config, path, hf_config, device)
-        attn = attention_layers(self.model)
-        self.num_layers = len(attn)
-        self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim  # this rank's
-        self.dtype = next(self.model.parameters()).dtype
+        self.kv = ModelKV.of(self.model)
         self.cache_engine: CacheEngine | None = None
         self.draft_computed: dict[int, int] = {}  # seq id -> positions with draft KV
 
     # -- the draft's KV cache --------------------------------------------------------------------
 
-    @property
-    def bytes_per_block(self) -> int:
-        return kv_bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
-
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         """The target's block count and swap space: the same block ids address both."""
-        self.cache_engine = CacheEngine(
-            self.num_layers,
-            num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device,
-            num_cpu_blocks,
+        self.cache_engine = self.kv.attach_cache(
+            self.model, num_blocks, self.block_size, self.device, num_cpu_blocks
         )
-        for layer, kv_cache in zip(attention_layers(self.model), self.cache_engine.kv_caches):
-            layer.kv_cache = kv_cache
 
     # -- one step --------------------------------------------------------------------------------
 

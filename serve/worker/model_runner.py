@@ -22,7 +22,7 @@ import torch
 
 from serve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
-from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
+from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
 from serve.models.loader import load_model
@@ -30,6 +30,7 @@ from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.draft_model import DraftModelProposer
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
+from serve.worker.model_kv import ModelKV
 from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 from serve.worker.speculative import make_proposer
@@ -48,10 +49,7 @@ class ModelRunner:
         engine = config.engine
         self.block_size = engine.cache.block_size
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
-        attn = attention_layers(self.model)
-        self.dtype = next(self.model.parameters()).dtype
-        self.num_layers = len(attn)
-        self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim  # this rank's
+        self.kv = ModelKV.of(self.model)
         self.cache_engine: CacheEngine | None = None
         self.mirror = SequenceMirror()
         self.proposer = make_proposer(
@@ -74,10 +72,8 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         """A block's KV bytes: the target's, and the draft model's KV for the same tokens."""
-        target = kv_bytes_per_block(
-            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
-        )
-        return target + (self.draft.bytes_per_block if self.draft is not None else 0)
+        target = self.kv.bytes_per_block(self.block_size)
+        return target + (self.draft.kv.bytes_per_block(self.block_size) if self.draft else 0)
 
     # -- the KV cache ----------------------------------------------------------------------------
 
@@ -103,18 +99,9 @@ class ModelRunner:
         return num_blocks, num_cpu_blocks
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache_engine = CacheEngine(
-            self.num_layers,
-            num_blocks,
-            self.block_size,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.device,
-            num_cpu_blocks,
+        self.cache_engine = self.kv.attach_cache(
+            self.model, num_blocks, self.block_size, self.device, num_cpu_blocks
         )
-        for layer, kv_cache in zip(attention_layers(self.model), self.cache_engine.kv_caches):
-            layer.kv_cache = kv_cache
         if self.draft is not None:
             self.draft.initialize_cache(num_blocks, num_cpu_blocks)
 
@@ -124,12 +111,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         engine = self.config.engine
         num_tokens = engine.scheduler.max_num_batched_tokens or 8192
-        dummy = CacheEngine(
-            self.num_layers, 1, self.block_size, self.num_kv_heads, self.head_dim, self.dtype, self.device
-        )
+        dummy = self.kv.attach_cache(self.model, 1, self.block_size, self.device)
         layers = attention_layers(self.model)
-        for layer, kv_cache in zip(layers, dummy.kv_caches):
-            layer.kv_cache = kv_cache
         num_table_blocks = -(-num_tokens // self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
