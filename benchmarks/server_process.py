@@ -35,13 +35,26 @@ def start_server(
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    wait_until_healthy(process, url, log_path, name)
+    return process, url, log_path
+
+
+def wait_until_healthy(
+    process: subprocess.Popen,
+    url: str,
+    log_path: Path,
+    name: str,
+    timeout_s: float = STARTUP_TIMEOUT_S,
+) -> None:
+    """Poll `url`/health until it answers 200; exits the benchmark, with the server's log,
+    if the process dies or `timeout_s` passes (any OpenAI-compatible server with /health)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             sys.exit(f"{name} server exited:\n{log_path.read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url, log_path
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.5)
