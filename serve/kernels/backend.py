@@ -1,11 +1,11 @@
-"""Which implementation runs a kernel op: Triton on CUDA tensors, the torch reference elsewhere.
+"""Which implementation runs a kernel op: Triton on CUDA tensors, serve's CPU ops elsewhere.
 
 `SERVE_KERNEL_BACKEND` overrides the choice, read at every call (a dictionary lookup), so a
 debugging session can flip it without restarting:
 
 | value        | CUDA tensors | CPU tensors                                        |
 |--------------|--------------|----------------------------------------------------|
-| `auto` / ""  | Triton       | reference                                          |
+| `auto` / ""  | Triton       | `serve.kernels.cpu`: native C++ where built, else reference |
 | `reference`  | reference    | reference                                          |
 | `triton`     | Triton       | Triton under the interpreter (`TRITON_INTERPRET=1`) |
 
@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from serve.kernels import reference
+from serve.kernels import cpu, reference
 
 BACKEND_ENV_VAR = "SERVE_KERNEL_BACKEND"
 INTERPRETER_ENV_VAR = "TRITON_INTERPRET"
@@ -49,11 +49,14 @@ def is_interpreting() -> bool:
 
 
 def ops_for(device: torch.device) -> ModuleType:
-    """The module whose functions run the ops for tensors on `device`: `serve.kernels.reference`
-    or `serve.kernels.triton`, both with the same function names and signatures."""
+    """The module whose functions run the ops for tensors on `device`: `serve.kernels.cpu`,
+    `serve.kernels.reference` or `serve.kernels.triton`, all with the same function names
+    and signatures."""
     backend = requested_backend()
-    if backend is Backend.REFERENCE or (backend is Backend.AUTO and device.type != "cuda"):
+    if backend is Backend.REFERENCE:
         return reference
+    if backend is Backend.AUTO and device.type != "cuda":
+        return cpu
     if device.type != "cuda" and not is_interpreting():
         raise RuntimeError(
             f"{BACKEND_ENV_VAR}=triton on {device.type} tensors needs Triton's interpreter: "

@@ -8,6 +8,8 @@ sequence's blocks is already each head's `[context, head_dim]` matrix, ready for
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -110,11 +112,44 @@ def paged_attention(
         group = order[i : i + _DECODE_GROUP]
         rows = torch.tensor(group, device=query.device)
         out[rows] = _decode_group(query[rows], k_cache, v_cache, meta, group, rows, scale, options)
+    attend_chunks(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        meta,
+        range(num_decodes, meta.num_seqs),
+        scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+    )
+    return out
 
+
+def attend_chunks(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written at these sequences' rows
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: Iterable[int],  # indices of sequences in the batch
+    scale: float,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> None:
+    """`paged_attention` for the given sequences one at a time, as prompts and chunks run:
+    each one's context gathered once, then attended by torch's fused attention in tiles of
+    queries."""
+    options = _Options(alibi_slopes, sliding_window, logit_softcap)
+    k_cache, v_cache = _heads_first(key_cache), _heads_first(value_cache)
+    lens = meta.seq_lens_cpu
+    starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
     block_size = key_cache.shape[1]
-    start = num_decodes
-    for b in range(num_decodes, meta.num_seqs):
-        seq_len, q_len = lens[b], meta.query_lens_cpu[b]
+    for b in seqs:
+        seq_len, q_len, start = lens[b], meta.query_lens_cpu[b], starts[b]
         # With a window, blocks before the first query's window are never read.
         first_key = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1)
         first_block = first_key // block_size
@@ -135,8 +170,6 @@ def paged_attention(
                 key_start,
                 options,
             )
-        start += q_len
-    return out
 
 
 @dataclass(frozen=True)
@@ -309,20 +342,12 @@ def _attend_sdpa(
     return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
-# Below this many rows, MKL's sgemm on CPU runs the product faster as W @ x^T than as
-# x @ W^T (measured ~1.4x on the decode-size projections of SmolLM2, AVX2, 2 cores).
-_SMALL_BATCH_ROWS = 128
-
-
 def linear(
     x: torch.Tensor,  # [num_tokens, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > _SMALL_BATCH_ROWS:
-        return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()
-    return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(

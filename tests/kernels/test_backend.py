@@ -1,4 +1,4 @@
-"""Kernel dispatch: the reference on CPU, Triton on CUDA, SERVE_KERNEL_BACKEND to force either;
+"""Kernel dispatch: serve's CPU ops on CPU, Triton on CUDA, SERVE_KERNEL_BACKEND to force either;
 and the whole engine on the Triton kernels, token for token equal to HF."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from kernel_cases import TOLERANCE, make_attention_inputs, rel_err
 from tiny_models import hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams, kernels
-from serve.kernels import backend, reference
+from serve.kernels import backend, cpu, reference
 
 CPU = torch.device("cpu")
 
 
-def test_cpu_tensors_use_the_reference_by_default(monkeypatch):
+def test_cpu_tensors_use_the_cpu_ops_by_default(monkeypatch):
     monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
-    assert backend.ops_for(CPU) is reference
+    assert backend.ops_for(CPU) is cpu
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "auto")
-    assert backend.ops_for(CPU) is reference
+    assert backend.ops_for(CPU) is cpu
 
 
 def test_reference_can_be_forced(monkeypatch):
@@ -63,7 +63,7 @@ def test_public_interface_dispatches_to_triton(monkeypatch):
     """`serve.kernels.paged_attention` with Triton forced equals the reference."""
     inputs = make_attention_inputs([(20, 1), (9, 9)], 1, (4, 2), 16, 16, torch.Generator())
     args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.25)
-    expected = kernels.paged_attention(*args)  # CPU default: the reference
+    expected = kernels.paged_attention(*args)  # CPU default: the native kernel
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "triton")
     assert rel_err(kernels.paged_attention(*args), expected) < TOLERANCE[torch.float32]
 

@@ -1,0 +1,311 @@
+// Paged attention on CPU that reads each sequence's K/V where they lie in the block cache.
+//
+// The torch reference gathers a sequence's blocks into a contiguous copy for every layer
+// and step before attending; at decode that copy costs more than the attention itself.
+// Here one work item is (sequence, KV head, tile of queries): the query heads that share
+// the KV head and the tile's tokens are scored against each key row straight from its
+// block, softmaxed exactly (max, then sum), and the value rows are accumulated the same
+// way. Items run in parallel on torch's intra-op threads.
+//
+// Contract (serve/kernels/reference.py `paged_attention` is the oracle): query
+// [num_tokens, num_heads, head_dim] with unit stride along head_dim; caches
+// [num_blocks, block_size, num_kv_heads, head_dim], any strides, unit along head_dim;
+// block_tables [num_seqs, max_blocks] int64; seq_lens and query_start_loc int64 on the
+// CPU. Options as the reference scores them: soft-cap, then ALiBi, then the window.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace serve_cpu {
+namespace {
+
+// Query tokens per work item: a tile's rows share every key row read from the cache.
+constexpr int64_t kQueryTile = 16;
+// The largest block size served (block tables hold at most this many slots per block).
+constexpr int64_t kMaxBlockSize = 256;
+
+typedef int32_t int16v __attribute__((vector_size(64)));
+
+// exp(x) lane by lane for x <= 0 (scores minus their row's max), in vector arithmetic:
+// libm's expf does not vectorise here. Range reduction x = n ln2 + r with |r| <= ln2 / 2
+// (n rounded to nearest as trunc(x log2e - 1/2), right for x <= 0), a degree-6 polynomial
+// for exp(r) (relative error ~1e-7, float32's own), and 2^n built in the exponent bits.
+// Lanes below -87 (past float's smallest normal), -inf among them, give 0.
+inline float16v exp_nonpositive(float16v x) {
+  const int16v underflow = x < -87.0f;
+  x = x < -87.0f ? -87.0f : x;
+  const int16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, int16v);
+  const float16v nf = __builtin_convertvector(n, float16v);
+  float16v r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  float16v p = 1.9875691500e-4f + r * 0.0f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float16v two_n = (float16v)((n + 127) << 23);
+  return (float16v)((int16v)(p * two_n) & ~underflow);
+}
+
+// acc[d0 : d0 + 16 * S] += sum_i p[i] * v[i][d0 : d0 + 16 * S], the S slices in registers
+// across the keys: S independent chains of adds, where one slice at a time waits on each.
+template <int S>
+inline void accumulate_slices(float* acc, const float* const* v, const float* p, int64_t n,
+                              int64_t d0) {
+  float16v slice[S];
+  for (int j = 0; j < S; ++j) slice[j] = load16(acc + d0 + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = p[i];
+    for (int j = 0; j < S; ++j) slice[j] += w * load16(v[i] + d0 + 16 * j);
+  }
+  for (int j = 0; j < S; ++j) store16(acc + d0 + 16 * j, slice[j]);
+}
+
+// acc[0 : head_dim] += sum_i p[i] * v[i] over a block's n value rows.
+inline void accumulate_values(float* acc, const float* const* v, const float* p, int64_t n,
+                              int64_t head_dim) {
+  int64_t d = 0;
+  for (; d + 64 <= head_dim; d += 64) accumulate_slices<4>(acc, v, p, n, d);
+  switch ((head_dim - d) / 16) {
+    case 3: accumulate_slices<3>(acc, v, p, n, d); break;
+    case 2: accumulate_slices<2>(acc, v, p, n, d); break;
+    case 1: accumulate_slices<1>(acc, v, p, n, d); break;
+    default: break;
+  }
+  for (d += (head_dim - d) / 16 * 16; d < head_dim; ++d) {
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * v[i][d];
+  }
+}
+
+// A cache row as float32: the row itself, or its conversion into `scratch`.
+template <typename scalar_t>
+inline const float* as_float(const scalar_t* row, float* scratch, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(row[i]);
+    return scratch;
+  }
+}
+
+struct Options {
+  float scale;
+  const float* alibi_slopes;  // [num_heads] or null
+  int64_t window;             // keys with query_pos - key_pos >= window are masked; 0: none
+  float softcap;              // 0: none
+};
+
+struct CacheView {
+  int64_t block_size, stride_block, stride_slot, stride_head;
+};
+
+// Pull a block's rows for one KV head towards the cache before they are read.
+inline void prefetch_rows(const void* first_row, int64_t rows, int64_t row_stride_bytes,
+                          int64_t row_bytes) {
+  const char* p = static_cast<const char*>(first_row);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + r * row_stride_bytes + b);
+  }
+}
+
+template <typename scalar_t>
+void attend_tile(
+    const scalar_t* query, int64_t q_stride_token, int64_t q_stride_head,
+    const scalar_t* key_cache, const scalar_t* value_cache, const CacheView& cache,
+    const int64_t* block_table, int64_t kv_head, int64_t heads_per_kv, int64_t head_dim,
+    int64_t first_query_pos, int64_t tile_tokens, int64_t first_token, const Options& opt,
+    scalar_t* out, int64_t out_stride_token, int64_t out_stride_head) {
+  const int64_t rows = tile_tokens * heads_per_kv;  // row = token * heads_per_kv + j
+  const int64_t last_query_pos = first_query_pos + tile_tokens - 1;
+  const int64_t first_key =
+      opt.window > 0 ? std::max<int64_t>(0, first_query_pos - opt.window + 1) : 0;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t block_size = cache.block_size;
+
+  // Per-thread scratch, reused item after item.
+  thread_local std::vector<float> q, acc, row_max, row_sum, scores, k_rows, v_rows;
+  q.resize(rows * head_dim);
+  acc.assign(rows * head_dim, 0.0f);
+  row_max.assign(rows, neg_inf);
+  row_sum.assign(rows, 0.0f);
+  scores.resize((block_size + 15) / 16 * 16);
+  k_rows.resize(block_size * head_dim);
+  v_rows.resize(block_size * head_dim);
+  for (int64_t t = 0; t < tile_tokens; ++t) {
+    for (int64_t j = 0; j < heads_per_kv; ++j) {
+      const int64_t head = kv_head * heads_per_kv + j;
+      const scalar_t* src = query + (first_token + t) * q_stride_token + head * q_stride_head;
+      float* dst = q.data() + (t * heads_per_kv + j) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * opt.scale;
+    }
+  }
+
+  // One pass over the context, block by block, with the softmax kept online (a running
+  // max and sum per row; the accumulator rescaled when the max grows), so each block's K
+  // and V rows are read from memory once and reused by every row of the tile from L1.
+  const int64_t last_block = last_query_pos / block_size;
+  const int64_t slot_bytes = cache.stride_slot * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t blk = first_key / block_size; blk <= last_block; ++blk) {
+    const int64_t base = block_table[blk] * cache.stride_block + kv_head * cache.stride_head;
+    if (blk < last_block) {
+      const int64_t next = block_table[blk + 1] * cache.stride_block + kv_head * cache.stride_head;
+      prefetch_rows(key_cache + next, block_size, slot_bytes, row_bytes);
+      prefetch_rows(value_cache + next, block_size, slot_bytes, row_bytes);
+    }
+    const int64_t key_begin = std::max(first_key, blk * block_size);
+    const int64_t key_end = std::min(last_query_pos + 1, (blk + 1) * block_size);
+    const int64_t n = key_end - key_begin;
+    const int64_t slot0 = key_begin - blk * block_size;
+    const float* k[kMaxBlockSize];
+    const float* v[kMaxBlockSize];
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t at = base + (slot0 + i) * cache.stride_slot;
+      k[i] = as_float(key_cache + at, k_rows.data() + i * head_dim, head_dim);
+      v[i] = as_float(value_cache + at, v_rows.data() + i * head_dim, head_dim);
+    }
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t query_pos = first_query_pos + row / heads_per_kv;
+      const int64_t head = kv_head * heads_per_kv + row % heads_per_kv;
+      const float* qr = q.data() + row * head_dim;
+      float block_max = neg_inf;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t key = key_begin + i;
+        float s = neg_inf;
+        if (key <= query_pos && (opt.window == 0 || query_pos - key < opt.window)) {
+          s = dot(qr, k[i], head_dim);
+          if (opt.softcap > 0.0f) s = opt.softcap * std::tanh(s / opt.softcap);
+          if (opt.alibi_slopes != nullptr)
+            s += opt.alibi_slopes[head] * static_cast<float>(key - query_pos);
+        }
+        scores[i] = s;
+        block_max = std::max(block_max, s);
+      }
+      for (int64_t i = n; i % 16 != 0; ++i) scores[i] = neg_inf;  // exp's lanes past n: 0
+      if (block_max == neg_inf) continue;  // every key of this block is masked for the row
+      float* a = acc.data() + row * head_dim;
+      const float new_max = std::max(row_max[row], block_max);
+      if (new_max > row_max[row]) {
+        float16v old = {};
+        old[0] = row_max[row] - new_max;
+        const float correction = exp_nonpositive(old)[0];
+        row_sum[row] *= correction;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+        row_max[row] = new_max;
+      }
+      float16v sum = {};
+      for (int64_t i = 0; i < n; i += 16) {
+        const float16v e = exp_nonpositive(load16(scores.data() + i) - new_max);
+        store16(scores.data() + i, e);
+        sum += e;
+      }
+      row_sum[row] += horizontal_sum(sum);
+      accumulate_values(a, v, scores.data(), n, head_dim);
+    }
+  }
+
+  for (int64_t t = 0; t < tile_tokens; ++t) {
+    for (int64_t j = 0; j < heads_per_kv; ++j) {
+      const int64_t row = t * heads_per_kv + j;
+      const float inv = 1.0f / row_sum[row];
+      scalar_t* dst = out + (first_token + t) * out_stride_token +
+                      (kv_head * heads_per_kv + j) * out_stride_head;
+      const float* src = acc.data() + row * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
+    }
+  }
+}
+
+void paged_attention(
+    at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+    double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+    double logit_softcap, int64_t max_query_len) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], caches [N, B, Hkv, D]");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "head_dim must be the innermost, unit-stride dimension");
+  TORCH_CHECK(key_cache.strides() == value_cache.strides(), "K and V caches share one layout");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
+              "block_tables: contiguous int64");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(key_cache.size(1) <= kMaxBlockSize, "block size above ", kMaxBlockSize);
+  const int64_t heads_per_kv = num_heads / num_kv_heads;
+  at::Tensor slopes;
+  if (alibi_slopes.has_value()) {
+    slopes = alibi_slopes->to(at::kFloat).contiguous();
+    TORCH_CHECK(slopes.numel() == num_heads, "one ALiBi slope per query head");
+  }
+  const Options opt{static_cast<float>(scale), slopes.defined() ? slopes.data_ptr<float>() : nullptr,
+                    sliding_window, static_cast<float>(logit_softcap)};
+  const CacheView cache{key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
+                        key_cache.stride(2)};
+
+  const auto lens = seq_lens.to(at::kLong).contiguous();
+  const auto starts = query_start_loc.to(at::kLong).contiguous();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
+  const int64_t* starts_p = starts.data_ptr<int64_t>();
+  const int64_t num_seqs = lens.numel();
+
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 &&
+                  out.scalar_type() == query.scalar_type(),
+              "out: the query's shape and dtype, unit stride along head_dim");
+
+  // Work items (sequence, first query of its tile); each runs every KV head. Sequences
+  // with more than max_query_len queries are left to the caller.
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    if (starts_p[b + 1] - starts_p[b] > max_query_len) continue;
+    for (int64_t t = starts_p[b]; t < starts_p[b + 1]; t += kQueryTile) tiles.emplace_back(b, t);
+  }
+  const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* k = key_cache.data_ptr<scalar_t>();
+    const scalar_t* v = value_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t max_blocks = block_tables.size(1);
+    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const auto [b, token] = tiles[item / num_kv_heads];
+        const int64_t kv_head = item % num_kv_heads;
+        const int64_t query_len = starts_p[b + 1] - starts_p[b];
+        const int64_t tile_tokens = std::min(kQueryTile, starts_p[b + 1] - token);
+        const int64_t first_query_pos = lens_p[b] - query_len + (token - starts_p[b]);
+        attend_tile<scalar_t>(q, query.stride(0), query.stride(1), k, v, cache,
+                              tables + b * max_blocks, kv_head, heads_per_kv, head_dim,
+                              first_query_pos, tile_tokens, token, opt, o, out.stride(0),
+                              out.stride(1));
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(serve_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+      "Tensor? alibi_slopes, int sliding_window, float logit_softcap, int max_query_len) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+
+}  // namespace serve_cpu

@@ -1,0 +1,245 @@
+"""The native CPU kernels (serve/kernels/cpu): paged attention against the dense float64
+oracle and the torch reference, the few-row linear against torch, on fresh random inputs;
+and what happens where they cannot be built.
+
+Outputs start as NaN so a row the kernel skips shows; unwritten cache slots hold NaN, so
+reading a wrong block or past a context's end poisons the answer instead of adding noise.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+import pytest
+import torch
+from kernel_cases import (
+    GQA_LAYOUTS,
+    TOLERANCE,
+    AttentionInputs,
+    make_attention_inputs,
+    poisoned_like,
+    rel_err,
+)
+from kernels.test_reference import (
+    ATTENTION_CASES,
+    ATTENTION_OPTIONS,
+    alibi_test_slopes,
+    naive_causal_attention,
+)
+
+from serve.kernels import cpu, reference
+from serve.kernels.cpu import native
+
+ALL_QUERIES = 1 << 30  # max_query_len that sends every sequence through the native kernel
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain to build with")
+
+
+def seeded(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
+
+
+def native_attention(
+    inputs: AttentionInputs, scale: float, max_query_len: int = ALL_QUERIES, **options
+) -> torch.Tensor:
+    out = poisoned_like(inputs.query)
+    torch.ops.serve_cpu.paged_attention(
+        out,
+        inputs.query,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.meta.block_tables,
+        inputs.meta.seq_lens,
+        inputs.meta.query_start_loc,
+        scale,
+        options.get("alibi_slopes"),
+        options.get("sliding_window") or 0,
+        options.get("logit_softcap") or 0.0,
+        max_query_len,
+    )
+    return out
+
+
+def assert_matches_dense(inputs: AttentionInputs, out: torch.Tensor, scale: float, **options):
+    starts = inputs.meta.query_start_loc.tolist()
+    for b, (k, v) in enumerate(zip(inputs.keys, inputs.values)):
+        rows = slice(starts[b], starts[b + 1])
+        expected = naive_causal_attention(inputs.query[rows], k, v, scale, **options)
+        err = rel_err(out[rows], expected)
+        assert err < TOLERANCE[torch.float32], f"seq {b} {inputs.meta.seq_lens_cpu[b]}: {err}"
+
+
+def case_inputs(case: str, heads, head_dim: int, block_size: int, **kwargs) -> AttentionInputs:
+    make_lens, num_decode_seqs = ATTENTION_CASES[case]
+    gen = seeded(case, heads, head_dim, block_size, kwargs.get("layout"))
+    return make_attention_inputs(
+        make_lens(block_size), num_decode_seqs, heads, head_dim, block_size, gen, **kwargs
+    )
+
+
+@pytest.mark.parametrize("layout", ["heads_first", "contiguous"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", GQA_LAYOUTS.values(), ids=GQA_LAYOUTS.keys())
+@pytest.mark.parametrize("case", ATTENTION_CASES.keys())
+def test_native_kernel_matches_dense_attention(case, heads, block_size, layout):
+    """Decodes, whole prompts, chunks over a cached prefix and mixes of them, every
+    sequence in the native kernel (longer chunks span several query tiles)."""
+    inputs = case_inputs(case, heads, 16, block_size, layout=layout, stale="nan")
+    assert_matches_dense(inputs, native_attention(inputs, 0.3), 0.3)
+
+
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 72, 128])
+def test_head_sizes_with_and_without_a_tail_slice(head_dim):
+    """head_dim in 16-float slices (64: one group of four; 40 and 72: scalar tails)."""
+    inputs = case_inputs("mixed", (6, 2), head_dim, 16, stale="nan")
+    scale = head_dim**-0.5
+    assert_matches_dense(inputs, native_attention(inputs, scale), scale)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
+@pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
+@pytest.mark.parametrize("case", ["mixed", "extend", "many-decodes"])
+def test_native_options_match_dense(case, options, heads):
+    """ALiBi, sliding window and soft-cap, alone and together; windows shorter than the
+    context, so whole blocks and parts of blocks drop out."""
+    inputs = case_inputs(case, heads, 16, 4, stale="nan")
+    kwargs = {k: v for k, v in options.items() if k != "alibi"}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = alibi_test_slopes(heads[0], seeded(case, "alibi"))
+    assert_matches_dense(inputs, native_attention(inputs, 0.3, **kwargs), 0.3, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches(dtype):
+    """bf16 / fp16 queries and caches, computed in float32: as the reference on the same
+    rounded data computes in float32."""
+    inputs = case_inputs("mixed", (9, 3), 64, 16, dtype=dtype)
+    out = native_attention(inputs, 0.125)
+    assert out.dtype == dtype
+    expected = reference.paged_attention(
+        inputs.query.float(),
+        inputs.key_cache.float(),
+        inputs.value_cache.float(),
+        inputs.meta,
+        0.125,
+    )
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+
+
+def test_long_contexts_and_large_scores_stay_exact():
+    """Contexts of hundreds of blocks, scores in the hundreds (the running max grows block
+    after block and the sum is rescaled each time), and a score far below the max."""
+    gen = seeded("long")
+    inputs = make_attention_inputs(
+        [(1500, 1), (700, 1), (300, 20)], 2, (9, 3), 64, 16, gen, stale="nan"
+    )
+    inputs.query.mul_(8.0)  # scores of order 100: exp underflows for many keys
+    assert_matches_dense(inputs, native_attention(inputs, 0.125), 0.125)
+
+
+def test_threads_give_the_same_bits():
+    """Work items are independent, so two threads give exactly one thread's output."""
+    inputs = case_inputs("many-decodes", (9, 3), 64, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native_attention(inputs, 0.125)
+        torch.set_num_threads(2)
+        two = native_attention(inputs, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_long_chunks_are_left_to_the_caller():
+    """Sequences with more queries than max_query_len are not written: cpu.paged_attention
+    gives those to the reference's fused attention."""
+    inputs = make_attention_inputs([(30, 1), (40, 20), (9, 3)], 1, (4, 2), 16, 4, seeded("skip"))
+    out = native_attention(inputs, 0.3, max_query_len=3)
+    assert torch.isnan(out[1:21]).all()  # the 20-query chunk
+    assert not torch.isnan(out[:1]).any() and not torch.isnan(out[21:]).any()
+
+
+def test_dispatch_mixes_native_and_reference_rows(monkeypatch):
+    """cpu.paged_attention on a batch of decodes, a short chunk and chunks longer than
+    NATIVE_MAX_QUERY_LEN: every row right, whichever path computed it."""
+    monkeypatch.setattr(cpu, "NATIVE_MAX_QUERY_LEN", 4)
+    inputs = make_attention_inputs(
+        [(30, 1), (17, 1), (40, 20), (9, 3), (25, 5)], 2, (9, 3), 16, 4, seeded("mix")
+    )
+    for options in ({}, {"sliding_window": 7, "logit_softcap": 5.0}):
+        out = cpu.paged_attention(
+            inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.3, **options
+        )
+        assert_matches_dense(inputs, out, 0.3, **options)
+
+
+def test_turned_off_by_the_environment(monkeypatch, caplog):
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=native.__name__):
+            assert not native.available()
+        assert f"{native.ENV_VAR}=0" in caplog.text
+    finally:
+        native.available.cache_clear()
+
+
+def test_without_a_compiler_the_reference_runs_and_says_why(monkeypatch, caplog, tmp_path):
+    """No cached build for this machine and no compiler to make one."""
+    monkeypatch.setattr(native, "build_dir", lambda: tmp_path / "no-build-here")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert not native.available()
+            inputs = make_attention_inputs([(20, 1), (9, 9)], 1, (4, 2), 16, 4, seeded("ref"))
+            out = cpu.paged_attention(
+                inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.3
+            )
+        assert "no C++ compiler" in caplog.text
+        assert_matches_dense(inputs, out, 0.3)
+    finally:
+        native.available.cache_clear()
+
+
+def test_a_portable_build_refuses_a_cpu_without_its_instructions(monkeypatch, caplog):
+    """A Docker image's x86-64-v3 build on a CPU without AVX2: the reference runs, and the
+    log names what the CPU lacks (an illegal instruction would kill the server instead)."""
+    monkeypatch.setenv(native.MARCH_ENV_VAR, "x86-64-v3")
+    monkeypatch.setattr(native, "_cpu_features", lambda: {"sse4_2", "fma"})
+    native.available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert not native.available()
+        assert "this CPU lacks avx2, bmi2, f16c" in caplog.text
+    finally:
+        native.available.cache_clear()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(960, 576), (37, 100), (5, 16), (1, 3)])
+def test_linear_few_rows_matches_torch(rows, shape):
+    """The few-row product against float64 torch, with and without a bias; weight rows
+    in groups and leftovers, inner sizes with and without a tail past the 16-float slices."""
+    out_features, in_features = shape
+    gen = seeded("linear", rows, shape)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    for b in (None, bias):
+        out = torch.full((rows, out_features), float("nan"))
+        torch.ops.serve_cpu.linear_few_rows(out, x, weight, b)
+        expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_linear_takes_the_native_path_for_one_row():
+    gen = seeded("cpu-linear")
+    x, weight = torch.randn(1, 300, generator=gen), torch.randn(200, 300, generator=gen)
+    bias = torch.randn(200, generator=gen)
+    expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+    for rows in (x, x.expand(3, -1).contiguous()):  # native, then MKL
+        out = cpu.linear(rows, weight, bias)
+        assert torch.allclose(out.double(), expected.expand_as(out), rtol=1e-5, atol=1e-4)
