@@ -96,13 +96,40 @@ def load_hf_config(path: Path) -> Any:
     return PretrainedConfig(**data)
 
 
-def resolve_dtype(dtype: str, hf_config: Any) -> torch.dtype:
+def cpu_has_native_bf16() -> bool:
+    """bf16 matmuls in hardware (AVX512_BF16 or AMX): only there does bf16 beat float32
+    on a CPU; elsewhere every bf16 product is converted through float32 and runs slower."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device | None = None) -> torch.dtype:
+    """The weights' dtype: `dtype` as asked; for "auto" the checkpoint's, except that a CPU
+    runs a half-precision checkpoint in float32 unless it has bf16 in hardware (then bf16)."""
+    on_cpu = device is not None and device.type == "cpu"
     if dtype != "auto":
-        return _DTYPES[dtype]
+        chosen = _DTYPES[dtype]
+        if on_cpu and chosen != torch.float32 and not cpu_has_native_bf16():
+            logger.warning(
+                "--dtype %s on a CPU without AVX512_BF16 or AMX: every product converts "
+                "through float32, so it runs slower than --dtype float32.",
+                dtype,
+            )
+        return chosen
     config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype)
-    return config_dtype if config_dtype in _DTYPES.values() else torch.float32
+    chosen = config_dtype if config_dtype in _DTYPES.values() else torch.float32
+    if on_cpu and chosen != torch.float32:
+        native = cpu_has_native_bf16()
+        cpu_dtype = torch.bfloat16 if native else torch.float32
+        logger.info(
+            "The checkpoint is %s; on this CPU (%s) serve runs it in %s. --dtype overrides.",
+            str(chosen).removeprefix("torch."),
+            "bf16 in hardware" if native else "no AVX512_BF16 or AMX",
+            str(cpu_dtype).removeprefix("torch."),
+        )
+        chosen = cpu_dtype
+    return chosen
 
 
 def model_max_len(arch: ArchConfig) -> int:
@@ -186,7 +213,7 @@ def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.de
     calls it after `init_tensor_parallel`; each reads only its own slices."""
     arch = get_arch_config(hf_config, config.model_impl)
     check_tensor_parallel(arch, get_tp_group().world_size)
-    dtype = resolve_dtype(config.dtype, hf_config)
+    dtype = resolve_dtype(config.dtype, hf_config, device)
     model_class = get_model_class(getattr(hf_config, "architectures", None), config.model_impl)
     with _default_dtype(dtype), torch.device(device):
         model = model_class(arch)
