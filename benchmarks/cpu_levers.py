@@ -1,0 +1,161 @@
+"""The CPU speed levers, each an A/B in one run: steady decode step time and prefill speed
+of the default model (offline `LLM`, greedy), with a lever off and on.
+
+    python benchmarks/cpu_levers.py                       # every lever, batch 1 and 64
+    python benchmarks/cpu_levers.py --levers native --batch-sizes 64
+
+Each configuration runs in a fresh process (the levers are read at start-up), one after
+the other, on the same prompts. For each batch size B it reports the median wall time of
+the steps in which all B sequences decode one token (past a few warm-up steps), the
+output tokens/s that makes, and the prefill throughput of the batch's prompts. Batch 1 is
+also compared with the bandwidth floor: the model's weight bytes over the machine's
+memory read bandwidth (measured here: the best of a few sums over a 512 MiB tensor).
+
+Levers (name: the A and B configurations):
+  native     SERVE_CPU_KERNELS=0 (torch only: attention gathers each sequence's K/V, then
+             runs torch's fused attention; one-row products in MKL) vs the native kernels
+             (attention reading K/V in place; one row's product streaming the weights)
+  dtype      float32 vs bfloat16 (worth it only where the CPU has AVX512_BF16 or AMX)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+LEVERS = {
+    "native": (("torch", {"SERVE_CPU_KERNELS": "0"}, {}), ("native", {}, {})),
+    "dtype": (("float32", {}, {}), ("bfloat16", {}, {"dtype": "bfloat16"})),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: serve's default model")
+    p.add_argument("--levers", default=",".join(LEVERS), help=f"of {', '.join(LEVERS)}")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child: one config
+    return p.parse_args()
+
+
+def read_bandwidth_gbs() -> float:
+    import torch
+
+    data = torch.ones(128 << 20)  # 512 MiB of float32
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.numel() * 4 / best / 1e9
+
+
+def measure(args: argparse.Namespace, settings: dict) -> dict:
+    """In the child: prefill every prompt, then time the all-decoding steps."""
+    from serve import LLM, SamplingParams
+
+    results = {}
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        llm = LLM(
+            model=args.model,
+            max_num_seqs=batch,
+            enable_prefix_caching=False,
+            async_scheduling=False,
+            **settings,
+        )
+        vocab = llm.get_tokenizer().vocab_size
+        rng = random.Random(0)
+        # Long enough that the first prompts still decode when the last one is prefilled.
+        params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+        for i in range(batch):
+            prompt = [rng.randrange(100, vocab) for _ in range(args.prompt_len)]
+            llm.add_request(f"r{i}", prompt, params)
+        scheduler = llm.engine.scheduler
+        start = time.perf_counter()
+        while not (
+            len(scheduler.running) == batch
+            and all(
+                s.num_computed_tokens >= args.prompt_len for g in scheduler.running for s in g.seqs
+            )
+        ):
+            llm.step()
+        prefill_s = time.perf_counter() - start
+        steps = []
+        for _ in range(args.decode_steps):
+            start = time.perf_counter()
+            llm.step()
+            steps.append(time.perf_counter() - start)
+        for i in range(batch):
+            llm.abort_request(f"r{i}")
+        step_s = statistics.median(steps[3:])
+        model = llm.engine.executor.worker.model_runner.model  # the uniproc executor's
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        results[batch] = {
+            "step_ms": 1000 * step_s,
+            "decode_tok_s": batch / step_s,
+            "prefill_tok_s": batch * args.prompt_len / prefill_s,
+            "weight_bytes": weights,
+        }
+        del llm
+    return results
+
+
+def run_config(args: argparse.Namespace, env: dict, settings: dict) -> dict:
+    cmd = [sys.executable, __file__, "--measure", json.dumps(settings)]
+    cmd += ["--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len)]
+    cmd += ["--decode-steps", str(args.decode_steps)]
+    cmd += ["--model", args.model] if args.model else []
+    done = subprocess.run(
+        cmd, env={**os.environ, **env}, capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        sys.exit(done.stderr[-4000:])
+    return {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.measure is not None:
+        print(json.dumps(measure(args, json.loads(args.measure))))
+        return
+    bandwidth = read_bandwidth_gbs()
+    print(f"memory read bandwidth: {bandwidth:.1f} GB/s (best of 5 sums over 512 MiB)")
+    report = {"bandwidth_gbs": bandwidth, "levers": {}}
+    for lever in args.levers.split(","):
+        (name_a, env_a, set_a), (name_b, env_b, set_b) = LEVERS[lever]
+        a, b = run_config(args, env_a, set_a), run_config(args, env_b, set_b)
+        report["levers"][lever] = {name_a: a, name_b: b}
+        print(f"\n{lever}: {name_a} -> {name_b}")
+        print(
+            f"{'batch':>5} {'step ms':>17} {'decode tok/s':>19} {'prefill tok/s':>19} {'ratio':>6}"
+        )
+        for batch in a:
+            ra, rb = a[batch], b[batch]
+            print(
+                f"{batch:5d} {ra['step_ms']:8.1f} {rb['step_ms']:8.1f} "
+                f"{ra['decode_tok_s']:9.1f} {rb['decode_tok_s']:9.1f} "
+                f"{ra['prefill_tok_s']:9.0f} {rb['prefill_tok_s']:9.0f} "
+                f"{ra['step_ms'] / rb['step_ms']:5.2f}x"
+            )
+            if batch == 1:
+                floor_ms = rb["weight_bytes"] / bandwidth / 1e6
+                print(
+                    f"      batch-1 floor (weights {rb['weight_bytes'] / 1e6:.0f} MB / bandwidth): "
+                    f"{floor_ms:.1f} ms; {name_b} is {rb['step_ms'] / floor_ms:.2f}x the floor"
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
