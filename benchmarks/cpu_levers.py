@@ -11,10 +11,19 @@ output tokens/s that makes, and the prefill throughput of the batch's prompts. B
 also compared with the bandwidth floor: the model's weight bytes over the machine's
 memory read bandwidth (measured here: the best of a few sums over a 512 MiB tensor).
 
+`--attention-crossover` instead times the two CPU attention paths on prompt chunks of
+growing length (8 sequences, the default model's 9 query / 3 KV heads of 64): the native
+kernel against gathering the context and running torch's fused attention; where the
+second wins is `serve.kernels.cpu.NATIVE_MAX_QUERY_LEN`.
+
 Levers (name: the A and B configurations):
   native     SERVE_CPU_KERNELS=0 (torch only: attention gathers each sequence's K/V, then
              runs torch's fused attention; one-row products in MKL) vs the native kernels
              (attention reading K/V in place; one row's product streaming the weights)
+  prepack    SERVE_CPU_PREPACK=0 (linears of two rows and up in MKL's sgemm, as W @ x^T below
+             128 rows) vs oneDNN with each weight reordered once into its blocked layout
+  allocator  glibc malloc vs tcmalloc preloaded (Debian's libtcmalloc-minimal4), as
+             vLLM's CPU docs advise
   dtype      float32 vs bfloat16 (worth it only where the CPU has AVX512_BF16 or AMX)
 """
 
@@ -31,6 +40,11 @@ import time
 
 LEVERS = {
     "native": (("torch", {"SERVE_CPU_KERNELS": "0"}, {}), ("native", {}, {})),
+    "prepack": (("mkl", {"SERVE_CPU_PREPACK": "0"}, {}), ("onednn", {}, {})),
+    "allocator": (
+        ("glibc", {}, {}),
+        ("tcmalloc", {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}, {}),
+    ),
     "dtype": (("float32", {}, {}), ("bfloat16", {}, {"dtype": "bfloat16"})),
 }
 
@@ -43,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--attention-crossover", action="store_true", help="see above")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child: one config
     return p.parse_args()
 
@@ -109,6 +124,59 @@ def measure(args: argparse.Namespace, settings: dict) -> dict:
     return results
 
 
+def attention_crossover() -> None:
+    import torch
+
+    from serve.kernels import reference
+    from serve.kernels.cpu import native
+    from serve.kernels.metadata import AttentionMetadata
+
+    if not native.available():
+        sys.exit("the native CPU kernels are not built here")
+
+    def best_ms(fn, *fn_args, repeats: int = 10) -> float:
+        fn(*fn_args)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn(*fn_args)
+            times.append(time.perf_counter() - start)
+        return 1000 * min(times)
+
+    num_seqs, block_size, gen = 8, 16, torch.Generator().manual_seed(0)
+    print(f"{'context':>7} {'queries':>7} {'native ms':>10} {'gather+fused ms':>16} {'ratio':>6}")
+    for context in (256, 1024):
+        for queries in (1, 4, 8, 16, 32, 64, 128):
+            per_seq = -(-context // block_size)
+            num_blocks = num_seqs * per_seq + 1
+            shape = (3, num_blocks, block_size, 64)  # heads-first, as the CPU cache stores it
+            k_cache = torch.randn(shape, generator=gen).permute(1, 2, 0, 3)
+            v_cache = torch.randn(shape, generator=gen).permute(1, 2, 0, 3)
+            tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * per_seq]
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(num_seqs * queries, dtype=torch.long),
+                block_tables=tables.view(num_seqs, per_seq),
+                seq_lens=torch.full((num_seqs,), context),
+                query_start_loc=torch.arange(num_seqs + 1) * queries,
+                seq_lens_cpu=[context] * num_seqs,
+                query_lens_cpu=[queries] * num_seqs,
+                num_decode_seqs=num_seqs if queries == 1 else 0,
+            )
+            query = torch.randn(num_seqs * queries, 9, 64, generator=gen)
+            out = torch.empty_like(query)
+            args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, None, 0, 0.0)
+            native_ms = best_ms(
+                torch.ops.serve_cpu.paged_attention, out, query, k_cache, v_cache, *args, 1 << 30
+            )
+            torch_ms = best_ms(
+                reference.attend_chunks, out, query, k_cache, v_cache, meta, range(num_seqs), 0.125
+            )
+            print(
+                f"{context:7d} {queries:7d} {native_ms:10.2f} {torch_ms:16.2f} "
+                f"{native_ms / torch_ms:5.2f}x"
+            )
+
+
 def run_config(args: argparse.Namespace, env: dict, settings: dict) -> dict:
     cmd = [sys.executable, __file__, "--measure", json.dumps(settings)]
     cmd += ["--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len)]
@@ -126,6 +194,9 @@ def main() -> None:
     args = parse_args()
     if args.measure is not None:
         print(json.dumps(measure(args, json.loads(args.measure))))
+        return
+    if args.attention_crossover:
+        attention_crossover()
         return
     bandwidth = read_bandwidth_gbs()
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s (best of 5 sums over 512 MiB)")

@@ -87,6 +87,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             budget = self._profile_free_cuda_memory()
         else:
+            # A first forward of a few rows: the CPU linears reorder their weights for
+            # oneDNN now (serve/kernels/cpu), not in the first request's time.
+            self._dummy_forward(2)
             total = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
             budget = total / self.config.world_size
         num_blocks = int(budget // self.bytes_per_block)
@@ -110,7 +113,16 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         engine = self.config.engine
-        num_tokens = engine.scheduler.max_num_batched_tokens or 8192
+        self._dummy_forward(engine.scheduler.max_num_batched_tokens or 8192)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return total * engine.cache.gpu_memory_utilization - peak
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prompt of `num_tokens` through the model over a one-block scratch cache, with
+        the logits of every row. Under tensor parallelism every rank must run it."""
         dummy = self.kv.attach_cache(self.model, 1, self.block_size, self.device)
         layers = attention_layers(self.model)
         num_table_blocks = -(-num_tokens // self.block_size)
@@ -126,14 +138,9 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         with torch.inference_mode(), forward_context(meta):
             self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device)))
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
         for layer in layers:
             layer.kv_cache = None
         del dummy
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return total * engine.cache.gpu_memory_utilization - peak
 
     # -- one step --------------------------------------------------------------------------------
 

@@ -235,11 +235,36 @@ def test_linear_few_rows_matches_torch(rows, shape):
         assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-def test_cpu_linear_takes_the_native_path_for_one_row():
-    gen = seeded("cpu-linear")
-    x, weight = torch.randn(1, 300, generator=gen), torch.randn(200, 300, generator=gen)
+@pytest.mark.parametrize("rows", [1, 2, 7, 200])
+def test_cpu_linear_matches_torch_on_every_path(rows):
+    """One row in the native kernel, more in oneDNN on the prepacked weight."""
+    gen = seeded("cpu-linear", rows)
+    x, weight = torch.randn(rows, 300, generator=gen), torch.randn(200, 300, generator=gen)
     bias = torch.randn(200, generator=gen)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    for rows in (x, x.expand(3, -1).contiguous()):  # native, then MKL
-        out = cpu.linear(rows, weight, bias)
-        assert torch.allclose(out.double(), expected.expand_as(out), rtol=1e-5, atol=1e-4)
+    out = cpu.linear(x, weight, bias)
+    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4)
+    assert hasattr(weight, "_serve_onednn") is (rows > 1)  # packed on first use of many rows
+
+
+def test_prepacked_weight_follows_in_place_writes():
+    gen = seeded("repack")
+    x = torch.randn(3, 64, generator=gen)
+    weight = torch.nn.Parameter(torch.randn(32, 64, generator=gen), requires_grad=False)
+    before = cpu.linear(x, weight)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    assert torch.allclose(cpu.linear(x, weight), 2 * before, rtol=1e-5, atol=1e-5)
+
+
+def test_prepacking_turned_off_runs_torch(monkeypatch):
+    monkeypatch.setenv(cpu.PREPACK_ENV_VAR, "0")
+    cpu._prepack_enabled.cache_clear()
+    try:
+        gen = seeded("no-prepack")
+        x, weight = torch.randn(5, 40, generator=gen), torch.randn(24, 40, generator=gen)
+        out = cpu.linear(x, weight)
+        assert not hasattr(weight, "_serve_onednn")
+        assert torch.allclose(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    finally:
+        cpu._prepack_enabled.cache_clear()

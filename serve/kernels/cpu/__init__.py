@@ -6,6 +6,10 @@ Same names and signatures as `serve.kernels.reference`, whose docstrings hold th
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +26,8 @@ from serve.kernels.reference import (
     swap_blocks,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "copy_blocks",
     "linear",
@@ -37,7 +43,8 @@ __all__ = [
 # Sequences with up to this many new tokens (decodes, speculative checks, short chunks)
 # attend in place in the native kernel; longer chunks gather their context once and run
 # torch's fused attention, whose matmuls outrun the native kernel's per-key dot products
-# once many queries share each key (benchmarks/kernels.py --cpu measures the crossover).
+# once many queries share each key: on 2 cores the two tie at 16 queries over 1,024 keys
+# and at 32 over 256 (`benchmarks/cpu_levers.py --attention-crossover`).
 NATIVE_MAX_QUERY_LEN = 16
 
 
@@ -80,11 +87,40 @@ def paged_attention(
     return out
 
 
-# Below this many rows MKL's sgemm runs the product faster as W @ x^T than as x @ W^T
-# (~1.4x on SmolLM2's decode-size projections, 2 cores). A single row (one sequence
-# decoding) it runs at about half the memory bandwidth two rows reach; the native
-# kernel streams the weights for it at ~2x MKL's speed (benchmarks/cpu_levers.py).
-_SMALL_BATCH_ROWS = 128
+# oneDNN's matmul with the weight reordered once into its blocked layout runs 1.6-1.9x
+# MKL's sgemm at decode-size batches (8-64 rows) and beats it on prompts too
+# (benchmarks/cpu_levers.py, lever `prepack`). The packed copy lives beside the weight, so
+# a CPU model's weights take twice their memory; `SERVE_CPU_PREPACK=0` trades the speed
+# back for it.
+PREPACK_ENV_VAR = "SERVE_CPU_PREPACK"
+_PACK_HINT_ROWS = 16  # the batch size oneDNN picks the layout for; any batch runs on it
+_PACKABLE = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def _prepack_enabled() -> bool:
+    if os.environ.get(PREPACK_ENV_VAR, "1") == "0":
+        logger.info("oneDNN weight prepacking off (%s=0): MKL runs the linears.", PREPACK_ENV_VAR)
+        return False
+    if not torch.backends.mkldnn.is_available():
+        logger.warning("This torch has no oneDNN: MKL runs the linears.")
+        return False
+    return True
+
+
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` in oneDNN's layout, reordered on first use and again whenever the weight is
+    written in place (its version counter moves); None where it cannot be. Writes through
+    `.data`, as the weight loaders make, are not seen: models load before their first
+    forward."""
+    entry = getattr(weight, "_serve_onednn", None)
+    if entry is not None and entry[1] == weight._version:
+        return entry[0]
+    if weight.dtype not in _PACKABLE or not weight.is_contiguous() or not _prepack_enabled():
+        return None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+    weight._serve_onednn = (packed, weight._version)
+    return packed
 
 
 def linear(
@@ -92,17 +128,17 @@ def linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
+    """One row (one sequence decoding) goes to the native kernel, which streams the weights
+    at ~2x the bandwidth MKL's matrix-vector product reaches; more rows to oneDNN with the
+    weight prepacked; F.linear where neither applies."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    if not 0 < rows <= _SMALL_BATCH_ROWS:
-        return F.linear(x, weight, bias)
-    if (
-        rows == 1
-        and x.dtype == weight.dtype == torch.float32
-        and weight.is_contiguous()
-        and native.available()
-    ):
-        out = x.new_empty(1, weight.shape[0])
-        torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
-        return out
-    out = torch.mm(weight, x.t()).t().contiguous()
-    return out if bias is None else out.add_(bias)
+    if rows == 1 and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous():
+        if native.available():
+            out = x.new_empty(1, weight.shape[0])
+            torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
+            return out
+    if rows >= 1 and x.dtype == weight.dtype:
+        packed = _packed_weight(weight)
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
