@@ -2,8 +2,9 @@
 //
 // With so few rows the product is a pass over the weight matrix, bound by memory
 // bandwidth; MKL's sgemm runs a single row at about half the bandwidth two rows reach.
-// Here each thread streams its share of W's rows, four at a time, through vector
-// accumulators for every row of x, so each weight byte is read once per call.
+// Here each thread streams its share of W's rows, a few at a time (as many as keep every
+// accumulator in registers), through vector accumulators for every row of x, so each
+// weight byte is read once per call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -16,7 +17,7 @@
 namespace serve_cpu {
 namespace {
 
-// The most rows of x served here; more go to MKL, whose blocking pays from there on.
+// The most rows of x served here (serve calls it for one; two rows and up run in oneDNN).
 constexpr int64_t kMaxRows = 4;
 
 template <int M, int R>
@@ -70,7 +71,7 @@ void linear_few_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = out.data_ptr<float>();
-  // Chunks of whole 4-row groups, large enough that a thread streams tens of KB of W.
+  // Chunks large enough that a thread streams tens of KB of W between scheduling points.
   const int64_t grain = std::max<int64_t>(4, (16384 / std::max<int64_t>(K, 1)) / 4 * 4);
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     switch (M) {

@@ -4,8 +4,9 @@
 // and step before attending; at decode that copy costs more than the attention itself.
 // Here one work item is (sequence, KV head, tile of queries): the query heads that share
 // the KV head and the tile's tokens are scored against each key row straight from its
-// block, softmaxed exactly (max, then sum), and the value rows are accumulated the same
-// way. Items run in parallel on torch's intra-op threads.
+// block, block by block, with an online softmax (a running max and sum per row), and the
+// value rows of the same block are accumulated at once. Items run in parallel on torch's
+// intra-op threads.
 //
 // Contract (serve/kernels/reference.py `paged_attention` is the oracle): query
 // [num_tokens, num_heads, head_dim] with unit stride along head_dim; caches
@@ -198,9 +199,7 @@ void attend_tile(
       float* a = acc.data() + row * head_dim;
       const float new_max = std::max(row_max[row], block_max);
       if (new_max > row_max[row]) {
-        float16v old = {};
-        old[0] = row_max[row] - new_max;
-        const float correction = exp_nonpositive(old)[0];
+        const float correction = std::exp(row_max[row] - new_max);  // 0 for the first block
         row_sum[row] *= correction;
         for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
         row_max[row] = new_max;
