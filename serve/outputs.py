@@ -18,6 +18,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    # The sum of its tokens' logprobs; None when the request neither asked for logprobs
+    # nor is ranked by them (SamplingParams.needs_logprobs), as in vLLM.
     cumulative_logprob: float | None = None
     # Per output token: {token_id: logprob} with the sampled token and the top alternatives.
     logprobs: list[dict[int, float]] | None = None

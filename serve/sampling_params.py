@@ -100,6 +100,9 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] = field(
         init=False, repr=False, compare=False, default_factory=list
     )
+    # A beam search of width 1, run as greedy search: it still reports its score (the
+    # cumulative logprob), as every beam search does.
+    _is_one_beam: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -154,6 +157,7 @@ class SamplingParams:
                 # One beam is greedy search, as HF transformers runs `num_beams=1`; a true
                 # one-beam search would keep going past an EOS that greedy stops at.
                 self.use_beam_search = False
+                self._is_one_beam = True
         elif self.is_greedy:
             # Greedy ignores the filters; normalising keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -285,6 +289,20 @@ class SamplingParams:
         enough to fill the beams even if every stop token ranks among them. Each beam's
         best that many next tokens are all the step can pick from that beam."""
         return max(2, 1 + len(self.beam_stop_token_ids(eos_token_ids))) * (self.best_of or 1)
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether each output token's logprob is computed and reported: the request
+        asked for them (`logprobs`, 0 included), or its outputs are ranked by their sum
+        (`best_of` > n; beam search, whose scores come from its own log-softmax, and
+        whose width 1 runs as greedy search). Otherwise none is, and its outputs'
+        `cumulative_logprob` is None, as in vLLM."""
+        return (
+            self.logprobs is not None
+            or self.use_beam_search
+            or self._is_one_beam
+            or (self.best_of or self.n) > self.n
+        )
 
     @property
     def is_prefill_only(self) -> bool:

@@ -60,6 +60,8 @@ class Sequence:
     seed: int | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
+    # Each output token's logprob, when its request needs them
+    # (`SamplingParams.needs_logprobs`); empty otherwise.
     output_logprobs: list[float] = field(default_factory=list)
     # Top-`logprobs` alternatives per output token, when the request asked for them.
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -127,10 +129,6 @@ class Sequence:
         return self.num_tokens + self.num_pending_tokens - self.num_planned_tokens
 
     @property
-    def cumulative_logprob(self) -> float:
-        return float(sum(self.output_logprobs))
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
@@ -153,11 +151,12 @@ class Sequence:
         return self.output_token_ids[position - self.num_prompt_tokens]
 
     def append_token(
-        self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None
+        self, token_id: int, logprob: float | None, top_logprobs: dict[int, float] | None
     ) -> None:
         self.output_token_ids.append(token_id)
         self.num_pending_tokens = max(0, self.num_pending_tokens - 1)
-        self.output_logprobs.append(logprob)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
 

@@ -160,7 +160,9 @@ class ModelRunnerOutput:
 
     seq_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # each token's, under the model
+    # Each token's logprob under the model; None where its request needs none
+    # (SamplingParams.needs_logprobs: neither asked for nor ranked by them).
+    logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     beam_candidates: list[BeamCandidates] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)

@@ -131,3 +131,21 @@ def test_stop_strings(stop, expected):
 
 def test_stop_token_ids_none_becomes_empty_list():
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needs"),
+    [
+        ({}, False),
+        ({"n": 3}, False),  # n samples, none dropped: nothing ranks them
+        ({"n": 3, "best_of": 3}, False),
+        ({"logprobs": 0}, True),  # the sampled token's logprob alone
+        ({"logprobs": 5}, True),
+        ({"n": 1, "best_of": 2}, True),  # ranked by cumulative logprob
+        ({"n": 2, "best_of": 2, "use_beam_search": True, "temperature": 0.0}, True),
+        ({"best_of": 1, "use_beam_search": True, "temperature": 0.0}, True),  # run greedy
+        ({"prompt_logprobs": 3}, False),  # the prompt's, computed apart
+    ],
+)
+def test_needs_logprobs_when_asked_or_ranked(kwargs, needs):
+    assert SamplingParams(**kwargs).needs_logprobs is needs

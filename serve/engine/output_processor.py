@@ -46,13 +46,14 @@ class _SeqOutput:
     """One sequence as the front end knows it."""
 
     def __init__(
-        self, index: int, detokenizer: IncrementalDetokenizer | None, logprobs: bool
+        self, index: int, detokenizer: IncrementalDetokenizer | None, params: SamplingParams
     ) -> None:
         self.index = index
         self.detokenizer = detokenizer  # None: decoded whole (beam search's results)
         self.token_ids: list[int] = []
-        self.cumulative_logprob = 0.0  # summed token by token, as the core's Sequence does
-        self.logprobs: list[dict[int, float]] | None = [] if logprobs else None
+        # Summed token by token; None for a request that needs no logprobs (vLLM's too).
+        self.cumulative_logprob: float | None = 0.0 if params.needs_logprobs else None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
@@ -134,6 +135,7 @@ class RequestState:
         completions = [seq.completion() for seq in self.seqs.values()]
         if self.is_finished and self.params.best_of > self.params.n:
             if not self.params.use_beam_search:  # beams come ranked by the search
+                # best_of > n needs logprobs: every sample's sum is a float.
                 completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
             completions = completions[: self.params.n]
             for i, c in enumerate(completions):
@@ -155,14 +157,14 @@ class RequestState:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, self.prompt_token_ids, params.skip_special_tokens
             )
-        return _SeqOutput(index, detokenizer, params.logprobs is not None)
+        return _SeqOutput(index, detokenizer, params)
 
     def _take(self, seq: _SeqOutput, d: SeqDelta) -> bool:
         """Append the delta's tokens one at a time, decoding each; True when a stop string
         ends the sequence before the core has (the tokens after it are dropped)."""
         for i, token_id in enumerate(d.token_ids):
             seq.token_ids.append(token_id)
-            if i < len(d.logprobs):
+            if seq.cumulative_logprob is not None and d.logprobs and i < len(d.logprobs):
                 seq.cumulative_logprob += d.logprobs[i]
             if seq.logprobs is not None and d.top_logprobs is not None:
                 seq.logprobs.append(d.top_logprobs[i])

@@ -29,7 +29,9 @@ class SeqDelta:
 
     index: int  # its place among the request's sequences: fork order, or a beam's rank
     token_ids: list[int]
-    logprobs: list[float]  # each new token's logprob; the front end sums them
+    # Each new token's logprob, which the front end sums; None when the request needs
+    # none (SamplingParams.needs_logprobs), and its cumulative_logprob is None.
+    logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None  # per new token, when the request asked
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None  # the stop token id that ended it
@@ -103,13 +105,15 @@ def mark_sent(seq: Sequence) -> None:
 
 def _seq_delta(index: int, seq: Sequence, start: int) -> SeqDelta:
     end = seq.num_output_tokens
-    top = seq.output_top_logprobs[start:end] if seq.sampling_params.logprobs is not None else None
+    params = seq.sampling_params
+    top = seq.output_top_logprobs[start:end] if params.logprobs is not None else None
+    logprobs = seq.output_logprobs[start:end] if params.needs_logprobs else None
     seq.num_sent_tokens = end
     seq.is_finish_sent = seq.finish_reason is not None
     return SeqDelta(
         index,
         seq.output_token_ids[start:end],
-        seq.output_logprobs[start:end],
+        logprobs,
         top,
         seq.finish_reason,
         seq.stop_reason,

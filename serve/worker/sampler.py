@@ -3,10 +3,11 @@
 Every control is a batched tensor op over the rows that use it (logits_processors.py);
 a batch where nobody uses a control skips it, and one where nobody uses any samples from
 the model's logits without a copy. Greedy rows take the argmax of the processed logits;
-logprobs are always reported from the model's own, unprocessed ones. A token is drawn by
-inverse-CDF sampling, one uniform number per row: a seeded request draws its number from
-its own generator, so its tokens never depend on its batch. (One number per row, not one
-per vocabulary entry as the exponential-race trick needs, keeps the draw cheap on CPU.)
+logprobs are reported from the model's own, unprocessed ones, and only for the rows whose
+request needs them. A token is drawn by inverse-CDF sampling, one uniform number per row:
+a seeded request draws its number from its own generator, so its tokens never depend on
+its batch. (One number per row, not one per vocabulary entry as the exponential-race
+trick needs, keeps the draw cheap on CPU.)
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ LogitsMask = Callable[[torch.Tensor], None]
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float]  # log-probability of each sampled token under the model
+    # Each sampled token's log-probability under the model; None where its request needs
+    # none (SamplingParams.needs_logprobs).
+    logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]  # per sequence that asked for `logprobs`
 
 
@@ -75,29 +78,35 @@ class Sampler:
     ) -> SamplerOutput:
         """Row i's token `token_ids[i]` with its logprob, and the top logprobs its sequence
         asked for, under the model's own distribution (before temperature and filters),
-        as vLLM reports them; logit - logsumexp avoids a full log_softmax."""
+        as vLLM reports them. Only the rows whose request needs a logprob
+        (`SamplingParams.needs_logprobs`) are log-normalised, in one logsumexp over just
+        those rows (logit - logsumexp avoids a full log_softmax); the others get None, so
+        a step where nobody needs one does no vocabulary-wide work here."""
         params = [s.sampling_params for s in seqs]
-        token_list = token_ids
-        log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)  # [num_seqs, 1]
-        index = torch.tensor(token_ids, device=logits.device)[:, None]
-        sampled_list = (logits.gather(1, index) - log_normalizer).squeeze(1).tolist()
-        num_top = max((p.logprobs or 0 for p in params), default=0)
+        logprobs: list[float | None] = [None] * len(seqs)
+        top_logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+        needing = [i for i, p in enumerate(params) if p.needs_logprobs]
+        if not needing:
+            return SamplerOutput(token_ids, logprobs, top_logprobs)
+        rows = logits  # every row needs one: no copy
+        if len(needing) < len(seqs):
+            rows = logits.index_select(0, torch.tensor(needing, device=logits.device))
+        log_normalizer = torch.logsumexp(rows, dim=-1, keepdim=True)  # [num_needing, 1]
+        index = torch.tensor([token_ids[i] for i in needing], device=logits.device)[:, None]
+        sampled = (rows.gather(1, index) - log_normalizer).squeeze(1).tolist()
+        num_top = max(params[i].logprobs or 0 for i in needing)
         if num_top:
-            top = logits.topk(num_top, dim=-1)
+            top = rows.topk(num_top, dim=-1)
             top_ids, top_values = top.indices.tolist(), (top.values - log_normalizer).tolist()
-        top_logprobs: list[dict[int, float] | None] = []
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                top_logprobs.append(None)
+        for j, i in enumerate(needing):
+            logprobs[i] = sampled[j]
+            num = params[i].logprobs
+            if num is None:  # ranked by its logprobs, not asking for them
                 continue
-            entry = (
-                dict(zip(top_ids[i][: p.logprobs], top_values[i][: p.logprobs]))
-                if p.logprobs
-                else {}
-            )
-            entry[token_list[i]] = sampled_list[i]
-            top_logprobs.append(entry)
-        return SamplerOutput(token_list, sampled_list, top_logprobs)
+            entry = dict(zip(top_ids[j][:num], top_values[j][:num])) if num else {}
+            entry[token_ids[i]] = sampled[j]
+            top_logprobs[i] = entry
+        return SamplerOutput(token_ids, logprobs, top_logprobs)
 
     def process_logits(
         self, logits: torch.Tensor, seqs: list[Sequence], logits_mask: LogitsMask | None = None

@@ -140,7 +140,7 @@ class StepSampler:
             if result is None:  # its request failed
                 output.seq_ids.append(seq.seq_id)
                 output.token_ids.append(PLACEHOLDER_TOKEN)
-                output.logprobs.append(0.0)
+                output.logprobs.append(None)
                 output.top_logprobs.append(None)
                 continue
             output.spec_accepted[seq.seq_id] = result.num_accepted
@@ -175,7 +175,7 @@ class StepSampler:
         rows: list[int],
         seqs: list[MirroredSequence],
         failed: dict[str, str],
-    ) -> list[tuple[MirroredSequence, int, float, dict[int, float] | None]]:
+    ) -> list[tuple[MirroredSequence, int, float | None, dict[int, float] | None]]:
         """Each sequence's token, logprob and top logprobs, in order. If the batch raises,
         each sequence is sampled alone to find the requests at fault: they fail (their
         rows get the placeholder token), the rest of the batch runs on."""
@@ -200,7 +200,7 @@ class StepSampler:
                 with _request_scope(seq.request_id, failed):
                     one = self.sampler(logits[row : row + 1], [seq], self._grammar_mask([seq]))
                     sampled = (seq, one.token_ids[0], one.logprobs[0], one.top_logprobs[0])
-            results.append(sampled or (seq, PLACEHOLDER_TOKEN, 0.0, None))
+            results.append(sampled or (seq, PLACEHOLDER_TOKEN, None, None))
         return results
 
     def _grammar_mask(self, seqs: list[MirroredSequence]) -> Callable[[torch.Tensor], None] | None:

@@ -45,6 +45,37 @@ def test_greedy_logprobs_equal_hf_log_softmax(model, prompts):
         )
 
 
+def test_a_mixed_batch_computes_logprobs_only_where_needed(model, prompts):
+    """Seeded samples in the same steps, one asking for logprobs and one not: the asking
+    one's equal HF's; the other gets none and no cumulative logprob (as vLLM reports it),
+    and both sample the same tokens as when both ask."""
+    path, llm = model
+    batch = [{"prompt_token_ids": p} for p in prompts[:2]]
+
+    def sampling(seed: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0, seed=seed, logprobs=logprobs, max_tokens=10, ignore_eos=True
+        )
+
+    asked, silent = (
+        o.outputs[0] for o in llm.generate(batch, [sampling(3, 2), sampling(4, None)], False)
+    )
+    both = [o.outputs[0] for o in llm.generate(batch, [sampling(3, 2), sampling(4, 0)], False)]
+    assert [asked.token_ids, silent.token_ids] == [c.token_ids for c in both]
+    assert silent.logprobs is None and silent.cumulative_logprob is None
+    assert both[1].cumulative_logprob == pytest.approx(
+        sum(top[t] for t, top in zip(both[1].token_ids, both[1].logprobs))
+    )
+    reference = hf_log_softmax(path, prompts[0] + asked.token_ids)
+    for i, (token, top) in enumerate(zip(asked.token_ids, asked.logprobs, strict=True)):
+        assert top[token] == pytest.approx(
+            reference[len(prompts[0]) - 1 + i][token].item(), abs=TOLERANCE
+        )
+    assert asked.cumulative_logprob == pytest.approx(
+        sum(top[t] for t, top in zip(asked.token_ids, asked.logprobs)), abs=1e-3
+    )
+
+
 def test_prompt_logprobs_equal_hf_log_softmax(model, prompts):
     """Every prompt token but the first, including prompts computed over several steps."""
     path, llm = model

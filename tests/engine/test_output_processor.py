@@ -37,8 +37,10 @@ def _processor(tokenizer, **params) -> OutputProcessor:
     return processor
 
 
-def _token(index: int, token_id: int, finish=None, logprob: float = -0.5) -> SeqDelta:
-    return SeqDelta(index, [token_id], [logprob], None, finish)
+def _token(index: int, token_id: int, finish=None, logprob: float | None = None) -> SeqDelta:
+    """One new token; its logprob only when given (the core sends them to a request that
+    needs them: SamplingParams.needs_logprobs)."""
+    return SeqDelta(index, [token_id], None if logprob is None else [logprob], None, finish)
 
 
 def _step(processor, *seqs: SeqDelta, finished: bool = False):
@@ -57,8 +59,28 @@ def test_text_grows_token_by_token_and_outputs_are_snapshots(tokenizer):
     assert [len(o.outputs[0].token_ids) for o in outputs] == list(range(1, len(ids) + 1))
     final = outputs[-1].outputs[0]
     assert final.text == "The sea is wide and blue." and final.finish_reason == "length"
-    assert final.cumulative_logprob == pytest.approx(-0.5 * len(ids))
+    assert final.cumulative_logprob is None  # nothing asked for logprobs, none ranked
     assert outputs[-1].finished and processor.num_requests == 0
+
+
+@pytest.mark.parametrize(("params", "needs"), [({"logprobs": 0}, True), ({"n": 2}, False)])
+def test_cumulative_logprob_only_for_requests_that_need_logprobs(tokenizer, params, needs):
+    processor = _processor(tokenizer, **params)
+    num_seqs = params.get("n", 1)
+    ids = _ids(tokenizer, "The sea is")
+    logprobs = [-0.25 * (i + 1) for i in range(len(ids))]
+    for i, token_id in enumerate(ids):
+        last = i == len(ids) - 1
+        deltas = [
+            _token(s, token_id, LENGTH if last else None, logprobs[i] if needs else None)
+            for s in range(num_seqs)
+        ]
+        outputs = _step(processor, *deltas, finished=last).outputs
+    (out,) = outputs
+    assert out.finished and len(out.outputs) == num_seqs
+    for c in out.outputs:
+        assert c.cumulative_logprob == (pytest.approx(sum(logprobs)) if needs else None)
+        assert (c.logprobs is not None) == ("logprobs" in params)
 
 
 def test_a_stop_string_ends_a_lone_sequence_with_an_abort(tokenizer):
@@ -112,7 +134,7 @@ def test_a_stop_token_finish_is_not_searched_for_stop_strings(tokenizer):
     processor = _processor(tokenizer, stop=["sea"])
     ids = _ids(tokenizer, "the sea")
     _step(processor, _token(0, ids[0]))
-    last = SeqDelta(0, ids[1:], [-0.5] * (len(ids) - 1), None, STOP, stop_reason=ids[-1])
+    last = SeqDelta(0, ids[1:], None, None, STOP, stop_reason=ids[-1])
     (out,) = _step(processor, last, finished=True).outputs
     c = out.outputs[0]
     assert (c.text, c.stop_reason) == ("the sea", ids[-1])

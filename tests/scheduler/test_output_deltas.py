@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+import pytest
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
@@ -57,23 +58,40 @@ def test_a_finish_without_a_new_token_is_sent_once():
     step_delta(group)
     group.seqs[0].finish_reason = FinishReason.ABORT
     (seq,) = step_delta(group).seqs
-    assert seq == SeqDelta(0, [], [], None, FinishReason.ABORT)
+    assert seq == SeqDelta(0, [], None, None, FinishReason.ABORT)
     assert step_delta(group).seqs == []
+
+
+def test_logprobs_are_sent_only_for_requests_that_need_them():
+    """Asked for (0 included) or ranked by them (best_of > n): the new tokens' logprobs;
+    otherwise None, and the front end reports no cumulative logprob."""
+    for params, sent in (
+        ({}, None),
+        ({"n": 2}, None),
+        ({"logprobs": 0}, [-0.5, -0.5]),
+        ({"n": 1, "best_of": 2}, [-0.5, -0.5]),
+    ):
+        (seq,) = step_delta(_group(2, **params)).seqs
+        assert seq.logprobs == sent, params
+        assert seq.top_logprobs == ([{0: -0.5}, {1: -0.5}] if "logprobs" in params else None)
 
 
 def test_engine_steps_send_tokens_and_no_text(tiny_llama):
     """Through a real engine: each step carries at most one new token per sequence, the
     deltas add up to the final outputs, and no message holds a string but ids and errors."""
     llm = LLM(model=str(tiny_llama), kv_cache_memory="8MiB")
-    prompts = random_prompts(512, 3, 5, 20, seed=4)
+    prompts = random_prompts(512, 4, 5, 20, seed=4)
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=10, stop=["a", "e"]),
+        SamplingParams(temperature=1.0, seed=2, n=1, best_of=2, max_tokens=6, ignore_eos=True),
     ]
+    needs_logprobs = {"r0", "r3"}  # asked for them; ranked by them (best_of > n)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         llm.add_request(f"r{i}", prompt, p)
     sent: dict[tuple[str, int], list[int]] = {}
+    sent_logprobs: dict[tuple[str, int], list[float]] = {}
     finals = {}
     while llm.has_unfinished_requests():
         deltas = llm.engine.step()
@@ -81,11 +99,18 @@ def test_engine_steps_send_tokens_and_no_text(tiny_llama):
             assert isinstance(delta, RequestDelta)
             assert set(_strings(delta)) <= {delta.request_id}
             for seq in delta.seqs:
-                assert len(seq.token_ids) <= 1 and len(seq.logprobs) == len(seq.token_ids)
+                assert len(seq.token_ids) <= 1
+                if delta.request_id in needs_logprobs:
+                    assert seq.logprobs is not None and len(seq.logprobs) == len(seq.token_ids)
+                    sent_logprobs.setdefault((delta.request_id, seq.index), []).extend(seq.logprobs)
+                else:
+                    assert seq.logprobs is None
                 sent.setdefault((delta.request_id, seq.index), []).extend(seq.token_ids)
         finals.update({o.request_id: o for o in llm._process(deltas) if o.finished})
-    assert set(finals) == {"r0", "r1", "r2"}
+    assert set(finals) == {"r0", "r1", "r2", "r3"}
     for request_id, out in finals.items():
+        if request_id == "r3":
+            continue  # its best sample comes renumbered: checked below
         for c in out.outputs:
             got = sent[(request_id, c.index)]
             assert got[: len(c.token_ids)] == c.token_ids  # after a stop string: dropped
@@ -93,3 +118,10 @@ def test_engine_steps_send_tokens_and_no_text(tiny_llama):
     r0 = finals["r0"].outputs[0]
     assert len(r0.token_ids) == 12 and r0.text == llm.get_tokenizer().decode(r0.token_ids)
     assert len(finals["r1"].outputs) == 3
+    # The front end sums what it was sent; a request that needs no logprobs reports none.
+    assert r0.cumulative_logprob == pytest.approx(sum(sent_logprobs[("r0", 0)]))
+    assert all(c.cumulative_logprob is None for c in finals["r1"].outputs + finals["r2"].outputs)
+    samples = {tuple(sent[("r3", i)]): sum(sent_logprobs[("r3", i)]) for i in range(2)}
+    (best,) = finals["r3"].outputs
+    assert best.cumulative_logprob == pytest.approx(max(samples.values()))
+    assert best.cumulative_logprob == pytest.approx(samples[tuple(best.token_ids)])

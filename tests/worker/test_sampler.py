@@ -1,0 +1,106 @@
+"""The sampler's logprobs: computed only for the rows whose request needs them
+(`SamplingParams.needs_logprobs`), in one logsumexp over just those rows; the others get
+None, and the tokens chosen do not depend on who asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve import SamplingParams
+from serve.sequence import Sequence
+from serve.worker.sampler import Sampler
+
+VOCAB = 64
+
+
+def _seq(seq_id: int, **params) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", [1, 2, 3], SamplingParams(**params), seed=seq_id)
+
+
+def _logits(num_rows: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, VOCAB, generator=gen) * 3
+
+
+@pytest.fixture
+def normalised_rows(monkeypatch) -> list[int]:
+    """The rows of every logsumexp / log_softmax the sampler runs (one entry per call)."""
+    seen: list[int] = []
+    logsumexp, log_softmax = torch.logsumexp, torch.log_softmax
+
+    def counting_logsumexp(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return logsumexp(x, *args, **kwargs)
+
+    def counting_log_softmax(x, *args, **kwargs):
+        seen.append(x.shape[0])
+        return log_softmax(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "logsumexp", counting_logsumexp)
+    monkeypatch.setattr(torch, "log_softmax", counting_log_softmax)
+    return seen
+
+
+# Rows 1 (logprobs=2), 3 (logprobs=0) and 4 (best_of > n, ranked by its logprobs) need
+# their token's logprob; rows 0 and 2 (greedy and sampled, nothing asked) do not.
+MIXED = [
+    {"temperature": 0.0},
+    {"temperature": 0.0, "logprobs": 2},
+    {"temperature": 1.0},
+    {"temperature": 1.0, "logprobs": 0},
+    {"temperature": 1.0, "n": 1, "best_of": 2},
+]
+NEEDING = [1, 3, 4]
+
+
+def test_only_the_rows_that_need_a_logprob_are_normalised(normalised_rows):
+    logits = _logits(len(MIXED), seed=1)
+    seqs = [_seq(i, **p) for i, p in enumerate(MIXED)]
+    out = Sampler(0)(logits, seqs)
+    assert normalised_rows == [len(NEEDING)]  # one logsumexp, over the needing rows only
+    expected = torch.log_softmax(logits, dim=-1)
+    for i, token in enumerate(out.token_ids):
+        if i in NEEDING:
+            assert out.logprobs[i] == pytest.approx(expected[i, token].item(), abs=1e-5)
+        else:
+            assert out.logprobs[i] is None
+    assert [t is None for t in out.top_logprobs] == [True, False, True, False, True]
+    top2 = logits[1].topk(2).indices.tolist()
+    assert set(out.top_logprobs[1]) == {*top2, out.token_ids[1]}
+    for token_id, logprob in out.top_logprobs[1].items():
+        assert logprob == pytest.approx(expected[1, token_id].item(), abs=1e-5)
+    assert out.top_logprobs[3] == {out.token_ids[3]: out.logprobs[3]}  # logprobs=0
+
+
+def test_a_batch_where_nobody_needs_logprobs_normalises_nothing(normalised_rows):
+    seqs = [_seq(0, temperature=0.0), _seq(1, temperature=1.0), _seq(2, temperature=0.5, n=2)]
+    out = Sampler(0)(_logits(3, seed=2), seqs)
+    assert normalised_rows == []
+    assert out.logprobs == [None, None, None] and out.top_logprobs == [None, None, None]
+
+
+def test_a_poisoned_row_that_needs_nothing_leaves_the_others_exact():
+    """Row 0 needs no logprob and holds an inf and a NaN: it is never normalised (it
+    gets None, not a NaN), and the rows that need one get their exact values."""
+    logits = _logits(3, seed=3)
+    logits[0, 5], logits[0, 6] = float("inf"), float("nan")
+    seqs = [_seq(0, temperature=0.0), _seq(1, temperature=0.0, logprobs=1), _seq(2, best_of=3)]
+    out = Sampler(0).report(logits, [5, 7, 9], seqs)
+    expected = torch.log_softmax(logits[1:], dim=-1)
+    assert out.logprobs[0] is None
+    assert out.logprobs[1] == pytest.approx(expected[0, 7].item(), abs=1e-5)
+    assert out.logprobs[2] == pytest.approx(expected[1, 9].item(), abs=1e-5)
+
+
+def test_tokens_do_not_depend_on_who_asks_for_logprobs():
+    """The same seeded batch sampled with and without logprobs asked for: the same tokens."""
+    logits = _logits(len(MIXED), seed=4)
+    without = [{k: v for k, v in p.items() if k != "logprobs"} for p in MIXED]
+    every = [{**p, "logprobs": 1} for p in MIXED]
+    tokens = [
+        Sampler(0)(logits, [_seq(i, **p) for i, p in enumerate(batch)]).token_ids
+        for batch in (MIXED, without, every)
+    ]
+    assert tokens[0] == tokens[1] == tokens[2]
+    assert tokens[0][0] == logits[0].argmax().item()
