@@ -268,3 +268,63 @@ def test_prepacking_turned_off_runs_torch(monkeypatch):
         assert torch.allclose(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
     finally:
         cpu._prepack_enabled.cache_clear()
+
+
+def test_linear_few_rows_in_bfloat16_rounds_once():
+    """bfloat16 weights stream in as bfloat16 and sum in float32; only y is rounded, so the
+    result is the float64 product's bfloat16 rounding, give or take its last bit."""
+    gen = seeded("linear-bf16")
+    x = torch.randn(1, 576, generator=gen).bfloat16()
+    weight, bias = torch.randn(100, 576, generator=gen).bfloat16(), torch.randn(100).bfloat16()
+    for b in (None, bias):
+        out = torch.empty(1, 100, dtype=torch.bfloat16)
+        torch.ops.serve_cpu.linear_few_rows(out, x, weight, b)
+        exact = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        assert out.dtype == torch.bfloat16
+        assert torch.allclose(out.double(), exact, rtol=2 * 2**-8, atol=1e-2)
+    assert cpu.linear(x, weight).dtype == torch.bfloat16
+
+
+ROW_SHAPES = [(1, 576), (7, 576), (64, 100), (3, 17)]  # hidden sizes with and without a tail
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ROW_SHAPES)
+def test_rms_norm_matches_torch(shape, dtype):
+    """The fused norm against the torch reference, alone and with the residual add: the
+    same roundings, so float32 agrees to a few ulps and bfloat16 to its last bit."""
+    gen = seeded("rms", shape, dtype)
+    x = (3 * torch.randn(shape, generator=gen)).to(dtype)
+    residual = torch.randn(shape, generator=gen).to(dtype)
+    weight = torch.randn(shape[1], generator=gen).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+    out = cpu.rms_norm(x, weight, 1e-6)
+    assert torch.allclose(out.float(), reference.rms_norm(x, weight, 1e-6).float(), **tol)
+    out, total = cpu.rms_norm(x, weight, 1e-6, residual)
+    expected_out, expected_total = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(total, expected_total)  # the add rounds exactly as torch's does
+    assert torch.allclose(out.float(), expected_out.float(), **tol)
+    assert out.dtype == total.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 3072), (9, 34), (64, 2 * 1536)])
+def test_silu_and_mul_matches_torch(shape, dtype):
+    """Large, small and negative gates (the exp both ways), widths with and without a tail."""
+    gen = seeded("silu", shape, dtype)
+    x = (6 * torch.randn(shape, generator=gen)).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # past exp's range, and zero
+    tol = dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
+    out = cpu.silu_and_mul(x)
+    assert out.shape == (shape[0], shape[1] // 2) and out.dtype == dtype
+    assert torch.allclose(out.float(), reference.silu_and_mul(x).float(), **tol)
+
+
+def test_row_kernels_leave_other_layouts_to_torch():
+    """Strided views and float16 take the reference path and still give its answer."""
+    gen = seeded("row-fallback")
+    x = torch.randn(8, 64, generator=gen)[:, ::2]  # not contiguous
+    weight = torch.randn(32, generator=gen)
+    assert torch.equal(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
+    half = torch.randn(4, 32, generator=gen).half()
+    assert torch.equal(cpu.silu_and_mul(half), reference.silu_and_mul(half))

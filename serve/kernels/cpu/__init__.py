@@ -20,9 +20,7 @@ from serve.kernels.reference import (
     copy_blocks,
     moe_experts,
     reshape_and_cache,
-    rms_norm,
     rotary_embedding,
-    silu_and_mul,
     swap_blocks,
 )
 
@@ -46,6 +44,41 @@ __all__ = [
 # once many queries share each key: on 2 cores the two tie at 16 queries over 1,024 keys
 # and at 32 over 256 (`benchmarks/cpu_levers.py --attention-crossover`).
 NATIVE_MAX_QUERY_LEN = 16
+
+
+# The dtypes the native kernels other than attention take (attention also takes float16).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    """Whether the native row-wise kernels take `x`: [rows, n], contiguous, their dtype."""
+    return x.dim() == 2 and x.is_contiguous() and x.dtype in _NATIVE_DTYPES and native.available()
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One pass per row, the residual add included, where torch takes seven ops."""
+    fits = residual is None or (
+        residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
+    )
+    if not (_native_rows(x) and fits and weight.dtype == x.dtype and weight.is_contiguous()):
+        return reference.rms_norm(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out  # x + residual
+    torch.ops.serve_cpu.rms_norm(out, total, x, residual, weight, eps)
+    return out if residual is None else (out, total)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2d] -> [T, d]
+    if not (_native_rows(x) and x.shape[1] % 2 == 0):
+        return reference.silu_and_mul(x)
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.serve_cpu.silu_and_mul(out, x)
+    return out
 
 
 def paged_attention(
@@ -132,7 +165,7 @@ def linear(
     at ~2x the bandwidth MKL's matrix-vector product reaches; more rows to oneDNN with the
     weight prepacked; F.linear where neither applies."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    if rows == 1 and x.dtype == weight.dtype == torch.float32 and weight.is_contiguous():
+    if rows == 1 and x.dtype == weight.dtype in _NATIVE_DTYPES and weight.is_contiguous():
         if native.available():
             out = x.new_empty(1, weight.shape[0])
             torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)

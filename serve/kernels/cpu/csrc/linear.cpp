@@ -20,8 +20,19 @@ namespace {
 // The most rows of x served here (serve calls it for one; two rows and up run in oneDNN).
 constexpr int64_t kMaxRows = 4;
 
-template <int M, int R>
-void rows_times_weight(const float* x, const float* w, const float* bias, float* y, int64_t K,
+inline float16v load_weights(const float* p) { return load16(p); }
+inline float16v load_weights(const at::BFloat16* p) {
+  return load16_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
+template <typename weight_t>
+void run_rows(const float* x, const weight_t* w, const float* b, float* y, int64_t M, int64_t K,
+              int64_t N, int64_t grain);
+
+// Float32 x and accumulators; the weights float32 or bfloat16 (widened as they stream in,
+// so a bfloat16 model reads half the bytes).
+template <int M, int R, typename weight_t>
+void rows_times_weight(const float* x, const weight_t* w, const float* bias, float* y, int64_t K,
                        int64_t N, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
   for (; n + R <= n_end; n += R) {
@@ -33,54 +44,69 @@ void rows_times_weight(const float* x, const float* w, const float* bias, float*
       float16v xv[M];
       for (int m = 0; m < M; ++m) xv[m] = load16(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const float16v wv = load16(w + (n + r) * K + k);
+        const float16v wv = load_weights(w + (n + r) * K + k);
         for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
       }
     }
     for (int r = 0; r < R; ++r) {
       for (int m = 0; m < M; ++m) {
         float s = horizontal_sum(acc[r][m]);
-        for (int64_t t = k; t < K; ++t) s += w[(n + r) * K + t] * x[m * K + t];
+        for (int64_t t = k; t < K; ++t) s += static_cast<float>(w[(n + r) * K + t]) * x[m * K + t];
         y[m * N + n + r] = s + (bias != nullptr ? bias[n + r] : 0.0f);
       }
     }
   }
   for (; n < n_end; ++n) {
     for (int m = 0; m < M; ++m) {
-      y[m * N + n] = dot(w + n * K, x + m * K, K) + (bias != nullptr ? bias[n] : 0.0f);
+      float s = 0.0f;
+      for (int64_t t = 0; t < K; ++t) s += static_cast<float>(w[n * K + t]) * x[m * K + t];
+      y[m * N + n] = s + (bias != nullptr ? bias[n] : 0.0f);
     }
   }
 }
 
+template <typename weight_t>
+void run_rows(const float* x, const weight_t* w, const float* b, float* y, int64_t M, int64_t K,
+              int64_t N, int64_t grain) {
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    switch (M) {
+      case 1: rows_times_weight<1, 8>(x, w, b, y, K, N, begin, end); break;
+      case 2: rows_times_weight<2, 6>(x, w, b, y, K, N, begin, end); break;
+      case 3: rows_times_weight<3, 4>(x, w, b, y, K, N, begin, end); break;
+      default: rows_times_weight<4, 3>(x, w, b, y, K, N, begin, end); break;
+    }
+  });
+}
+
 void linear_few_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "float32 only");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 weights");
+  TORCH_CHECK(x.scalar_type() == dtype && out.scalar_type() == dtype, "x, weight, out: one dtype");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K], W [N, K]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(), "contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "1 to ", kMaxRows, " rows");
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N && out.scalar_type() == at::kFloat, "out [M, N]");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out [M, N]");
+  // bfloat16 x, bias and y go through float32 copies (a few KB): the sums are float32, and
+  // y is rounded once at the end, as oneDNN's bfloat16 matmul does.
+  const at::Tensor x32 = x.to(at::kFloat);
+  at::Tensor y32 = dtype == at::kFloat ? out : at::empty({M, N}, x32.options());
   const float* b = nullptr;
-  at::Tensor bias_f;
+  at::Tensor bias32;
   if (bias.has_value()) {
-    bias_f = bias->contiguous();
-    TORCH_CHECK(bias_f.scalar_type() == at::kFloat && bias_f.numel() == N, "bias [N] float32");
-    b = bias_f.data_ptr<float>();
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == dtype, "bias [N], the weight's dtype");
+    bias32 = bias->to(at::kFloat).contiguous();
+    b = bias32.data_ptr<float>();
   }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = out.data_ptr<float>();
+  const float* xp = x32.data_ptr<float>();
+  float* yp = y32.data_ptr<float>();
   // Chunks large enough that a thread streams tens of KB of W between scheduling points.
   const int64_t grain = std::max<int64_t>(4, (16384 / std::max<int64_t>(K, 1)) / 4 * 4);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    switch (M) {
-      case 1: rows_times_weight<1, 8>(xp, wp, b, yp, K, N, begin, end); break;
-      case 2: rows_times_weight<2, 6>(xp, wp, b, yp, K, N, begin, end); break;
-      case 3: rows_times_weight<3, 4>(xp, wp, b, yp, K, N, begin, end); break;
-      default: rows_times_weight<4, 3>(xp, wp, b, yp, K, N, begin, end); break;
-    }
-  });
+  AT_DISPATCH_SWITCH(dtype, "linear_few_rows",
+    AT_DISPATCH_CASE(at::kFloat, [&] { run_rows(xp, weight.data_ptr<float>(), b, yp, M, K, N, grain); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_rows(xp, weight.data_ptr<at::BFloat16>(), b, yp, M, K, N, grain); }));
+  if (dtype != at::kFloat) out.copy_(y32);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // to AVX-512 (one register per 16 floats), AVX2 (two) or plain code, as -march allows.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace serve_cpu {
@@ -11,6 +12,38 @@ typedef float float16v __attribute__((vector_size(64)));
 typedef float float8v __attribute__((vector_size(32)));
 typedef float float4v __attribute__((vector_size(16)));
 
+typedef int32_t int16v __attribute__((vector_size(64)));
+typedef uint16_t uint16x16 __attribute__((vector_size(32)));
+
+// exp(x) lane by lane for x <= 0 (scores minus their row's max), in vector arithmetic:
+// libm's expf does not vectorise here. Range reduction x = n ln2 + r with |r| <= ln2 / 2
+// (n rounded to nearest as trunc(x log2e - 1/2), right for x <= 0), a degree-6 polynomial
+// for exp(r) (relative error ~1e-7, float32's own), and 2^n built in the exponent bits.
+// Lanes below -87 (past float's smallest normal), -inf among them, give 0.
+inline float16v exp_nonpositive(float16v x) {
+  const int16v underflow = x < -87.0f;
+  x = x < -87.0f ? -87.0f : x;
+  const int16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, int16v);
+  const float16v nf = __builtin_convertvector(n, float16v);
+  float16v r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  float16v p = 1.9875691500e-4f + r * 0.0f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const float16v two_n = (float16v)((n + 127) << 23);
+  return (float16v)((int16v)(p * two_n) & ~underflow);
+}
+
+// 1 / (1 + exp(-x)) lane by lane, from exp of the non-positive -|x| alone.
+inline float16v sigmoid(float16v x) {
+  const float16v e = exp_nonpositive(x < 0.0f ? x : -x);
+  return (x < 0.0f ? e : 1.0f) / (1.0f + e);
+}
+
 inline float16v load16(const float* p) {
   float16v v;
   __builtin_memcpy(&v, p, sizeof(v));
@@ -19,12 +52,64 @@ inline float16v load16(const float* p) {
 
 inline void store16(float* p, float16v v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
+// 16 bfloat16 values (their bits, as torch stores them) widened to float: the upper half
+// of a float's bits.
+inline float16v load16_bf16(const uint16_t* p) {
+  uint16x16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return (float16v)(__builtin_convertvector(h, int16v) << 16);
+}
+
 // The lanes' sum as a tree of halves: a reduction loop ends in 15 dependent scalar adds.
 inline float horizontal_sum(float16v v) {
   const float8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const float4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// The lanes' maximum, as a tree of halves.
+inline float horizontal_max(float16v v) {
+  const float8v lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const float8v hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const float8v a = lo > hi ? lo : hi;
+  const float4v b0 = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+  const float4v b1 = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const float4v b = b0 > b1 ? b0 : b1;
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
+// Lane i of the result is the sum of v[i]'s lanes, for 16 vectors at once: a transposing
+// tree of shuffles and adds (30 shuffles, 15 adds), where 16 separate horizontal sums
+// take ~100 instructions. Each level halves the lanes per vector and pairs the vectors up;
+// the last leaves the sums in bit-reversed order, which one permutation puts right.
+inline float16v transpose_sum16(const float16v* v) {
+  float16v a[8], b[4], c[2];
+  for (int j = 0; j < 8; ++j) {  // a[j]: 8 partial sums of v[2j], then 8 of v[2j + 1]
+    a[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int j = 0; j < 4; ++j) {  // b[j]: 4 partials each of v[4j], v[4j + 2], v[4j + 1], v[4j + 3]
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                   10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  }
+  for (int j = 0; j < 2; ++j) {  // c[j]: pairs of partials, v[8j + (0 4 2 6 1 5 3 7)]
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                   24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  }
+  // d: whole sums, lane l holding v[bit_reverse(l)]
+  const float16v d =
+      __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                              14, 30) +
+      __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                              15, 31);
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {

@@ -1,0 +1,184 @@
+// The small per-token ops of a decoder layer, each one pass over its rows: RMSNorm with the
+// residual add before it, and the gated MLP's silu(gate) * up.
+//
+// In torch each is several ops (RMSNorm: add, pow, mean, add, rsqrt, mul, mul), each a
+// dispatch and a pass over memory; at decode sizes the dispatches cost more than the math.
+// Float32 and bfloat16, with every intermediate rounded where torch's sequence of ops
+// (serve/kernels/reference.py) rounds it, so the results match it up to the order of the
+// sum of squares and the exp's last bits.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "vec.h"
+
+namespace serve_cpu {
+namespace {
+
+// Rows per thread chunk: enough work per chunk that a few rows stay on one thread.
+inline int64_t row_grain(int64_t row_elems) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1));
+}
+
+// Loads and stores of 16 values of the tensor's dtype, as floats; bfloat16 rounds to
+// nearest even on the way out, as torch's conversion does (NaN stays a quiet NaN).
+template <typename scalar_t>
+struct Lanes;
+
+template <>
+struct Lanes<float> {
+  static float16v load(const float* p) { return load16(p); }
+  static void store(float* p, float16v v) { store16(p, v); }
+  static float16v round(float16v v) { return v; }
+};
+
+template <>
+struct Lanes<at::BFloat16> {
+  static float16v load(const at::BFloat16* p) {
+    return load16_bf16(reinterpret_cast<const uint16_t*>(p));
+  }
+  static int16v rounded_bits(float16v v) {
+    const int16v bits = (int16v)v;
+    const int16v rounded = bits + (((bits >> 16) & 1) + 0x7FFF);
+    return v != v ? (int16v){} + (0x7FC0 << 16) : rounded & ~0xFFFF;
+  }
+  static void store(at::BFloat16* p, float16v v) {
+    const int16v bits = rounded_bits(v) >> 16;
+    const uint16x16 h = __builtin_convertvector(bits, uint16x16);
+    __builtin_memcpy(p, &h, sizeof(h));
+  }
+  static float16v round(float16v v) { return (float16v)rounded_bits(v); }
+};
+
+// out = weight * rms_norm(x) (torch: normed rounded to the dtype, then the product); with
+// residual: sum = x + residual (rounded) first, and the norm is of the sum.
+template <typename scalar_t>
+void rms_norm_rows(scalar_t* out, scalar_t* sum, const scalar_t* x, const scalar_t* residual,
+                   const scalar_t* weight, float eps, int64_t hidden, int64_t begin,
+                   int64_t end) {
+  using L = Lanes<scalar_t>;
+  const int64_t vec_end = hidden / 16 * 16;
+  for (int64_t t = begin; t < end; ++t) {
+    const scalar_t* xr = x + t * hidden;
+    const scalar_t* src = xr;
+    if (residual != nullptr) {
+      const scalar_t* rr = residual + t * hidden;
+      scalar_t* sr = sum + t * hidden;
+      int64_t d = 0;
+      for (; d < vec_end; d += 16) L::store(sr + d, L::load(xr + d) + L::load(rr + d));
+      for (; d < hidden; ++d) sr[d] = static_cast<scalar_t>(static_cast<float>(xr[d]) + static_cast<float>(rr[d]));
+      src = sr;
+    }
+    float16v squares = {};
+    float tail = 0.0f;
+    int64_t d = 0;
+    for (; d < vec_end; d += 16) {
+      const float16v v = L::load(src + d);
+      squares += v * v;
+    }
+    for (; d < hidden; ++d) tail += static_cast<float>(src[d]) * static_cast<float>(src[d]);
+    const float inv_rms = 1.0f / std::sqrt((horizontal_sum(squares) + tail) / hidden + eps);
+    scalar_t* o = out + t * hidden;
+    for (d = 0; d < vec_end; d += 16) {
+      const float16v normed = L::round(L::load(src + d) * inv_rms);
+      L::store(o + d, L::load(weight + d) * normed);
+    }
+    for (; d < hidden; ++d) {
+      const float normed = static_cast<float>(static_cast<scalar_t>(static_cast<float>(src[d]) * inv_rms));
+      o[d] = static_cast<scalar_t>(static_cast<float>(weight[d]) * normed);
+    }
+  }
+}
+
+void rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x,
+              const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous(), "x, out: [T, hidden], contiguous");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden, "weight: [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "x, weight and out share one dtype");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out: x's shape");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes() &&
+                    residual->scalar_type() == x.scalar_type(), "residual: x's shape and dtype");
+    TORCH_CHECK(sum.is_contiguous() && sum.sizes() == x.sizes() && sum.scalar_type() == x.scalar_type(),
+                "sum: x's shape and dtype");
+  }
+  AT_DISPATCH_SWITCH(x.scalar_type(), "rms_norm",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, rows, row_grain(hidden), [&](int64_t b, int64_t e) {
+        rms_norm_rows<float>(out.data_ptr<float>(), residual ? sum.data_ptr<float>() : nullptr,
+                             x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                             weight.data_ptr<float>(), static_cast<float>(eps), hidden, b, e);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using T = at::BFloat16;
+      at::parallel_for(0, rows, row_grain(hidden), [&](int64_t b, int64_t e) {
+        rms_norm_rows<T>(out.data_ptr<T>(), residual ? sum.data_ptr<T>() : nullptr, x.data_ptr<T>(),
+                         residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+                         static_cast<float>(eps), hidden, b, e);
+      });
+    }));
+}
+
+// out[t] = silu(x[t, :d]) * x[t, d:] (torch: silu rounded to the dtype, then the product).
+template <typename scalar_t>
+void silu_and_mul_rows(scalar_t* out, const scalar_t* x, int64_t d, int64_t begin, int64_t end) {
+  using L = Lanes<scalar_t>;
+  const int64_t vec_end = d / 16 * 16;
+  for (int64_t t = begin; t < end; ++t) {
+    const scalar_t* gate = x + t * 2 * d;
+    const scalar_t* up = gate + d;
+    scalar_t* o = out + t * d;
+    int64_t i = 0;
+    for (; i < vec_end; i += 16) {
+      const float16v g = L::load(gate + i);
+      L::store(o + i, L::round(g * sigmoid(g)) * L::load(up + i));
+    }
+    for (; i < d; ++i) {
+      const float g = static_cast<float>(gate[i]);
+      const float s = static_cast<float>(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
+      o[i] = static_cast<scalar_t>(s * static_cast<float>(up[i]));
+    }
+  }
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "x: [T, 2d], contiguous");
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == rows && out.size(1) == d &&
+                  out.scalar_type() == x.scalar_type(), "out: [T, d], x's dtype");
+  AT_DISPATCH_SWITCH(x.scalar_type(), "silu_and_mul",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      at::parallel_for(0, rows, row_grain(2 * d), [&](int64_t b, int64_t e) {
+        silu_and_mul_rows<float>(out.data_ptr<float>(), x.data_ptr<float>(), d, b, e);
+      });
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      using T = at::BFloat16;
+      at::parallel_for(0, rows, row_grain(2 * d), [&](int64_t b, int64_t e) {
+        silu_and_mul_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), d, b, e);
+      });
+    }));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor? residual, Tensor weight, "
+        "float eps) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+}
+
+}  // namespace serve_cpu
