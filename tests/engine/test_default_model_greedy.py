@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from tiny_models import hf_greedy
@@ -42,14 +44,20 @@ def test_default_model_in_bfloat16_on_cpu_answers_as_float32_does():
     """`--dtype bfloat16` end to end on CPU (the native bfloat16 kernels, oneDNN's bfloat16
     linears): every prompt's first greedy token is float32 HF's, and the answer still
     names Paris. Later tokens may part ways where bfloat16 rounding reorders close logits."""
-    llm = LLM(dtype="bfloat16", kv_cache_memory="1GiB")
-    model = llm.engine.executor.worker.model_runner.model  # the in-process executor's
-    assert next(model.parameters()).dtype == torch.bfloat16
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer(p).input_ids for p in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # Shut down at the end: the suite's later tests fork, and a second resident copy of
+    # the model (with its reordered weights) in this process made those forks fail.
+    with LLM(dtype="bfloat16", kv_cache_memory="256MiB") as llm:
+        model = llm.engine.executor.worker.model_runner.model  # the in-process executor's
+        assert next(model.parameters()).dtype == torch.bfloat16
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer(p).input_ids for p in PROMPTS]
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        model_path = llm.engine.model_path
+        del model
+    del llm
+    gc.collect()
     for prompt, out in zip(prompts, outs, strict=True):
-        expected = hf_greedy(llm.engine.model_path, prompt, 1)
+        expected = hf_greedy(model_path, prompt, 1)
         assert out.outputs[0].token_ids[:1] == expected, tokenizer.decode(prompt)
     assert "Paris" in outs[0].outputs[0].text
