@@ -25,10 +25,6 @@ inline float16v load_weights(const at::BFloat16* p) {
   return load16_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
-template <typename weight_t>
-void run_rows(const float* x, const weight_t* w, const float* b, float* y, int64_t M, int64_t K,
-              int64_t N, int64_t grain);
-
 // Float32 x and accumulators; the weights float32 or bfloat16 (widened as they stream in,
 // so a bfloat16 model reads half the bytes).
 template <int M, int R, typename weight_t>
