@@ -25,6 +25,8 @@ Levers (name: the A and B configurations):
   allocator  glibc malloc vs tcmalloc preloaded (Debian's libtcmalloc-minimal4), as
              vLLM's CPU docs advise
   dtype      float32 vs bfloat16 (worth it only where the CPU has AVX512_BF16 or AMX)
+  block_size KV blocks of 16 tokens vs 128 (vLLM's CPU default): a sequence's K/V in
+             fewer, longer runs that the prefetchers follow
   affinity   OpenMP threads free to move vs each bound to a core (OMP_PROC_BIND=close,
              OMP_PLACES=cores), as vLLM binds its CPU workers' threads
 """
@@ -48,6 +50,7 @@ LEVERS = {
         ("tcmalloc", {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"}, {}),
     ),
     "dtype": (("float32", {}, {}), ("bfloat16", {}, {"dtype": "bfloat16"})),
+    "block_size": (("16", {}, {"block_size": 16}), ("128", {}, {"block_size": 128})),
     "affinity": (
         ("unbound", {}, {}),
         ("bound", {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, {}),

@@ -328,3 +328,69 @@ def test_row_kernels_leave_other_layouts_to_torch():
     assert torch.equal(cpu.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5))
     half = torch.randn(4, 32, generator=gen).half()
     assert torch.equal(cpu.silu_and_mul(half), reference.silu_and_mul(half))
+
+
+def rope_cache(max_position: int, rotary_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
+def test_rotary_embedding_matches_torch_bit_for_bit(rotary_dim, neox, dtype):
+    """q and k as the strided views of a fused QKV output the models pass; every product
+    rounds where torch's ops round it, so the result is torch's to the last bit (greedy
+    tokens depend on it)."""
+    gen = seeded("rope", rotary_dim, neox, dtype)
+    tokens, heads, kv_heads, head_dim = 11, 6, 2, 64
+    qkv = (4 * torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cache = rope_cache(4096, rotary_dim)
+    q_out, k_out = cpu.rotary_embedding(positions, q, k, cache, neox)
+    q_ref, k_ref = reference.rotary_embedding(positions, q, k, cache, neox)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert q_out.dtype == dtype and q_out.is_contiguous()
+    assert not torch.equal(q_out, q)  # it rotated something
+
+
+def test_rotary_embedding_rejects_a_position_past_the_cache():
+    q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu.rotary_embedding(torch.tensor([0, 16]), q, k, rope_cache(16, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_writes_the_slots_torch_writes(dtype):
+    """Into the heads-first CPU cache, from strided K/V views, with a skipped (-1) slot:
+    the same cache contents as the reference, and untouched slots stay as they were."""
+    gen = seeded("cache-write", dtype)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 4, 2, 16, 9
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=gen).to(dtype)
+    key = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[3] = -1
+
+    def fresh_caches():
+        shape = (kv_heads, num_blocks, block_size, head_dim)
+        fill = torch.randn(shape, generator=seeded("cache-fill")).to(dtype)
+        return [fill.clone().permute(1, 2, 0, 3) for _ in range(2)]
+
+    ours, theirs = fresh_caches(), fresh_caches()
+    cpu.reshape_and_cache(key, value, *ours, slots)
+    reference.reshape_and_cache(key, value, *theirs, slots)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    flat_k = ours[0].flatten(0, 1)
+    assert torch.equal(flat_k[slots[0]], key[0])
+    assert not torch.equal(ours[0], fresh_caches()[0])  # it wrote something
+
+
+def test_reshape_and_cache_rejects_a_slot_past_the_cache():
+    key = torch.randn(1, 1, 8)
+    caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu.reshape_and_cache(key, key, *caches, torch.tensor([8]))

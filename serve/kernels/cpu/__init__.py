@@ -16,13 +16,7 @@ import torch.nn.functional as F
 from serve.kernels import reference
 from serve.kernels.cpu import native
 from serve.kernels.metadata import AttentionMetadata
-from serve.kernels.reference import (
-    copy_blocks,
-    moe_experts,
-    reshape_and_cache,
-    rotary_embedding,
-    swap_blocks,
-)
+from serve.kernels.reference import copy_blocks, moe_experts, swap_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +73,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2d] -> [T, d]
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
     torch.ops.serve_cpu.silu_and_mul(out, x)
     return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, rotary_dim]: cos half, then sin half
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass per token over q and k (strided views of the QKV output are read in place),
+    where torch takes a gather of cos/sin, slices, four products, two sums and two concats."""
+    fits = (
+        query.dim() == key.dim() == 3
+        and query.dtype == key.dtype
+        and query.dtype in _NATIVE_DTYPES
+        and query.stride(2) == 1
+        and key.stride(2) == 1
+        and cos_sin_cache.dtype == torch.float32
+        and cos_sin_cache.is_contiguous()
+        and native.available()
+    )
+    if not fits:
+        return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox_style)
+    query_out = torch.empty(query.shape, dtype=query.dtype)
+    key_out = torch.empty(key.shape, dtype=key.dtype)
+    torch.ops.serve_cpu.rotary_embedding(
+        query_out, key_out, positions, query, key, cos_sin_cache, is_neox_style
+    )
+    return query_out, key_out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = skip this token
+) -> None:
+    """A row copy per (token, head) into its slot; the torch version masks, checks the mask
+    (a sync on the result) and runs two index_copy_ calls."""
+    fits = (
+        key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+        and key.dim() == 3
+        and key.stride(2) == 1
+        and value.stride(2) == 1
+        and key_cache.stride(3) == 1
+        and key_cache.stride() == value_cache.stride()
+        and native.available()
+    )
+    if not fits:
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    torch.ops.serve_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(

@@ -1,5 +1,5 @@
 // The small per-token ops of a decoder layer, each one pass over its rows: RMSNorm with the
-// residual add before it, and the gated MLP's silu(gate) * up.
+// residual add before it, the gated MLP's silu(gate) * up, and the rotary embedding.
 //
 // In torch each is several ops (RMSNorm: add, pow, mean, add, rsqrt, mul, mul), each a
 // dispatch and a pass over memory; at decode sizes the dispatches cost more than the math.
@@ -168,17 +168,107 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
     }));
 }
 
+
+// The rotary embedding of one token's heads: x [heads] rows of head_dim at stride_head,
+// out the same rows packed. Products are rounded before their sum, as torch's separate
+// mul and sub/add ops round them: contracting them into FMAs here would change the last
+// bit (and greedy tokens with it), so contraction is off for this function only.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <typename scalar_t>
+void rotate_heads(scalar_t* out, const scalar_t* x, int64_t heads, int64_t stride_head,
+                  int64_t head_dim, const float* cos, const float* sin, int64_t rotary_dim,
+                  bool neox) {
+  const auto round = [](float v) { return static_cast<float>(static_cast<scalar_t>(v)); };
+  const int64_t half = rotary_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const scalar_t* xh = x + h * stride_head;
+    scalar_t* oh = out + h * head_dim;
+    if (neox) {  // pairs (i, i + half)
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round(cos[i]), s = round(sin[i]);
+        const float x1 = static_cast<float>(xh[i]), x2 = static_cast<float>(xh[i + half]);
+        oh[i] = static_cast<scalar_t>(round(x1 * c) - round(x2 * s));
+        oh[i + half] = static_cast<scalar_t>(round(x2 * c) + round(x1 * s));
+      }
+    } else {  // gpt-j: pairs (2i, 2i + 1)
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = round(cos[i]), s = round(sin[i]);
+        const float x1 = static_cast<float>(xh[2 * i]), x2 = static_cast<float>(xh[2 * i + 1]);
+        oh[2 * i] = static_cast<scalar_t>(round(x1 * c) - round(x2 * s));
+        oh[2 * i + 1] = static_cast<scalar_t>(round(x2 * c) + round(x1 * s));
+      }
+    }
+    for (int64_t d = rotary_dim; d < head_dim; ++d) oh[d] = xh[d];
+  }
+}
+#pragma GCC pop_options
+
+// query_out / key_out = query / key with their first rotary_dim channels rotated by each
+// token's position: cos_sin_cache [max_position, rotary_dim] float32 holds the cos half,
+// then the sin half. query [T, H, D] and key [T, Hkv, D] may be strided views (of the fused
+// QKV output) with unit stride along D; the outputs are contiguous.
+void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tensor& positions,
+                      const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& cos_sin_cache, bool is_neox_style) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == key.size(0) &&
+                  query.size(2) == key.size(2), "query [T, H, D], key [T, Hkv, D]");
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1, "unit stride along head_dim");
+  TORCH_CHECK(query_out.is_contiguous() && query_out.sizes() == query.sizes() &&
+                  key_out.is_contiguous() && key_out.sizes() == key.sizes(),
+              "outputs: contiguous, the inputs' shapes");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() &&
+                  query_out.scalar_type() == query.scalar_type() &&
+                  key_out.scalar_type() == query.scalar_type(), "one dtype for q, k and outputs");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.scalar_type() == at::kFloat, "cos_sin_cache: [P, R] float32");
+  const int64_t tokens = query.size(0), head_dim = query.size(2);
+  const int64_t rotary_dim = cos_sin_cache.size(1), max_position = cos_sin_cache.size(0);
+  TORCH_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim, "rotary_dim: even, <= head_dim");
+  const auto pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == tokens, "one position per token");
+  const int64_t* pos_p = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos_p[t] >= 0 && pos_p[t] < max_position, "position ", pos_p[t], " out of range");
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  const int64_t heads = query.size(1), kv_heads = key.size(1);
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "rotary_embedding: float32 or bfloat16");
+  const auto run = [&](auto* q_out, const auto* q, auto* k_out, const auto* k) {
+    at::parallel_for(0, tokens, row_grain((heads + kv_heads) * head_dim), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float* cos = cache + pos_p[t] * rotary_dim;
+        const float* sin = cos + rotary_dim / 2;
+        rotate_heads(q_out + t * heads * head_dim, q + t * query.stride(0), heads, query.stride(1),
+                     head_dim, cos, sin, rotary_dim, is_neox_style);
+        rotate_heads(k_out + t * kv_heads * head_dim, k + t * key.stride(0), kv_heads,
+                     key.stride(1), head_dim, cos, sin, rotary_dim, is_neox_style);
+      }
+    });
+  };
+  if (query.scalar_type() == at::kFloat) {
+    run(query_out.data_ptr<float>(), query.data_ptr<float>(), key_out.data_ptr<float>(),
+        key.data_ptr<float>());
+  } else {
+    using T = at::BFloat16;
+    run(query_out.data_ptr<T>(), query.data_ptr<T>(), key_out.data_ptr<T>(), key.data_ptr<T>());
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor(b!) sum, Tensor x, Tensor? residual, Tensor weight, "
         "float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("rotary_embedding(Tensor(a!) query_out, Tensor(b!) key_out, Tensor positions, "
+        "Tensor query, Tensor key, Tensor cos_sin_cache, bool is_neox_style) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary_embedding", &rotary_embedding);
 }
 
 }  // namespace serve_cpu

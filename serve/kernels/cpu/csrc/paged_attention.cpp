@@ -1,4 +1,5 @@
-// Paged attention on CPU that reads each sequence's K/V where they lie in the block cache.
+// Paged attention on CPU that reads each sequence's K/V where they lie in the block cache,
+// and the write of each new token's K/V into it.
 //
 // The torch reference gathers a sequence's blocks into a contiguous copy for every layer
 // and step before attending; at decode that copy costs more than the attention itself.
@@ -19,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -294,12 +296,18 @@ void paged_attention(
               "out: the query's shape and dtype, unit stride along head_dim");
 
   // Work items (sequence, first query of its tile); each runs every KV head. Sequences
-  // with more than max_query_len queries are left to the caller.
+  // with more than max_query_len queries are left to the caller. Longest context first,
+  // and each thread takes the next item when it finishes one: a static split of the items
+  // into a contiguous range per thread left one core waiting on the other whenever the
+  // contexts differed in length (a batch's usual state).
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for (int64_t b = 0; b < num_seqs; ++b) {
     if (starts_p[b + 1] - starts_p[b] > max_query_len) continue;
     for (int64_t t = starts_p[b]; t < starts_p[b + 1]; t += kQueryTile) tiles.emplace_back(b, t);
   }
+  std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& x, const auto& y) {
+    return lens_p[x.first] > lens_p[y.first];
+  });
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
@@ -309,8 +317,10 @@ void paged_attention(
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t max_blocks = block_tables.size(1);
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
+    std::atomic<int64_t> next_item{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const auto [b, token] = tiles[item / num_kv_heads];
         const int64_t kv_head = item % num_kv_heads;
         const int64_t query_len = starts_p[b + 1] - starts_p[b];
@@ -325,6 +335,51 @@ void paged_attention(
   });
 }
 
+
+// Store each new token's K and V rows at its slot (block * block_size + offset) of the
+// caches, skipping slots of -1: one copy per (token, KV head) row, where torch needed a
+// mask, a check of it and two index_copy_ calls. key/value [T, Hkv, D], any strides with
+// unit stride along D (views of the fused QKV output); caches as paged_attention takes them.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key, value: [T, Hkv, D]");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+                  key_cache.strides() == value_cache.strides(), "caches: [N, B, Hkv, D], one layout");
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3),
+              "key rows must match the cache's heads and head_dim");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1,
+              "unit stride along head_dim");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
+                  value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(), "one dtype for K/V and caches");
+  const auto slots = slot_mapping.to(at::kLong).contiguous();
+  TORCH_CHECK(slots.numel() == key.size(0), "one slot per token");
+  const int64_t tokens = key.size(0), heads = key.size(1);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_slots = key_cache.size(0) * block_size;
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot_p[t] < num_slots, "slot ", slot_p[t], " past the cache's ", num_slots);
+  const int64_t row_bytes = key.size(2) * key.element_size();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t es = key.element_size();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slot_p[t];
+      if (slot < 0) continue;
+      const int64_t at_slot = (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t dst = (at_slot + h * key_cache.stride(2)) * es;
+        std::memcpy(kc + dst, k + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+        std::memcpy(vc + dst, v + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(serve_cpu, m) {
@@ -332,8 +387,14 @@ TORCH_LIBRARY(serve_cpu, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
       "Tensor? alibi_slopes, int sliding_window, float logit_softcap, int max_query_len) -> ()");
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("reshape_and_cache", &reshape_and_cache);
+}
 
 }  // namespace serve_cpu
