@@ -222,8 +222,9 @@ class CacheConfig:
 
 
 # A step's token budget bounds how long a prompt chunk holds up the running decodes. On CPU
-# a step costs about its token count in compute (~2.5 s for 512 tokens of the default
-# model on 2 cores), so the budget stays small; on a GPU, 8192 tokens take milliseconds.
+# a step costs about its token count in compute (~0.7 s for 512 tokens of the default
+# model on 2 cores), so the budget stays small (1024 and 2048 measured no better for a
+# burst, benchmarks/RESULTS.md); on a GPU, 8192 tokens take milliseconds.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
