@@ -25,6 +25,7 @@ from kernels.test_reference import (
     ATTENTION_CASES,
     ATTENTION_OPTIONS,
     alibi_test_slopes,
+    make_cos_sin_cache,
     naive_causal_attention,
 )
 
@@ -330,12 +331,6 @@ def test_row_kernels_leave_other_layouts_to_torch():
     assert torch.equal(cpu.silu_and_mul(half), reference.silu_and_mul(half))
 
 
-def rope_cache(max_position: int, rotary_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
-    freqs = torch.outer(torch.arange(max_position).float(), inv_freq)
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("rotary_dim", [64, 32], ids=["full", "partial"])
@@ -349,7 +344,7 @@ def test_rotary_embedding_matches_torch_bit_for_bit(rotary_dim, neox, dtype):
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
-    cache = rope_cache(4096, rotary_dim)
+    cache = make_cos_sin_cache(rotary_dim, 4096, 10000.0)
     q_out, k_out = cpu.rotary_embedding(positions, q, k, cache, neox)
     q_ref, k_ref = reference.rotary_embedding(positions, q, k, cache, neox)
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
@@ -360,7 +355,7 @@ def test_rotary_embedding_matches_torch_bit_for_bit(rotary_dim, neox, dtype):
 def test_rotary_embedding_rejects_a_position_past_the_cache():
     q, k = torch.randn(2, 2, 8), torch.randn(2, 1, 8)
     with pytest.raises(RuntimeError, match="out of range"):
-        cpu.rotary_embedding(torch.tensor([0, 16]), q, k, rope_cache(16, 8))
+        cpu.rotary_embedding(torch.tensor([0, 16]), q, k, make_cos_sin_cache(8, 16, 10000.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -360,12 +360,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot_p[t] < num_slots, "slot ", slot_p[t], " past the cache's ", num_slots);
-  const int64_t row_bytes = key.size(2) * key.element_size();
+  const int64_t es = key.element_size(), row_bytes = key.size(2) * es;
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
-  const int64_t es = key.element_size();
   at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slot_p[t];
