@@ -7,8 +7,9 @@ iteration and returns token deltas (scheduler/output_deltas.py) for a front end 
 
 The scheduler decides and owns the requests; the executor's workers compute and sample.
 Scheduling ahead (`--async-scheduling`) is a loop around that step (`_step_ahead`): while
-the workers run step N, a helper thread takes in step N-1's output and schedules step
-N+1. Requests with a grammar wait here while it compiles (off the loop), then join the
+the workers run step N, a helper thread takes in step N-1's output (handing its deltas
+to `deliver` at once, when given) and schedules step N+1; requests that arrive before
+step N+1 runs still join it. Requests with a grammar wait here while it compiles (off the loop), then join the
 scheduler with the compiled grammar.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.05  # an idle engine's longest wait on a compiling grammar
 
 _Step = tuple[SchedulerOutput, ModelRunnerOutput]  # a step that has run
+Deliver = Callable[[list[RequestDelta]], None]  # takes deltas on the core's helper thread
 
 
 class EngineCore:
@@ -90,7 +93,10 @@ class EngineCore:
                 config.scheduler.enable_chunked_prefill,
             )
             self.block_manager = BlockManager(
-                num_blocks, block_size, self.executor.num_cpu_blocks, config.cache.enable_prefix_caching
+                num_blocks,
+                block_size,
+                self.executor.num_cpu_blocks,
+                config.cache.enable_prefix_caching,
             )
         except BaseException:
             self.executor.shutdown()
@@ -244,38 +250,45 @@ class EngineCore:
 
     # -- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, deliver: Deliver | None = None) -> list[RequestDelta]:
         """One iteration; returns the new tokens of the requests that made progress.
 
         Without async scheduling, each call runs one step start to end. With it (the
-        default), the call that runs step N returns step N-1's deltas: a helper thread
-        takes step N-1's output in and schedules step N+1 while the workers run step N
-        here. Step N+1 counts the tokens step N samples before they exist (the workers
-        fill them in). So a sequence that step N ends (a stop token, its length) may be in
-        step N+1 too, computing a token that is dropped. A step whose sampling forks
-        sequences (beam search, the first sample of `best_of`), or speculates (how many tokens
-        each sequence takes is known only after it), is not scheduled past. The
-        tokens are the same either way.
+        default), the call that runs step N takes in step N-1's output: a helper thread
+        does that and schedules step N+1 while the workers run step N here. Step N-1's
+        deltas go to `deliver` from the helper thread as soon as they exist (so a client
+        sees a token a step sooner); without `deliver` this call returns them. Waiting
+        requests that arrived since step N was scheduled are admitted into it first, within
+        the budget it left (`Scheduler.admit_arrivals`).
+
+        Step N+1 counts the tokens step N samples before they exist (the workers fill them
+        in). So a sequence whose token from step N stops it (EOS, a stop token) may be in
+        step N+1 too, computing a token that is dropped; one that step N ends by its length
+        is not. A step whose sampling forks sequences (beam search, the first sample of
+        `best_of`), or speculates (how many tokens each sequence takes is known only after
+        it), is not scheduled past. The tokens are the same either way.
 
         The forward stays on the calling thread: on CPU, glibc reuses freed activations
         only in the main thread's heap (a worker thread's arena maps large tensors afresh
         each step, ~20% slower prefill)."""
         if self.async_scheduling:
-            return self._step_ahead()
+            return self._step_ahead(deliver)
         out = self._schedule(wait_for_grammar=True)
         return self._update(out, self._execute(out))
 
-    def _step_ahead(self) -> list[RequestDelta]:
+    def _step_ahead(self, deliver: Deliver | None) -> list[RequestDelta]:
         deltas: list[RequestDelta] = []
         out, self._ahead = self._ahead, None
         if out is None:  # not scheduled ahead: just started, or the step before forks or speculates
             deltas += self._settle_in_flight()
             out = self._schedule(wait_for_grammar=True)
+        else:
+            self._admit_arrivals(out)
         if not out.has_worker_work:
             deltas += self._settle_in_flight()
             return deltas + self._update(out, ModelRunnerOutput())
         previous, self._in_flight = self._in_flight, None
-        helper = self._helper.submit(self._beside_forward, previous, out)
+        helper = self._helper.submit(self._beside_forward, previous, out, deliver)
         try:
             result = self._execute(out)
         finally:
@@ -283,14 +296,24 @@ class EngineCore:
         self._in_flight = (out, result)
         return deltas + taken_in
 
+    def _admit_arrivals(self, ahead: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        self._admit_compiled()
+        self.scheduler.admit_arrivals(ahead)
+        self.step_times.schedule_s += time.perf_counter() - start
+
     def _beside_forward(
-        self, previous: _Step | None, running: SchedulerOutput
+        self, previous: _Step | None, running: SchedulerOutput, deliver: Deliver | None
     ) -> tuple[list[RequestDelta], SchedulerOutput | None]:
         """The helper thread's work while `running` runs: the step before's output taken
-        in, then the next step scheduled (None: it waits for `running`'s output, whose
-        forks or accepted proposals it depends on)."""
+        in (its deltas handed to `deliver` at once, if given, else returned), then the next
+        step scheduled (None: it waits for `running`'s output, whose forks or accepted
+        proposals it depends on)."""
         start = time.perf_counter()
         deltas = [] if previous is None else self._update(*previous)
+        if deliver is not None and deltas:
+            deliver(deltas)
+            deltas = []
         ahead = None
         if not running.next_waits_for_output:
             ahead = self._schedule(wait_for_grammar=False)

@@ -35,7 +35,8 @@ class CommandSource(Protocol):
 
 class ReplySink(Protocol):
     def put_step(self, deltas: list[RequestDelta]) -> None:
-        """One step's token deltas (the requests that made progress)."""
+        """One step's token deltas (the requests that made progress). Also called from the
+        core's helper thread while `core.step()` runs (nothing else is called meanwhile)."""
 
     def request_failed(self, request_id: str, error: Exception) -> None:
         """Adding the request failed: a ValueError refuses it as invalid; anything else
@@ -69,7 +70,7 @@ def run_core_loop(core: EngineCore, commands: CommandSource, replies: ReplySink)
         if not core.has_unfinished_requests():
             core.check_health()  # raises if a worker died while the engine was idle
             continue
-        deltas = core.step()
+        deltas = core.step(deliver=replies.put_step)
         changed = True
         stats.record(core)
         if deltas:

@@ -335,14 +335,45 @@ class Scheduler:
             self._allocate(plan, out)
             budget -= self._schedule(group, plan, out)
 
-        while not preempted and self.waiting and budget > 0:
+        if not preempted:
+            self._admit_waiting(out, seats, cannot_fit)
+        for group in cannot_fit:
+            self._ended.append(self._end_cannot_fit(group))
+        out.preempted_request_ids = [g.request_id for g in yielded + preempted]
+        self.worker_sync.flush(out)
+        return out
+
+    def admit_arrivals(self, out: SchedulerOutput) -> None:
+        """Start waiting requests in `out`, a step scheduled ahead (while the step before it
+        ran) and not run yet, within the token budget and seats it left: a request that
+        arrived meanwhile then starts in it instead of a step later. Nothing is preempted
+        for them, and nothing is admitted into a step that preempted, or that computes a
+        sequence ended since it was scheduled (an abort): that sequence's blocks are free
+        again while `out` still writes them."""
+        if not self.waiting or out.preempted_request_ids:
+            return
+        if any(s.seq_id not in self._seqs for s in out.scheduled):
+            return
+        self.waiting = deque(self.policy.order_waiting(self.waiting, self.clock()))
+        seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
+        self._admit_waiting(out, seats, cannot_fit=None)
+        # The mirrors' other news since `out` was flushed waits for the next step.
+
+    def _admit_waiting(
+        self, out: SchedulerOutput, seats: int, cannot_fit: list[SequenceGroup] | None
+    ) -> None:
+        """Admit waiting groups in order into `out` while the budget and `seats` last;
+        `cannot_fit` collects recomputed groups that will never fit (None: leave them)."""
+        budget = self.max_num_batched_tokens - out.num_batched_tokens
+        while self.waiting and budget > 0:
             group = self.waiting[0]
             if self.swapped and self.policy.rank(self.swapped[0]) <= self.policy.rank(group):
                 break  # a swapped group ranks first and could not come back
             if group.max_num_seqs > seats:
                 break
             if not self._admit(group, budget, out):
-                if not self.running and not out.scheduled and group.forked:
+                fits_nowhere = not self.running and not out.scheduled and group.forked
+                if cannot_fit is not None and fits_nowhere:
                     # A recomputed group whose sequences, unshared, outgrow the empty cache.
                     self.waiting.popleft()
                     cannot_fit.append(group)
@@ -352,21 +383,18 @@ class Scheduler:
             seats -= group.max_num_seqs
             budget = self.max_num_batched_tokens - out.num_batched_tokens
 
-        for group in cannot_fit:
-            self._ended.append(self._end_cannot_fit(group))
-        out.preempted_request_ids = [g.request_id for g in yielded + preempted]
-        self.worker_sync.flush(out)
-        return out
-
     def _plan_running(self) -> tuple[dict[SequenceGroup, Plan], dict[int, int]]:
         """The running groups' share of the token budget: every decode that fits (a group
-        of several sequences may not, when older decodes took the budget), room for their
+        of several sequences may not, when older decodes took the budget; none past a
+        sequence's length, `_ends_by_length`), room for their
         proposals when speculating, then prefills in rank order, up to the first that does
         not fit. Also returns the proposal room by seq id (included in the plans)."""
         plans: dict[SequenceGroup, Plan] = {}
         budget = self.max_num_batched_tokens
         for group in self.running:
-            if _is_decoding(group) and (plan := self._plan(group, budget)):
+            if not _is_decoding(group) or self._ends_by_length(group):
+                continue
+            if plan := self._plan(group, budget):
                 plans[group] = plan
                 budget -= len(plan)
         spec_slots = self._plan_speculation(plans, budget)
@@ -380,6 +408,19 @@ class Scheduler:
             plans[group] = plan
             budget -= sum(n for _, n in plan)
         return plans, spec_slots
+
+    def _ends_by_length(self, group: SequenceGroup) -> bool:
+        """Every live sequence's last token is being sampled by the step in flight:
+        `max_tokens` or the model's length ends it then, so a step scheduled ahead would
+        compute a token only to drop it."""
+        params = group.sampling_params
+        for seq in group.live_seqs:
+            limit = self.max_model_len
+            if params.max_tokens is not None:
+                limit = min(limit, seq.num_prompt_tokens + params.max_tokens)
+            if not seq.num_pending_tokens or seq.num_tokens + seq.num_pending_tokens < limit:
+                return False
+        return True
 
     def _plan_speculation(self, decodes: dict[SequenceGroup, Plan], budget: int) -> dict[int, int]:
         """Room for proposals after each decode, in rank order, from `budget`: as many as
@@ -464,9 +505,7 @@ class Scheduler:
                 ]
             if is_sampled and (group.needs_fork or group.sampling_params.use_beam_search):
                 out.forks_sequences = True
-            self.worker_sync.schedule(
-                group, seq, start, n, is_sampled, fork_seq_ids, out, num_spec
-            )
+            self.worker_sync.schedule(group, seq, start, n, is_sampled, fork_seq_ids, out, num_spec)
             seq.num_scheduled_tokens += n
             seq.num_pending_tokens += is_sampled
         return sum(n for _, n in plan)

@@ -82,7 +82,7 @@ def test_invalid_prompt_fails_only_that_request(engine, tiny_llama):
 
 
 def test_engine_fault_fails_in_flight_requests_and_health(engine, monkeypatch):
-    def broken_step():
+    def broken_step(deliver=None):
         raise RuntimeError("simulated device fault")
 
     monkeypatch.setattr(engine.core, "step", broken_step)

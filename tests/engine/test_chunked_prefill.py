@@ -55,28 +55,44 @@ class Scheduled(NamedTuple):
 
 
 def _record_steps(llm: LLM, monkeypatch) -> list[list[Scheduled]]:
-    """What each step of `llm`'s engine schedules from now on; checks the budgets and
-    the block manager's invariants after each schedule."""
+    """What each step of `llm`'s engine schedules from now on, requests admitted into a
+    step scheduled ahead included; checks the budgets and the block manager's invariants
+    after each schedule and each such admission."""
     scheduler = llm.engine.scheduler
-    original = scheduler.schedule
+    schedule, admit_arrivals = scheduler.schedule, scheduler.admit_arrivals
     steps: list[list[Scheduled]] = []
+    index: dict[int, int] = {}  # id of a recorded step's output -> its place in `steps`
 
-    def recording_schedule():
-        out = original()
+    def check_and_list(out) -> list[Scheduled]:
         assert out.num_batched_tokens <= scheduler.max_num_batched_tokens
         assert out.num_seqs <= scheduler.max_num_seqs
         scheduler.block_manager.check_invariants()
-        steps.append(
-            [
-                Scheduled(
-                    scheduler.get_seq(s.seq_id).request_id, s.start, s.num_new_tokens, s.is_sampled
-                )
-                for s in out.scheduled
-            ]
-        )
+        return [
+            Scheduled(
+                scheduler.get_seq(s.seq_id).request_id, s.start, s.num_new_tokens, s.is_sampled
+            )
+            for s in out.scheduled
+        ]
+
+    def recording_schedule():
+        out = schedule()
+        index[id(out)] = len(steps)
+        steps.append(check_and_list(out))
         return out
 
+    def recording_admit_arrivals(out):
+        num_scheduled = len(out.scheduled)
+        admit_arrivals(out)
+        if len(out.scheduled) == num_scheduled:
+            return
+        if id(out) in index:
+            steps[index[id(out)]] = check_and_list(out)
+        else:  # scheduled ahead before the recording began: the first step it sees run
+            index[id(out)] = len(steps)
+            steps.append(check_and_list(out))
+
     monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    monkeypatch.setattr(scheduler, "admit_arrivals", recording_admit_arrivals)
     return steps
 
 
