@@ -9,8 +9,8 @@ The scheduler decides and owns the requests; the executor's workers compute and 
 Scheduling ahead (`--async-scheduling`) is a loop around that step (`_step_ahead`): while
 the workers run step N, a helper thread takes in step N-1's output (handing its deltas
 to `deliver` at once, when given) and schedules step N+1; requests that arrive before
-step N+1 runs still join it. Requests with a grammar wait here while it compiles (off the loop), then join the
-scheduler with the compiled grammar.
+step N+1 runs still join it. Requests with a grammar wait here while it compiles (off
+the loop), then join the scheduler with the compiled grammar.
 """
 
 from __future__ import annotations

@@ -386,9 +386,9 @@ class Scheduler:
     def _plan_running(self) -> tuple[dict[SequenceGroup, Plan], dict[int, int]]:
         """The running groups' share of the token budget: every decode that fits (a group
         of several sequences may not, when older decodes took the budget; none past a
-        sequence's length, `_ends_by_length`), room for their
-        proposals when speculating, then prefills in rank order, up to the first that does
-        not fit. Also returns the proposal room by seq id (included in the plans)."""
+        sequence's length, `_ends_by_length`), room for their proposals when speculating,
+        then prefills in rank order, up to the first that does not fit. Also returns the
+        proposal room by seq id (included in the plans)."""
         plans: dict[SequenceGroup, Plan] = {}
         budget = self.max_num_batched_tokens
         for group in self.running:
