@@ -219,6 +219,23 @@ def test_a_portable_build_refuses_a_cpu_without_its_instructions(monkeypatch, ca
         native.available.cache_clear()
 
 
+def test_a_build_leaves_its_key_alone(monkeypatch, tmp_path):
+    """cpp_extension appends torch's flags to the flag lists it is given. Were those the
+    module's own, the key would change after a first build: the next lookup (after a
+    fallback test clears the cache) would miss, build a second copy and load it beside
+    the first, and registering the ops twice aborts the process."""
+    from torch.utils import cpp_extension
+
+    def appending_load(**kwargs):
+        kwargs["extra_ldflags"].append("-ltorch_cpu")
+        kwargs["extra_cflags"].append("-DTORCH_EXTENSION_NAME=x")
+
+    monkeypatch.setattr(cpp_extension, "load", appending_load)
+    key = native.build_key()
+    native._build(tmp_path)
+    assert native.build_key() == key
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("shape", [(960, 576), (37, 100), (5, 16), (1, 3)])
 def test_linear_few_rows_matches_torch(rows, shape):

@@ -48,7 +48,9 @@ def cflags() -> list[str]:
 
 
 # libgomp by soname: the one torch has already loaded runs the kernels' parallel loops too.
-LDFLAGS = ["-fopenmp"]
+# A tuple: cpp_extension appends torch's own flags to the list it is given, which would
+# change `build_key()` after the first build and send the next lookup to another build.
+LDFLAGS = ("-fopenmp",)
 
 
 def _cpu_features() -> set[str]:
@@ -103,7 +105,7 @@ def _build(directory: Path) -> None:
         name=NAME,
         sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=cflags(),
-        extra_ldflags=LDFLAGS,
+        extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
