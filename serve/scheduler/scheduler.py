@@ -311,7 +311,7 @@ class Scheduler:
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
         # Swapped groups come back before waiting ones of the same rank or worse.
-        seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
+        seats = self._free_seats()
         while not preempted and self.swapped and budget > 0:
             group = self.swapped[0]
             if self.waiting and self.policy.rank(self.waiting[0]) < self.policy.rank(group):
@@ -355,7 +355,7 @@ class Scheduler:
         if any(s.seq_id not in self._seqs for s in out.scheduled):
             return
         self.waiting = deque(self.policy.order_waiting(self.waiting, self.clock()))
-        seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
+        seats = self._free_seats()
         self._admit_waiting(out, seats, cannot_fit=None)
         # The mirrors' other news since `out` was flushed waits for the next step.
 
@@ -620,7 +620,7 @@ class Scheduler:
     def _could_start(self, group: SequenceGroup) -> bool:
         """Whether `group` would be admitted beside the running groups this step: a seat in
         the batch, and blocks for its first chunk once the running decodes have grown."""
-        seats = self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
+        seats = self._free_seats()
         if group.max_num_seqs > seats:
             return False
         decodes = [g for g in self.running if _is_decoding(g)]
@@ -632,6 +632,10 @@ class Scheduler:
             [(seq, seq.num_planned_tokens + 1) for g in decodes for seq in g.live_seqs]
         )
         return admission[2] + growth <= self.block_manager.num_free_blocks - self._watermark()
+
+    def _free_seats(self) -> int:
+        """Sequences the batch can still take beside the running groups."""
+        return self.max_num_seqs - sum(g.max_num_seqs for g in self.running)
 
     def _watermark(self) -> int:
         return self.watermark_blocks if self.running else 0
