@@ -11,10 +11,11 @@ output tokens/s that makes, and the prefill throughput of the batch's prompts. B
 also compared with the bandwidth floor: the model's weight bytes over the machine's
 memory read bandwidth (measured here: the best of a few sums over a 512 MiB tensor).
 
-`--attention-crossover` instead times the two CPU attention paths on prompt chunks of
-growing length (8 sequences, the default model's 9 query / 3 KV heads of 64): the native
-kernel against gathering the context and running torch's fused attention; where the
-second wins is `serve.kernels.cpu.NATIVE_MAX_QUERY_LEN`.
+`--attention-crossover` instead times attention on prompt chunks of growing length (8
+sequences, the default model's 9 query / 3 KV heads of 64): the native kernel (reading
+K/V in place; a key per vector lane below `kWideMinQueries` queries in
+csrc/paged_attention.cpp, a query per lane from there) against the torch reference
+(gathering each context, then torch's fused attention).
 
 Levers (name: the A and B configurations):
   native     SERVE_CPU_KERNELS=0 (torch only: attention gathers each sequence's K/V, then
@@ -155,7 +156,7 @@ def attention_crossover() -> None:
     num_seqs, block_size, gen = 8, 16, torch.Generator().manual_seed(0)
     print(f"{'context':>7} {'queries':>7} {'native ms':>10} {'gather+fused ms':>16} {'ratio':>6}")
     for context in (256, 1024):
-        for queries in (1, 4, 8, 16, 32, 64, 128):
+        for queries in (1, 2, 3, 4, 8, 16, 32, 64, 128):
             per_seq = -(-context // block_size)
             num_blocks = num_seqs * per_seq + 1
             shape = (3, num_blocks, block_size, 64)  # heads-first, as the CPU cache stores it
@@ -175,7 +176,7 @@ def attention_crossover() -> None:
             out = torch.empty_like(query)
             args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, None, 0, 0.0)
             native_ms = best_ms(
-                torch.ops.serve_cpu.paged_attention, out, query, k_cache, v_cache, *args, 1 << 30
+                torch.ops.serve_cpu.paged_attention, out, query, k_cache, v_cache, *args
             )
             torch_ms = best_ms(
                 reference.attend_chunks, out, query, k_cache, v_cache, meta, range(num_seqs), 0.125

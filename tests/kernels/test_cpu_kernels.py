@@ -32,8 +32,6 @@ from kernels.test_reference import (
 from serve.kernels import cpu, reference
 from serve.kernels.cpu import native
 
-ALL_QUERIES = 1 << 30  # max_query_len that sends every sequence through the native kernel
-
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain to build with")
 
 
@@ -41,9 +39,7 @@ def seeded(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
 
 
-def native_attention(
-    inputs: AttentionInputs, scale: float, max_query_len: int = ALL_QUERIES, **options
-) -> torch.Tensor:
+def native_attention(inputs: AttentionInputs, scale: float, **options) -> torch.Tensor:
     out = poisoned_like(inputs.query)
     torch.ops.serve_cpu.paged_attention(
         out,
@@ -57,7 +53,6 @@ def native_attention(
         options.get("alibi_slopes"),
         options.get("sliding_window") or 0,
         options.get("logit_softcap") or 0.0,
-        max_query_len,
     )
     return out
 
@@ -153,27 +148,23 @@ def test_threads_give_the_same_bits():
     assert torch.equal(one, two)
 
 
-def test_long_chunks_are_left_to_the_caller():
-    """Sequences with more queries than max_query_len are not written: cpu.paged_attention
-    gives those to the reference's fused attention."""
-    inputs = make_attention_inputs([(30, 1), (40, 20), (9, 3)], 1, (4, 2), 16, 4, seeded("skip"))
-    out = native_attention(inputs, 0.3, max_query_len=3)
-    assert torch.isnan(out[1:21]).all()  # the 20-query chunk
-    assert not torch.isnan(out[:1]).any() and not torch.isnan(out[21:]).any()
-
-
-def test_dispatch_mixes_native_and_reference_rows(monkeypatch):
-    """cpu.paged_attention on a batch of decodes, a short chunk and chunks longer than
-    NATIVE_MAX_QUERY_LEN: every row right, whichever path computed it."""
-    monkeypatch.setattr(cpu, "NATIVE_MAX_QUERY_LEN", 4)
+def test_one_call_mixes_both_tile_kinds():
+    """cpu.paged_attention on decodes, short chunks (a key per lane) and long ones (a query
+    per lane, tiles ending mid-tile), in one call and with every option: each row right."""
     inputs = make_attention_inputs(
-        [(30, 1), (17, 1), (40, 20), (9, 3), (25, 5)], 2, (9, 3), 16, 4, seeded("mix")
+        [(30, 1), (17, 1), (40, 20), (9, 3), (25, 9), (70, 33), (64, 64)],
+        2,
+        (9, 3),
+        64,
+        4,
+        seeded("mix"),
+        stale="nan",
     )
     for options in ({}, {"sliding_window": 7, "logit_softcap": 5.0}):
         out = cpu.paged_attention(
-            inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.3, **options
+            inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.125, **options
         )
-        assert_matches_dense(inputs, out, 0.3, **options)
+        assert_matches_dense(inputs, out, 0.125, **options)
 
 
 def test_turned_off_by_the_environment(monkeypatch, caplog):

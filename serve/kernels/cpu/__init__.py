@@ -32,14 +32,6 @@ __all__ = [
     "swap_blocks",
 ]
 
-# Sequences with up to this many new tokens (decodes, speculative checks, short chunks)
-# attend in place in the native kernel; longer chunks gather their context once and run
-# torch's fused attention, whose matmuls outrun the native kernel's per-key dot products
-# once many queries share each key: on 2 cores the two tie at 16 queries over 1,024 keys
-# and at 32 over 256 (`benchmarks/cpu_levers.py --attention-crossover`).
-NATIVE_MAX_QUERY_LEN = 16
-
-
 # The dtypes the native kernels other than attention take (attention also takes float16).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -157,13 +149,7 @@ def paged_attention(
         alibi_slopes,
         sliding_window or 0,
         logit_softcap or 0.0,
-        NATIVE_MAX_QUERY_LEN,
     )
-    long_chunks = [b for b, n in enumerate(meta.query_lens_cpu) if n > NATIVE_MAX_QUERY_LEN]
-    if long_chunks:
-        reference.attend_chunks(
-            out, query, key_cache, value_cache, meta, long_chunks, scale, **options
-        )
     return out
 
 

@@ -6,8 +6,9 @@
 // Here one work item is (sequence, KV head, tile of queries): the query heads that share
 // the KV head and the tile's tokens are scored against each key row straight from its
 // block, block by block, with an online softmax (a running max and sum per row), and the
-// value rows of the same block are accumulated at once. Items run in parallel on torch's
-// intra-op threads.
+// value rows of the same block are accumulated at once. A sequence with many queries (a
+// prompt or a chunk of one) runs its tiles through `attend_tile_wide` (attention_wide.h)
+// instead, one query per vector lane. Items run in parallel on torch's intra-op threads.
 //
 // Contract (serve/kernels/reference.py `paged_attention` is the oracle): query
 // [num_tokens, num_heads, head_dim] with unit stride along head_dim; caches
@@ -27,13 +28,17 @@
 #include <limits>
 #include <vector>
 
+#include "attention_wide.h"
 #include "vec.h"
 
 namespace serve_cpu {
 namespace {
 
 // Query tokens per work item: a tile's rows share every key row read from the cache.
-constexpr int64_t kQueryTile = 16;
+constexpr int64_t kQueryTile = kWideLanes;
+// Sequences with at least this many queries take the wide tiles (where head_dim is a
+// multiple of 16); fewer fill too few of a wide tile's lanes to pay for them.
+constexpr int64_t kWideMinQueries = 10;
 // The largest block size served (block tables hold at most this many slots per block).
 constexpr int64_t kMaxBlockSize = 256;
 // Blocks are scattered in memory, so the hardware's stream prefetchers do not see the
@@ -262,7 +267,7 @@ void paged_attention(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-    double logit_softcap, int64_t max_query_len) {
+    double logit_softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], caches [N, B, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "head_dim must be the innermost, unit-stride dimension");
@@ -295,19 +300,24 @@ void paged_attention(
                   out.scalar_type() == query.scalar_type(),
               "out: the query's shape and dtype, unit stride along head_dim");
 
-  // Work items (sequence, first query of its tile); each runs every KV head. Sequences
-  // with more than max_query_len queries are left to the caller. Longest context first,
-  // and each thread takes the next item when it finishes one: a static split of the items
-  // into a contiguous range per thread left one core waiting on the other whenever the
-  // contexts differed in length (a batch's usual state).
+  // Work items (sequence, first query of its tile); each runs every KV head. The most
+  // keys first (a tile reads up to its last query), and each thread takes the next item
+  // when it finishes one: a static split of the items into a contiguous range per thread
+  // left one core waiting on the other whenever the contexts differed in length (a
+  // batch's usual state).
   std::vector<std::pair<int64_t, int64_t>> tiles;
+  std::vector<int64_t> tile_keys;
   for (int64_t b = 0; b < num_seqs; ++b) {
-    if (starts_p[b + 1] - starts_p[b] > max_query_len) continue;
-    for (int64_t t = starts_p[b]; t < starts_p[b + 1]; t += kQueryTile) tiles.emplace_back(b, t);
+    for (int64_t t = starts_p[b]; t < starts_p[b + 1]; t += kQueryTile) {
+      tiles.emplace_back(b, t);
+      tile_keys.push_back(lens_p[b] - starts_p[b + 1] + std::min(t + kQueryTile, starts_p[b + 1]));
+    }
   }
-  std::stable_sort(tiles.begin(), tiles.end(), [&](const auto& x, const auto& y) {
-    return lens_p[x.first] > lens_p[y.first];
-  });
+  std::vector<int64_t> order(tiles.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return tile_keys[x] > tile_keys[y]; });
+  const bool wide_fits = head_dim % 16 == 0;
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
@@ -321,15 +331,17 @@ void paged_attention(
     const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       for (int64_t item; (item = next_item.fetch_add(1, std::memory_order_relaxed)) < items;) {
-        const auto [b, token] = tiles[item / num_kv_heads];
+        const auto [b, token] = tiles[order[item / num_kv_heads]];
         const int64_t kv_head = item % num_kv_heads;
         const int64_t query_len = starts_p[b + 1] - starts_p[b];
         const int64_t tile_tokens = std::min(kQueryTile, starts_p[b + 1] - token);
         const int64_t first_query_pos = lens_p[b] - query_len + (token - starts_p[b]);
-        attend_tile<scalar_t>(q, query.stride(0), query.stride(1), k, v, cache,
-                              tables + b * max_blocks, kv_head, heads_per_kv, head_dim,
-                              first_query_pos, tile_tokens, token, opt, o, out.stride(0),
-                              out.stride(1));
+        const auto attend = wide_fits && query_len >= kWideMinQueries
+                                ? &attend_tile_wide<scalar_t, CacheView, Options>
+                                : &attend_tile<scalar_t>;
+        attend(q, query.stride(0), query.stride(1), k, v, cache, tables + b * max_blocks,
+               kv_head, heads_per_kv, head_dim, first_query_pos, tile_tokens, token, opt, o,
+               out.stride(0), out.stride(1));
       }
     });
   });
@@ -385,7 +397,7 @@ TORCH_LIBRARY(serve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "Tensor? alibi_slopes, int sliding_window, float logit_softcap, int max_query_len) -> ()");
+      "Tensor? alibi_slopes, int sliding_window, float logit_softcap) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
