@@ -93,6 +93,28 @@ def test_head_sizes_with_and_without_a_tail_slice(head_dim):
     assert_matches_dense(inputs, native_attention(inputs, scale), scale)
 
 
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 21}], ids=["causal", "window"])
+@pytest.mark.parametrize("layout", ["heads_first", "contiguous"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prompt_tiles_of_the_common_head_sizes(head_dim, layout, options):
+    """Prompts and chunks at head sizes 64 and 128, where key groups are read from the cache
+    as they lie (heads-first float32 blocks of 16) or copied (the other layout; a context
+    ending mid-group, its slots past the end NaN); a window that starts mid-group."""
+    inputs = make_attention_inputs(
+        [(75, 75), (100, 37), (48, 48), (70, 12)],
+        0,
+        (6, 2),
+        head_dim,
+        16,
+        seeded("prompt tiles", head_dim, layout),
+        layout=layout,
+        stale="nan",
+    )
+    scale = head_dim**-0.5
+    out = native_attention(inputs, scale, **options)
+    assert_matches_dense(inputs, out, scale, **options)
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
 @pytest.mark.parametrize("case", ["mixed", "extend", "many-decodes"])

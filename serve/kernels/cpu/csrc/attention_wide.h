@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -49,8 +50,11 @@ inline float16v tanh16(float16v x) {
 
 // One tile of up to kWideLanes queries of one sequence, for every query head of one KV
 // head; arguments as paged_attention.cpp's `attend_tile` takes them (its CacheView and
-// Options structs).
-template <typename scalar_t, typename CacheView, typename Options>
+// Options structs). With the head size known at compile time (HD > 0), a key element's
+// offset in a [G][HD] group is a constant, so the keys are broadcast from their rows as
+// they lie: a float32 group that fills one block's run of slots is read straight from the
+// cache, with no copy at all. Otherwise (HD = 0) the group is transposed into [D][G].
+template <typename scalar_t, int HD, typename CacheView, typename Options>
 void attend_tile_wide(
     const scalar_t* query, int64_t q_stride_token, int64_t q_stride_head,
     const scalar_t* key_cache, const scalar_t* value_cache, const CacheView& cache,
@@ -59,20 +63,20 @@ void attend_tile_wide(
     scalar_t* out, int64_t out_stride_token, int64_t out_stride_head) {
   constexpr int G = kKeyGroup;
   constexpr int64_t L = kWideLanes;
-  const int64_t D = head_dim;  // a multiple of 16 (the caller checks)
+  const int64_t D = HD > 0 ? HD : head_dim;  // a multiple of 16 (the caller checks)
   const int64_t last_query_pos = first_query_pos + tile_tokens - 1;
   const int64_t first_key =
       opt.window > 0 ? std::max<int64_t>(0, first_query_pos - opt.window + 1) : 0;
 
   // Per thread, reused: per head a transposed scaled query [D][L], a transposed output
-  // accumulator [D][L], the running max and sum [L]; the key group transposed [D][G], its
-  // value rows [G][D] and its probabilities [G][L].
+  // accumulator [D][L], the running max and sum [L]; the key group ([G][D] rows, or
+  // transposed [D][G]), its value rows [G][D] and its probabilities [G][L].
   const int64_t per_head = 2 * D * L + 2 * L;
   thread_local std::vector<float> scratch;
   scratch.resize(heads_per_kv * per_head + 2 * G * D + G * L);
-  float* const key_t = scratch.data() + heads_per_kv * per_head;
-  float* const values = key_t + G * D;
-  float* const probs = values + G * D;
+  float* const key_copy = scratch.data() + heads_per_kv * per_head;
+  float* const value_copy = key_copy + G * D;
+  float* const probs = value_copy + G * D;
   const auto head_query = [&](int64_t j) { return scratch.data() + j * per_head; };
   const auto head_acc = [&](int64_t j) { return head_query(j) + D * L; };
   const auto head_max = [&](int64_t j) { return head_acc(j) + D * L; };
@@ -101,18 +105,34 @@ void attend_tile_wide(
     return block_table[pos / block_size] * cache.stride_block + (pos % block_size) * cache.stride_slot +
            kv_head * cache.stride_head;
   };
-  for (int64_t k0 = first_key; k0 <= last_query_pos; k0 += G) {
+  // Groups start at multiples of G, so with blocks of a multiple of G slots none spans
+  // two blocks; keys before the first lane's window are masked like any outside it.
+  for (int64_t k0 = first_key / G * G; k0 <= last_query_pos; k0 += G) {
     const int64_t n = std::min<int64_t>(G, last_query_pos + 1 - k0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t at = row_at(k0 + i);
-      const scalar_t* k = key_cache + at;
-      const scalar_t* v = value_cache + at;
-      for (int64_t d = 0; d < D; ++d) key_t[d * G + i] = static_cast<float>(k[d]);
-      for (int64_t d = 0; d < D; ++d) values[i * D + d] = static_cast<float>(v[d]);
+    const float* keys = key_copy;
+    const float* values = value_copy;
+    bool in_place = false;
+    if constexpr (HD > 0 && std::is_same_v<scalar_t, float>) {
+      // A short group is copied: its slots past the context may hold anything, NaN too.
+      in_place = n == G && block_size % G == 0 && cache.stride_slot == HD;
+      if (in_place) {
+        keys = key_cache + row_at(k0);
+        values = value_cache + row_at(k0);
+      }
     }
-    for (int64_t i = n; i < G; ++i) {  // a short last group: zero keys and values, masked
-      for (int64_t d = 0; d < D; ++d) key_t[d * G + i] = 0.0f;
-      std::fill(values + i * D, values + (i + 1) * D, 0.0f);
+    if (!in_place) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t at = row_at(k0 + i);
+        const scalar_t* k = key_cache + at;
+        const scalar_t* v = value_cache + at;
+        for (int64_t d = 0; d < D; ++d)
+          key_copy[HD > 0 ? i * D + d : d * G + i] = static_cast<float>(k[d]);
+        for (int64_t d = 0; d < D; ++d) value_copy[i * D + d] = static_cast<float>(v[d]);
+      }
+      for (int64_t i = n; i < G; ++i) {  // a short last group: zero keys and values, masked
+        for (int64_t d = 0; d < D; ++d) key_copy[HD > 0 ? i * D + d : d * G + i] = 0.0f;
+        std::fill(value_copy + i * D, value_copy + (i + 1) * D, 0.0f);
+      }
     }
     if (k0 + G <= last_query_pos) {  // the next group's rows, while this one computes
       const int64_t next = std::min<int64_t>(G, last_query_pos + 1 - (k0 + G));
@@ -136,8 +156,13 @@ void attend_tile_wide(
       for (int i = 0; i < G; ++i) s[i] = float16v{};
       for (int64_t d = 0; d < D; ++d) {
         const float16v q = load16(qt + d * L);
-        const float* kd = key_t + d * G;
-        for (int i = 0; i < G; ++i) s[i] += q * kd[i];
+        if constexpr (HD > 0) {
+          const float* kd = keys + d;  // key i's element d at kd[i * HD]
+          for (int i = 0; i < G; ++i) s[i] += q * kd[i * HD];
+        } else {
+          const float* kd = keys + d * G;
+          for (int i = 0; i < G; ++i) s[i] += q * kd[i];
+        }
       }
       if (opt.softcap > 0.0f) {
         for (int i = 0; i < G; ++i) s[i] = opt.softcap * tanh16(s[i] / opt.softcap);

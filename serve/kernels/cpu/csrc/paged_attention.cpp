@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kQueryTile = kWideLanes;
 // Sequences with at least this many queries take the wide tiles (where head_dim is a
 // multiple of 16); fewer fill too few of a wide tile's lanes to pay for them.
-constexpr int64_t kWideMinQueries = 10;
+constexpr int64_t kWideMinQueries = 8;
 // The largest block size served (block tables hold at most this many slots per block).
 constexpr int64_t kMaxBlockSize = 256;
 // Blocks are scattered in memory, so the hardware's stream prefetchers do not see the
@@ -336,9 +336,12 @@ void paged_attention(
         const int64_t query_len = starts_p[b + 1] - starts_p[b];
         const int64_t tile_tokens = std::min(kQueryTile, starts_p[b + 1] - token);
         const int64_t first_query_pos = lens_p[b] - query_len + (token - starts_p[b]);
-        const auto attend = wide_fits && query_len >= kWideMinQueries
-                                ? &attend_tile_wide<scalar_t, CacheView, Options>
-                                : &attend_tile<scalar_t>;
+        auto attend = &attend_tile<scalar_t>;
+        if (wide_fits && query_len >= kWideMinQueries) {
+          attend = head_dim == 64    ? &attend_tile_wide<scalar_t, 64, CacheView, Options>
+                   : head_dim == 128 ? &attend_tile_wide<scalar_t, 128, CacheView, Options>
+                                     : &attend_tile_wide<scalar_t, 0, CacheView, Options>;
+        }
         attend(q, query.stride(0), query.stride(1), k, v, cache, tables + b * max_blocks,
                kv_head, heads_per_kv, head_dim, first_query_pos, tile_tokens, token, opt, o,
                out.stride(0), out.stride(1));
