@@ -97,6 +97,9 @@ class EngineCore:
                 block_size,
                 self.executor.num_cpu_blocks,
                 config.cache.enable_prefix_caching,
+                # Runs pay where the CPU's prefetchers read K/V; a GPU's attention does not
+                # notice, and finding a run costs a scan of the pool per new sequence.
+                place_in_runs=device_type == "cpu",
             )
         except BaseException:
             self.executor.shutdown()

@@ -42,6 +42,7 @@ class BlockManager:
         block_size: int,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
+        place_in_runs: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -49,7 +50,7 @@ class BlockManager:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks)
+        self.block_pool = BlockPool(num_blocks, place_in_runs)
         self.cpu_pool = BlockPool(num_cpu_blocks)
         # seq_id -> physical block ids, in logical order: device blocks for resident
         # sequences, CPU blocks for swapped-out ones. A sequence is in at most one.
@@ -215,12 +216,13 @@ class BlockManager:
         copies = []
         shared = self._shared_block_written(seq, num_tokens, table, self.block_pool)
         if shared is not None:
-            fresh = self.block_pool.allocate()
+            index = seq.num_planned_tokens // self.block_size
+            fresh = self.block_pool.allocate(after=table[index - 1] if index else None)
             self.block_pool.free(shared)
-            table[seq.num_planned_tokens // self.block_size] = fresh
+            table[index] = fresh
             copies.append((shared, fresh))
-        num_new = self.num_required_blocks(num_tokens) - len(table)
-        table.extend(self.block_pool.allocate() for _ in range(num_new))
+        for _ in range(self.num_required_blocks(num_tokens) - len(table)):
+            table.append(self.block_pool.allocate(after=table[-1] if table else None))
         self._num_slots_filled[seq.seq_id] = max(
             num_tokens, self._num_slots_filled.get(seq.seq_id, 0)
         )
@@ -320,7 +322,9 @@ class BlockManager:
                 if block_id in mapping:
                     dst_pool.incref(mapping[block_id])
                 else:
-                    mapping[block_id] = dst_pool.allocate()
+                    mapping[block_id] = dst_pool.allocate(
+                        after=new_table[-1] if new_table else None
+                    )
                 new_table.append(mapping[block_id])
             for block_id in reversed(table):
                 src_pool.free(block_id)

@@ -176,3 +176,22 @@ def test_check_invariants_catches_a_sequence_both_resident_and_swapped():
     manager.cpu_block_tables[0] = []
     with pytest.raises(AssertionError, match="both resident and swapped"):
         manager.check_invariants()
+
+
+def test_a_burst_of_prompts_then_lockstep_decodes_keeps_each_table_one_run():
+    """Eight prompts admitted together, then decoding in lockstep, crossing block ends at
+    different steps: every sequence's blocks stay physically consecutive (attention reads
+    them in order), where handing out blocks in order interleaves the decode blocks."""
+    manager = make_manager(num_blocks=256, block_size=4)
+    seqs = [make_seq(i, 9 + 3 * i) for i in range(8)]
+    for seq in seqs:
+        compute(manager, seq, seq.num_prompt_tokens)
+    for _ in range(20):
+        for seq in seqs:
+            seq.append_token(7, None, None)
+            compute(manager, seq, 1)
+    for seq in seqs:
+        table = manager.get_block_table(seq.seq_id)
+        assert len(table) == manager.num_required_blocks(seq.num_computed_tokens)
+        assert table == list(range(table[0], table[0] + len(table))), table
+    manager.check_invariants()

@@ -153,3 +153,81 @@ def test_check_invariants_catches_corruption():
     pool._ref_counts[block_id] = 0  # held by nobody, yet not on the free list
     with pytest.raises(AssertionError, match="free blocks"):
         pool.check_invariants()
+
+
+# -- placing in runs (the device pool) ------------------------------------------------------
+
+
+def grow(pool: BlockPool, table: list[int]) -> None:
+    table.append(pool.allocate(after=table[-1] if table else None))
+
+
+def test_sequences_growing_in_turn_each_keep_one_run():
+    """Four sequences start, then grow one block each in turn (decodes in lockstep): each
+    new run starts in the middle of the longest clean stretch, so each grows in place."""
+    pool = BlockPool(64, place_in_runs=True)
+    tables: list[list[int]] = [[] for _ in range(4)]
+    for table in tables:
+        grow(pool, table)
+    assert [t[0] for t in tables] == [0, 32, 16, 48]  # halving the room each time
+    for _ in range(10):
+        for table in tables:
+            grow(pool, table)
+    assert tables == [list(range(t[0], t[0] + 11)) for t in tables]
+    pool.check_invariants()
+
+
+def test_a_run_that_meets_a_held_block_goes_on_in_the_longest_clean_stretch():
+    pool = BlockPool(16, place_in_runs=True)
+    first = [pool.allocate(after=None) for _ in range(1)]
+    second = [pool.allocate(after=None)]  # the middle of [1, 16): block 8
+    assert second == [8]
+    for _ in range(7):
+        grow(pool, first)  # fills 1..7, then meets block 8
+    assert first == list(range(8))
+    grow(pool, first)  # [9, 16) follows held block 8: its middle
+    assert first[-1] == 12
+    pool.check_invariants()
+
+
+def test_a_stretch_after_a_free_block_is_taken_from_its_start():
+    pool = BlockPool(8, place_in_runs=True)
+    blocks = [pool.allocate(after=b) for b in (None, 0, 1)]  # 0, 1, 2
+    pool.cache(blocks[1], H1)
+    for b in blocks:
+        pool.free(b)
+    # Clean: 0, 2..7 (block 1 keeps a prefix). The longest clean stretch [2, 8) follows a
+    # free block, which nobody grows into: it is taken from its start.
+    assert pool.allocate(after=None) == 2
+    pool.check_invariants()
+
+
+def test_clean_blocks_go_before_cached_ones_which_go_least_recent_first():
+    pool = BlockPool(4, place_in_runs=True)
+    blocks = [pool.allocate(after=b) for b in (None, 0, 1, 2)]
+    for b, h in zip(blocks[:3], (H1, H2, b"hash-3")):
+        pool.cache(b, h)
+    for b in (blocks[2], blocks[0], blocks[3], blocks[1]):  # released in this order
+        pool.free(b)
+    assert pool.num_cached_blocks == 3
+    # Block 3 is the only clean one; then the cached ones in release order: 2, 0, 1.
+    taken = [pool.allocate(after=None) for _ in range(4)]
+    assert taken == [3, 2, 0, 1]
+    assert pool.lookup(H1) is None and pool.lookup(H2) is None
+    pool.check_invariants()
+
+
+def test_clean_map_follows_prefix_hits_and_evictions():
+    """A cached block revived by a hit, and a duplicate hash that stays unnamed (clean
+    once released): the invariant check compares the clean map with the free list."""
+    pool = BlockPool(3, place_in_runs=True)
+    a, b = pool.allocate(), pool.allocate(after=0)
+    pool.cache(a, H1)
+    pool.cache(b, H1)  # a duplicate: b stays unnamed
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_cached_blocks == 1
+    pool.check_invariants()
+    pool.incref(pool.lookup(H1))
+    pool.check_invariants()
+    assert pool.ref_count(a) == 1 and pool.num_free_blocks == 2

@@ -172,8 +172,10 @@ def test_a_hit_refreshes_the_blocks_it_revives():
     again = make_seq(2, tokens(100, 5))  # hits seq 0's first block, then frees it last
     assert admit(manager, again) == manager.get_block_table(2)[:1]
     manager.free(2)
-    fresh = make_seq(3, tokens(300, 16))
-    manager.allocate_slots(fresh, 16)  # evicts 4 of the 6: seq 0's head survives
+    fresh = make_seq(3, tokens(300, 20))
+    # Takes the two clean blocks (never used, or released unnamed), then evicts 3 of the
+    # 4 cached ones, least recently released first: seq 0's head survives.
+    manager.allocate_slots(fresh, 20)
     assert len(manager.find_cached_prefix(make_seq(4, tokens(100, 5)))) == 1
     assert manager.find_cached_prefix(make_seq(5, tokens(200, 5))) == []
 
