@@ -147,8 +147,16 @@ def start(
     log_path = log_dir / f"vllm-{name}-{port}.log"
     with open(log_path, "wb") as log:
         # A session of its own: stop() can reach the engine-core and worker processes too.
+        # Started in the log's directory: `python -m` puts the working directory first on
+        # the path, and from benchmarks/ our kernels.py would shadow the `kernels` package
+        # transformers looks for.
         process = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=log_dir,
+            start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
     try:
