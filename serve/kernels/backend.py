@@ -1,7 +1,9 @@
 """Which implementation runs a kernel op: Triton on CUDA tensors, serve's CPU ops elsewhere.
 
-`SERVE_KERNEL_BACKEND` overrides the choice, read at every call (a dictionary lookup), so a
-debugging session can flip it without restarting:
+`SERVE_KERNEL_BACKEND` overrides the choice. It is read at a process's first kernel call on
+each device, and the choice kept: a decode step makes hundreds of kernel calls, and reading the
+environment at each one cost 3-8% of a batch-1 step on CPU. (Tests that flip it clear the
+cache: `ops_for.cache_clear()`.)
 
 | value        | CUDA tensors | CPU tensors                                        |
 |--------------|--------------|----------------------------------------------------|
@@ -15,6 +17,7 @@ The Triton package is imported on first use, so `import serve` and CPU runs neve
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
 import os
 from types import ModuleType
@@ -48,10 +51,11 @@ def is_interpreting() -> bool:
     return os.environ.get(INTERPRETER_ENV_VAR, "0") == "1"
 
 
+@functools.cache
 def ops_for(device: torch.device) -> ModuleType:
     """The module whose functions run the ops for tensors on `device`: `serve.kernels.cpu`,
     `serve.kernels.reference` or `serve.kernels.triton`, all with the same function names
-    and signatures."""
+    and signatures. Decided once per device (`ops_for.cache_clear()` decides again)."""
     backend = requested_backend()
     if backend is Backend.REFERENCE:
         return reference

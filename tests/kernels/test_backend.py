@@ -17,10 +17,29 @@ from serve.kernels import backend, cpu, reference
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True)
+def decide_afresh(monkeypatch):
+    """The choice is made once per device and kept; each test sets the variable first, so
+    it is decided again from what the test set, and again after the test has restored it."""
+    backend.ops_for.cache_clear()
+    yield
+    backend.ops_for.cache_clear()
+
+
+def test_the_choice_is_kept_once_made(monkeypatch):
+    monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
+    assert backend.ops_for(CPU) is cpu
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "reference")
+    assert backend.ops_for(CPU) is cpu  # not read again at every call
+    backend.ops_for.cache_clear()
+    assert backend.ops_for(CPU) is reference
+
+
 def test_cpu_tensors_use_the_cpu_ops_by_default(monkeypatch):
     monkeypatch.delenv(backend.BACKEND_ENV_VAR, raising=False)
     assert backend.ops_for(CPU) is cpu
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "auto")
+    backend.ops_for.cache_clear()
     assert backend.ops_for(CPU) is cpu
 
 
@@ -65,6 +84,7 @@ def test_public_interface_dispatches_to_triton(monkeypatch):
     args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.25)
     expected = kernels.paged_attention(*args)  # CPU default: the native kernel
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "triton")
+    backend.ops_for.cache_clear()
     assert rel_err(kernels.paged_attention(*args), expected) < TOLERANCE[torch.float32]
 
 
