@@ -266,16 +266,31 @@ def test_linear_few_rows_matches_torch(rows, shape):
         assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 200])
-def test_cpu_linear_matches_torch_on_every_path(rows):
-    """One row in the native kernel, more in oneDNN on the prepacked weight."""
+@pytest.mark.parametrize(
+    ("dtype", "rows", "on_onednn"),
+    [
+        (torch.float32, 1, False),
+        (torch.float32, 2, False),  # oneDNN's float32 two-row product is its slowest
+        (torch.float32, 3, True),
+        (torch.float32, 7, True),
+        (torch.float32, 200, True),
+        (torch.bfloat16, 1, False),
+        (torch.bfloat16, 2, True),
+    ],
+)
+def test_cpu_linear_matches_torch_on_every_path(dtype, rows, on_onednn):
+    """A row or two in the native kernel (one in bfloat16), more in oneDNN on the
+    prepacked weight; every path against float64 torch."""
     gen = seeded("cpu-linear", rows)
     x, weight = torch.randn(rows, 300, generator=gen), torch.randn(200, 300, generator=gen)
     bias = torch.randn(200, generator=gen)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
     out = cpu.linear(x, weight, bias)
-    assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4)
-    assert hasattr(weight, "_serve_onednn") is (rows > 1)  # packed on first use of many rows
+    assert out.dtype == dtype
+    rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2 * 2**-8, 1e-2)
+    assert torch.allclose(out.double(), expected, rtol=rtol, atol=atol)
+    assert hasattr(weight, "_serve_onednn") is on_onednn  # packed on first use by oneDNN
 
 
 def test_prepacked_weight_follows_in_place_writes():

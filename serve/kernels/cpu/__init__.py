@@ -189,18 +189,26 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+# The most rows the native kernel takes, by weight dtype; more go to oneDNN. With so few
+# rows a product is a pass over the weights, and the native kernel streams them at ~2x the
+# bandwidth MKL's matrix-vector product reaches. oneDNN's float32 product of two rows runs
+# slower than its three (a decode step of two sequences: 0.76-0.82x the time on the native
+# kernel, interleaved A/B, RESULTS.md "Session 17"); from three rows, and for bfloat16
+# from two, oneDNN is as fast or faster.
+_NATIVE_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+
+
 def linear(
     x: torch.Tensor,  # [num_tokens, in_features]
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    """One row (one sequence decoding) goes to the native kernel, which streams the weights
-    at ~2x the bandwidth MKL's matrix-vector product reaches; more rows to oneDNN with the
-    weight prepacked; F.linear where neither applies."""
+    """A row or two (one or two sequences decoding) go to the native kernel; more rows to
+    oneDNN with the weight prepacked; F.linear where neither applies."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    if rows == 1 and x.dtype == weight.dtype in _NATIVE_DTYPES and weight.is_contiguous():
-        if native.available():
-            out = x.new_empty(1, weight.shape[0])
+    if 1 <= rows <= _NATIVE_MAX_ROWS.get(weight.dtype, 0) and x.dtype == weight.dtype:
+        if weight.is_contiguous() and native.available():
+            out = x.new_empty(rows, weight.shape[0])
             torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
             return out
     if rows >= 1 and x.dtype == weight.dtype:

@@ -17,7 +17,8 @@
 namespace serve_cpu {
 namespace {
 
-// The most rows of x served here (serve calls it for one; two rows and up run in oneDNN).
+// The most rows of x served here (serve calls it for one or two float32 rows and one
+// bfloat16 row; more run in oneDNN: serve/kernels/cpu/__init__.py `_NATIVE_MAX_ROWS`).
 constexpr int64_t kMaxRows = 4;
 
 inline float16v load_weights(const float* p) { return load16(p); }
