@@ -88,8 +88,9 @@ class ModelRunner:
             budget = self._profile_free_cuda_memory()
         else:
             # A first forward of a few rows: the CPU linears reorder their weights for
-            # oneDNN now (serve/kernels/cpu), not in the first request's time.
-            self._dummy_forward(2)
+            # oneDNN now, not in the first request's time (~1 s for the default model).
+            # Eight rows: one or two run on the native kernel, which needs no reorder.
+            self._dummy_forward(8)
             total = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
             budget = total / self.config.world_size
         num_blocks = int(budget // self.bytes_per_block)
