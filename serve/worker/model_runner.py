@@ -229,7 +229,9 @@ class ModelRunner:
             row = [seq]
             seed = seq.sampling_params.seed
             for i, child_id in enumerate(forks.get(seq.seq_id, ()), start=1):
-                child = self.mirror.fork_sample(seq.seq_id, child_id, None if seed is None else seed + i)
+                child = self.mirror.fork_sample(
+                    seq.seq_id, child_id, None if seed is None else seed + i
+                )
                 if self.step_sampler is not None:
                     self.step_sampler.fork(seq, child)
                 row.append(child)
