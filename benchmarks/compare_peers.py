@@ -20,7 +20,8 @@ the same seeded request set, and stopped.
 
 Loads (`--loads`, comma-separated):
   burst    `--num-requests` (64) completions sent at once, prompts of 32-512 random token
-           ids, 16-256 output tokens, seed 0: output tok/s, TTFT and ITL p50/p90;
+           ids, 16-256 output tokens, seed 0: output tok/s, TTFT p50/p90, ITL p50/p90/p99
+           and mean;
   poisson  the same set arriving as a seeded Poisson process at `--rate` (0.5) requests/s:
            TTFT and ITL p50, output tok/s;
   single   `--single-requests` (4) requests one at a time, a 32-token prompt and 128 output
@@ -78,6 +79,9 @@ ROWS = [
     ("burst", "TTFT p90 ms", "ttft_ms", "p90"),
     ("burst", "ITL p50 ms", "itl_ms", "p50"),
     ("burst", "ITL p90 ms", "itl_ms", "p90"),
+    # A larger step budget makes fewer, longer prompt-heavy steps: p90 falls, p99 rises.
+    ("burst", "ITL p99 ms", "itl_ms", "p99"),
+    ("burst", "ITL mean ms", "itl_ms", "mean"),
     ("poisson", "output tok/s", "output_tokens_per_s", None),
     ("poisson", "TTFT p50 ms", "ttft_ms", "p50"),
     ("poisson", "ITL p50 ms", "itl_ms", "p50"),
