@@ -1,0 +1,162 @@
+"""What the scheduling benchmark's workload allows: fcfs, serve's sjf and ideal preemptive
+shortest-remaining-first on one seat (M/G/1), simulated over many seeds.
+
+    python benchmarks/scheduling_sim.py                      # 20 seeds, 120 requests each
+    python benchmarks/scheduling_sim.py --max-wait-s 60 --preempt-cost-s 0.05
+
+benchmarks/scheduling.py measures a real server on one seeded mix and its seeded Poisson
+arrivals, ~20 minutes a seed with one seat. This replays the same mixes and arrivals (its
+`make_mix`, its seed conventions, its capacity calibration) against a service model, a
+prefill plus a fixed time per output token, so that the spread a goal must survive shows
+in seconds: how far each seed's mean E2E under sjf lands from fcfs's, and how often it
+meets `--goal`.
+
+Policies, one decode step (`--tpot-s`) at a time:
+- fcfs: arrival order, never preempted.
+- sjf: serve's rank (serve/scheduler/policy.py): predicted remaining tokens, shrinking
+  linearly with age to 0 at `--max-wait-s`; a waiting request whose rank is under
+  `yield_ratio` of the running one's takes the seat; each preemption costs
+  `--preempt-cost-s` more service. The prediction is the mean length of the request's
+  length class (length_predictor.py's buckets), as a well-trained predictor gives.
+- srpt: exact remaining service, free preemption, no bound on waiting: the ideal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from dataclasses import dataclass
+
+import scheduling
+
+from serve.scheduler.length_predictor import BUCKET_EDGES
+from serve.scheduler.policy import ShortestJobFirstPolicy
+
+CALIBRATION_REQUESTS = 32  # scheduling.py's --num-calibration in the one-seat runs
+
+
+@dataclass(frozen=True)
+class Job:
+    arrival_s: float
+    service_s: float
+    num_tokens: int
+    predicted_tokens: float
+
+
+def bucket_of(num_tokens: int) -> int:
+    return sum(num_tokens >= edge for edge in BUCKET_EDGES)
+
+
+def make_jobs(args: argparse.Namespace, seed: int) -> list[Job]:
+    """The measured mix of scheduling.py with `--seed seed`, arriving at `--load` times
+    the capacity its calibration would measure under this service model."""
+    mix = scheduling.make_mix(args.num_requests, args, seed=seed)
+    calibration = scheduling.make_mix(CALIBRATION_REQUESTS, args, seed=seed + 200)
+    capacity = len(calibration) / sum(service_s(k, args) for _, _, k in calibration)
+    rate = args.load * capacity
+    lengths = [k for _, _, k in mix]
+    by_bucket: dict[int, list[int]] = {}
+    for k in lengths:
+        by_bucket.setdefault(bucket_of(k), []).append(k)
+    class_mean = {b: statistics.mean(ks) for b, ks in by_bucket.items()}
+    arrivals = random.Random(seed + 1)  # scheduling.py's measured arrivals: seed + 1
+    jobs, now = [], 0.0
+    for k in lengths:
+        jobs.append(Job(now, service_s(k, args), k, class_mean[bucket_of(k)]))
+        now += arrivals.expovariate(rate)
+    return jobs
+
+
+def service_s(num_tokens: int, args: argparse.Namespace) -> float:
+    return args.prefill_s + num_tokens * args.tpot_s
+
+
+def simulate(jobs: list[Job], policy: str, args: argparse.Namespace) -> list[float]:
+    """Each job's E2E seconds on one seat, one decode step at a time."""
+    n = len(jobs)
+    left = [j.service_s for j in jobs]
+    done: list[float] = [0.0] * n
+    waiting: list[int] = []
+    running: int | None = None
+    now, arrived = 0.0, 0
+
+    def rank(i: int) -> tuple[float, float]:
+        job = jobs[i]
+        if policy == "fcfs":
+            return (job.arrival_s, 0.0)
+        if policy == "srpt":
+            return (left[i], job.arrival_s)
+        generated = (job.service_s - left[i] - args.prefill_s) / args.tpot_s
+        remaining = max(1.0, job.predicted_tokens - max(0.0, generated))
+        aging = max(0.0, 1.0 - (now - job.arrival_s) / args.max_wait_s)
+        return (remaining * aging, job.arrival_s)
+
+    while arrived < n or waiting or running is not None:
+        while arrived < n and jobs[arrived].arrival_s <= now:
+            waiting.append(arrived)
+            arrived += 1
+        if running is None and not waiting:
+            now = jobs[arrived].arrival_s
+            continue
+        if running is None:
+            running = min(waiting, key=rank)
+            waiting.remove(running)
+        elif waiting and policy != "fcfs":
+            best = min(waiting, key=rank)
+            ratio = 1.0 if policy == "srpt" else ShortestJobFirstPolicy.yield_ratio
+            if rank(best)[0] < ratio * rank(running)[0]:
+                if policy == "sjf":
+                    left[running] += args.preempt_cost_s
+                waiting.append(running)
+                waiting.remove(best)
+                running = best
+        step = min(args.tpot_s, left[running])
+        now += step
+        left[running] -= step
+        if left[running] <= 1e-9:
+            done[running] = now - jobs[running].arrival_s
+            running = None
+    return done
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, default=20, help="seeds 0 .. N-1")
+    p.add_argument("--num-requests", type=int, default=120, help="measured, per seed")
+    p.add_argument("--load", type=float, default=0.8)
+    p.add_argument("--short", type=int, nargs=2, default=(2, 8))
+    p.add_argument("--long", type=int, nargs=2, default=(150, 250))
+    p.add_argument("--tpot-s", type=float, default=1 / 34, help="one seat's decode step")
+    p.add_argument("--prefill-s", type=float, default=0.06, help="a chat prompt's prefill")
+    p.add_argument("--max-wait-s", type=float, default=30.0, help="sjf's bound")
+    p.add_argument("--preempt-cost-s", type=float, default=0.01, help="sjf, per preemption")
+    p.add_argument("--goal", type=float, default=1 / 1.5, help="sjf / fcfs mean E2E")
+    args = p.parse_args()
+    args.lengths = "max_tokens"  # make_mix reads it; the lengths are the mix's own
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    ratios: dict[str, list[float]] = {"sjf": [], "srpt": []}
+    print(f"{'seed':>4} {'fcfs E2E s':>11} {'sjf/fcfs':>9} {'srpt/fcfs':>10}")
+    for seed in range(args.seeds):
+        jobs = make_jobs(args, seed)
+        fcfs = statistics.mean(simulate(jobs, "fcfs", args))
+        row = []
+        for policy in ratios:
+            ratio = statistics.mean(simulate(jobs, policy, args)) / fcfs
+            ratios[policy].append(ratio)
+            row.append(ratio)
+        print(f"{seed:>4} {fcfs:>11.1f} {row[0]:>9.3f} {row[1]:>10.3f}")
+    for policy, values in ratios.items():
+        met = sum(r <= args.goal for r in values)
+        print(
+            f"{policy}: mean {statistics.mean(values):.3f}, range {min(values):.3f}-"
+            f"{max(values):.3f}; {met} of {len(values)} seeds at or under {args.goal:.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
