@@ -13,10 +13,11 @@ install it and is skipped; serve still runs.
 Both servers load the same float32 HF directory, the default model (SmolLM2-135M-Instruct,
 converted once from its GGUF), under the same served name, with the same settings: float32,
 max model len 2048, prefix caching off, a 4 GiB KV cache (`--kv-cache-gib`), listening on
-127.0.0.1 only; everything else is each server's default. Each server is started in turn,
-warmed with a few short requests, measured on the chosen loads with serve's own load client
-(serve/bench/client.py: streamed completions, output lengths forced with ignore_eos) and
-the same seeded request set, and stopped.
+127.0.0.1 only; everything else is each server's default. Each server is started in turn
+(serve first; `--vllm-first` turns the order round), warmed with a few short requests,
+measured on the chosen loads with serve's own load client (serve/bench/client.py:
+streamed completions, output lengths forced with ignore_eos) and the same seeded request
+set, and stopped.
 
 Loads (`--loads`, comma-separated):
   burst    `--num-requests` (64) completions sent at once, prompts of 32-512 random token
@@ -116,6 +117,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--skip-serve", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument(
+        "--vllm-first",
+        action="store_true",
+        help="run vLLM before serve (a shared host's speed drifts: alternate the order)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = p.parse_args()
@@ -351,10 +357,12 @@ def main() -> None:
         "weight_bytes": num_weight_bytes,
     }
     started = time.perf_counter()
-    if not args.skip_serve:
-        results["serve"] = run_serve(model_dir, request_sets, args)
-    if not args.skip_vllm:
-        results["vllm"] = run_vllm(model_dir, request_sets, args)
+    runs = {"serve": (args.skip_serve, run_serve), "vllm": (args.skip_vllm, run_vllm)}
+    for name in ("vllm", "serve") if args.vllm_first else ("serve", "vllm"):
+        skip, run = runs[name]
+        if not skip:
+            results[name] = run(model_dir, request_sets, args)
+    results["order"] = "vllm first" if args.vllm_first else "serve first"
     results["duration_s"] = time.perf_counter() - started
     # Again with the servers gone: on a shared machine the best of the two is the closer.
     bandwidths.append(copy_bandwidth_gbps())
