@@ -24,6 +24,7 @@ Policies, one decode step (`--tpot-s`) at a time:
 from __future__ import annotations
 
 import argparse
+import bisect
 import random
 import statistics
 from dataclasses import dataclass
@@ -40,12 +41,12 @@ CALIBRATION_REQUESTS = 32  # scheduling.py's --num-calibration in the one-seat r
 class Job:
     arrival_s: float
     service_s: float
-    num_tokens: int
     predicted_tokens: float
 
 
 def bucket_of(num_tokens: int) -> int:
-    return sum(num_tokens >= edge for edge in BUCKET_EDGES)
+    """The predictor's length class (its `np.searchsorted(BUCKET_EDGES, ..., "right")`)."""
+    return bisect.bisect_right(BUCKET_EDGES, num_tokens)
 
 
 def make_jobs(args: argparse.Namespace, seed: int) -> list[Job]:
@@ -63,7 +64,7 @@ def make_jobs(args: argparse.Namespace, seed: int) -> list[Job]:
     arrivals = random.Random(seed + 1)  # scheduling.py's measured arrivals: seed + 1
     jobs, now = [], 0.0
     for k in lengths:
-        jobs.append(Job(now, service_s(k, args), k, class_mean[bucket_of(k)]))
+        jobs.append(Job(now, service_s(k, args), class_mean[bucket_of(k)]))
         now += arrivals.expovariate(rate)
     return jobs
 

@@ -22,6 +22,7 @@ import torch
 
 from serve.config import DEFAULT_CPU_KV_CACHE_BYTES
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
+from serve.kernels.cpu import ONEDNN_MIN_ROWS
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
@@ -89,8 +90,8 @@ class ModelRunner:
         else:
             # A first forward of a few rows: the CPU linears reorder their weights for
             # oneDNN now, not in the first request's time (~1 s for the default model).
-            # Eight rows: one or two run on the native kernel, which needs no reorder.
-            self._dummy_forward(8)
+            # Fewer rows run on the native kernel, which needs no reorder.
+            self._dummy_forward(ONEDNN_MIN_ROWS)
             total = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
             budget = total / self.config.world_size
         num_blocks = int(budget // self.bytes_per_block)

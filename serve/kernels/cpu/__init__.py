@@ -196,6 +196,9 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 # kernel, interleaved A/B, RESULTS.md "Session 17"); from three rows, and for bfloat16
 # from two, oneDNN is as fast or faster.
 _NATIVE_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+# The fewest rows that run on oneDNN whatever the dtype: a forward of this many reorders
+# every weight it touches (the model runner's start-up forward).
+ONEDNN_MIN_ROWS = max(_NATIVE_MAX_ROWS.values()) + 1
 
 
 def linear(
