@@ -189,16 +189,16 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-# The most rows the native kernel takes, by weight dtype; more go to oneDNN. With so few
-# rows a product is a pass over the weights, and the native kernel streams them at ~2x the
-# bandwidth MKL's matrix-vector product reaches. oneDNN's float32 product of two rows runs
-# slower than its three (a decode step of two sequences: 0.76-0.82x the time on the native
-# kernel, interleaved A/B, RESULTS.md "Session 17"); from three rows, and for bfloat16
-# from two, oneDNN is as fast or faster.
-_NATIVE_MAX_ROWS = {torch.float32: 2, torch.bfloat16: 1}
-# The fewest rows that run on oneDNN whatever the dtype: a forward of this many reorders
-# every weight it touches (the model runner's start-up forward).
-ONEDNN_MIN_ROWS = max(_NATIVE_MAX_ROWS.values()) + 1
+# The most rows the native kernel takes; more go to oneDNN. With so few rows a product is
+# a pass over the weights, which the native kernel streams in memory order. oneDNN's
+# products of one and two rows are its slowest (the model's weights cycled from memory,
+# float32: 24-29 ms for one or two rows against 19-23 for three; bfloat16: 13-19 against
+# 12-14); the native kernel's, 19-23 ms and 8-10 ms. From three rows oneDNN is as fast or
+# faster (RESULTS.md, "Session 18").
+_NATIVE_MAX_ROWS = 2
+# The fewest rows that run on oneDNN: a forward of this many reorders every weight it
+# touches (the model runner's start-up forward).
+ONEDNN_MIN_ROWS = _NATIVE_MAX_ROWS + 1
 
 
 def linear(
@@ -209,7 +209,7 @@ def linear(
     """A row or two (one or two sequences decoding) go to the native kernel; more rows to
     oneDNN with the weight prepacked; F.linear where neither applies."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    if 1 <= rows <= _NATIVE_MAX_ROWS.get(weight.dtype, 0) and x.dtype == weight.dtype:
+    if 1 <= rows <= _NATIVE_MAX_ROWS and x.dtype == weight.dtype and x.dtype in _NATIVE_DTYPES:
         if weight.is_contiguous() and native.available():
             out = x.new_empty(rows, weight.shape[0])
             torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
