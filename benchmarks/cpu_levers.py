@@ -30,6 +30,12 @@ Levers (name: the A and B configurations):
              fewer, longer runs that the prefetchers follow
   affinity   OpenMP threads free to move vs each bound to a core (OMP_PROC_BIND=close,
              OMP_PLACES=cores), as vLLM binds its CPU workers' threads
+  hugepages  torch's CPU allocations in 4 KiB pages vs 2 MiB transparent huge pages
+             (THP_MEM_ALLOC_ENABLE=1: blocks of 2 MiB and more, the weights, their oneDNN
+             copies and the KV cache among them, advised MADV_HUGEPAGE)
+
+`--rounds N` runs each lever's A and B N times, alternating, and prints every round: on a
+shared machine the speed moves between minutes, and only side-by-side pairs compare.
 """
 
 from __future__ import annotations
@@ -56,6 +62,10 @@ LEVERS = {
         ("unbound", {}, {}),
         ("bound", {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, {}),
     ),
+    "hugepages": (
+        ("4k", {"THP_MEM_ALLOC_ENABLE": "0"}, {}),
+        ("thp", {"THP_MEM_ALLOC_ENABLE": "1"}, {}),
+    ),
 }
 
 
@@ -66,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=1, help="A/B pairs per lever, alternating")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--attention-crossover", action="store_true", help="see above")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child: one config
@@ -213,29 +224,40 @@ def main() -> None:
     report = {"bandwidth_gbs": bandwidth, "levers": {}}
     for lever in args.levers.split(","):
         (name_a, env_a, set_a), (name_b, env_b, set_b) = LEVERS[lever]
-        a, b = run_config(args, env_a, set_a), run_config(args, env_b, set_b)
-        report["levers"][lever] = {name_a: a, name_b: b}
-        print(f"\n{lever}: {name_a} -> {name_b}")
-        print(
-            f"{'batch':>5} {'step ms':>17} {'decode tok/s':>19} {'prefill tok/s':>19} {'ratio':>6}"
-        )
-        for batch in a:
-            ra, rb = a[batch], b[batch]
-            print(
-                f"{batch:5d} {ra['step_ms']:8.1f} {rb['step_ms']:8.1f} "
-                f"{ra['decode_tok_s']:9.1f} {rb['decode_tok_s']:9.1f} "
-                f"{ra['prefill_tok_s']:9.0f} {rb['prefill_tok_s']:9.0f} "
-                f"{ra['step_ms'] / rb['step_ms']:5.2f}x"
+        report["levers"][lever] = []
+        for round_ in range(args.rounds):
+            a, b = run_config(args, env_a, set_a), run_config(args, env_b, set_b)
+            report["levers"][lever].append({name_a: a, name_b: b})
+            label = f"{lever}: {name_a} -> {name_b}"
+            print_pair(
+                label if args.rounds == 1 else f"{label}, round {round_ + 1}",
+                a,
+                b,
+                name_b,
+                bandwidth,
             )
-            if batch == 1:
-                floor_ms = rb["weight_bytes"] / bandwidth / 1e6
-                print(
-                    f"      batch-1 floor (weights {rb['weight_bytes'] / 1e6:.0f} MB / bandwidth): "
-                    f"{floor_ms:.1f} ms; {name_b} is {rb['step_ms'] / floor_ms:.2f}x the floor"
-                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def print_pair(label: str, a: dict, b: dict, name_b: str, bandwidth: float) -> None:
+    print(f"\n{label}")
+    print(f"{'batch':>5} {'step ms':>17} {'decode tok/s':>19} {'prefill tok/s':>19} {'ratio':>6}")
+    for batch in a:
+        ra, rb = a[batch], b[batch]
+        print(
+            f"{batch:5d} {ra['step_ms']:8.1f} {rb['step_ms']:8.1f} "
+            f"{ra['decode_tok_s']:9.1f} {rb['decode_tok_s']:9.1f} "
+            f"{ra['prefill_tok_s']:9.0f} {rb['prefill_tok_s']:9.0f} "
+            f"{ra['step_ms'] / rb['step_ms']:5.2f}x"
+        )
+        if batch == 1:
+            floor_ms = rb["weight_bytes"] / bandwidth / 1e6
+            print(
+                f"      batch-1 floor (weights {rb['weight_bytes'] / 1e6:.0f} MB / bandwidth): "
+                f"{floor_ms:.1f} ms; {name_b} is {rb['step_ms'] / floor_ms:.2f}x the floor"
+            )
 
 
 if __name__ == "__main__":
