@@ -17,7 +17,8 @@ Policies, one decode step (`--tpot-s`) at a time:
   linearly with age to 0 at `--max-wait-s`; a waiting request whose rank is under
   `yield_ratio` of the running one's takes the seat; each preemption costs
   `--preempt-cost-s` more service. The prediction is the mean length of the request's
-  length class (length_predictor.py's buckets), as a well-trained predictor gives.
+  length class (length_predictor.py's buckets), as a well-trained predictor gives, or
+  its `max_tokens` where that is less (the mix forces each length with `max_tokens`).
 - srpt: exact remaining service, free preemption, no bound on waiting: the ideal.
 """
 
@@ -64,7 +65,7 @@ def make_jobs(args: argparse.Namespace, seed: int) -> list[Job]:
     arrivals = random.Random(seed + 1)  # scheduling.py's measured arrivals: seed + 1
     jobs, now = [], 0.0
     for k in lengths:
-        jobs.append(Job(now, service_s(k, args), class_mean[bucket_of(k)]))
+        jobs.append(Job(now, service_s(k, args), min(class_mean[bucket_of(k)], k)))
         now += arrivals.expovariate(rate)
     return jobs
 

@@ -14,7 +14,8 @@ seen, with features it has without any extra forward pass:
   requests already running (which to preempt first) and for any that must wait again.
 
 A prediction is the expected length under a classifier's bucket probabilities, each
-bucket standing for the mean length of the finished requests that fell in it.
+bucket standing for the mean length of the finished requests that fell in it, or for the
+request's own output cap where that is less: a request cannot generate past it.
 
 Fitting runs on a background thread every REFIT_EVERY finished requests, over the last
 HISTORY of them; until MIN_SAMPLES requests have finished there is no model and
@@ -193,9 +194,7 @@ class OutputLengthPredictor:
         self._closed = False
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(
-                target=self._refit_loop, name="sjf-refit", daemon=True
-            )
+            self._thread = threading.Thread(target=self._refit_loop, name="sjf-refit", daemon=True)
             self._thread.start()
 
     @property
@@ -209,13 +208,19 @@ class OutputLengthPredictor:
         errors = list(self._errors)
         return float(np.mean(errors)) if errors else None
 
-    def predict(self, prompt: np.ndarray, hidden: np.ndarray | None = None) -> float | None:
-        """Expected output tokens (None while cold)."""
-        return self.predict_many([prompt], [hidden])[0]
+    def predict(
+        self, prompt: np.ndarray, hidden: np.ndarray | None = None, cap: float = np.inf
+    ) -> float | None:
+        """Expected output tokens, at most `cap` (None while cold)."""
+        return self.predict_many([prompt], [hidden], [cap])[0]
 
     def predict_many(
-        self, prompts: list[np.ndarray], hiddens: list[np.ndarray | None]
+        self,
+        prompts: list[np.ndarray],
+        hiddens: list[np.ndarray | None],
+        caps: list[float] | None = None,
     ) -> list[float | None]:
+        """`caps`: each request's most output tokens; a bucket's length counts up to it."""
         models = self._models
         if models is None:
             return [None] * len(prompts)
@@ -224,7 +229,9 @@ class OutputLengthPredictor:
         rows = [i for i, h in enumerate(hiddens) if h is not None]
         if refined is not None and rows:
             scores[rows] += refined.log_ratios([hiddens[i] for i in rows])
-        return [float(v) for v in _softmax(scores) @ base.values]
+        limits = np.asarray(caps if caps is not None else [np.inf] * len(prompts))[:, None]
+        lengths = np.minimum(base.values[None, :], limits)  # [requests, buckets]
+        return [float(v) for v in (_softmax(scores) * lengths).sum(axis=1)]
 
     def observe(
         self,

@@ -9,7 +9,8 @@ accounting, chunking, prefix hits, swap) is the scheduler's and the same for all
 - priority: the request's `priority` (lower first), then arrival (vLLM's semantics). A
   waiting request that cannot start for want of blocks or batch seats preempts running
   requests of lower priority (`preempts_for_waiting`).
-- sjf: shortest predicted remaining output first (length_predictor.py). A request's rank
+- sjf: shortest predicted remaining output first (length_predictor.py; a prediction never
+  exceeds the request's own `max_tokens`, or what its context leaves). A request's rank
   shrinks linearly with its age (time since arrival) and is 0 after `max_wait_s`, where it
   is ahead of every request that has not been there that long (arrival order among
   those): no request waits past the bound for shorter ones. A waiting request predicted
@@ -101,6 +102,7 @@ class PriorityPolicy(SchedulingPolicy):
 @dataclass
 class _Prediction:
     features: np.ndarray
+    cap: int  # the most tokens the request may generate: no prediction exceeds it
     hidden: np.ndarray | None = None
     tokens: float | None = None  # expected output tokens, whole request
     version: int = -1  # the predictor's version `tokens` came from
@@ -157,7 +159,8 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
             return
         room = self.max_model_len - len(group.prompt_token_ids)
         cap = room if params.max_tokens is None else min(room, params.max_tokens)
-        self._requests[group.request_id] = _Prediction(prompt_features(group.prompt_token_ids, cap))
+        features = prompt_features(group.prompt_token_ids, cap)
+        self._requests[group.request_id] = _Prediction(features, cap)
 
     def on_admit(self, group: SequenceGroup) -> None:
         entry = self._requests.get(group.request_id)
@@ -210,7 +213,9 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
         if not stale:
             return
         predictions = self.predictor.predict_many(
-            [e.features for _, e in stale], [e.hidden for _, e in stale]
+            [e.features for _, e in stale],
+            [e.hidden for _, e in stale],
+            [e.cap for _, e in stale],
         )
         for (_, entry), tokens in zip(stale, predictions):
             entry.tokens, entry.version = tokens, version

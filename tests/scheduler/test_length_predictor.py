@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from serve.scheduler.length_predictor import (
     MIN_SAMPLES,
@@ -59,6 +60,29 @@ def test_prompt_tokens_beat_a_constant_guess_by_far() -> None:
     assert model_error < constant_error / 3
     # The gauge follows: late predictions were good, so the recent error is small too.
     assert predictor.mean_absolute_error < constant_error / 2
+
+
+def test_no_prediction_exceeds_the_request_s_own_cap() -> None:
+    """A long-class prompt with a cap of 20 cannot generate ~300 tokens: each bucket counts
+    up to the cap, so the prediction is at most 20; a cap above every bucket changes
+    nothing."""
+    rng = np.random.default_rng(4)
+    predictor = OutputLengthPredictor(background=False)
+    for _ in range(200):
+        prompt, length = synthetic_request(rng)
+        predictor.observe(prompt_features(prompt, CAP), None, length)
+    long_prompt, short_prompt = [5, 6, LONG_TOKEN], [5, 6, SHORT_TOKEN]
+    uncapped = predictor.predict(prompt_features(long_prompt, CAP))
+    assert uncapped > 200
+    assert predictor.predict(prompt_features(long_prompt, CAP), cap=CAP) == pytest.approx(uncapped)
+    capped = predictor.predict(prompt_features(long_prompt, 20), cap=20)
+    assert 15 < capped <= 20
+    short = predictor.predict(prompt_features(short_prompt, CAP))
+    assert predictor.predict(prompt_features(short_prompt, CAP), cap=20) <= min(20, short)
+    many = predictor.predict_many(
+        [prompt_features(long_prompt, CAP)] * 3, [None] * 3, [1, 100, CAP]
+    )
+    assert many[0] == pytest.approx(1.0) and many[1] <= 100 and many[2] == pytest.approx(uncapped)
 
 
 def test_the_hidden_state_refines_what_the_prompt_cannot_tell() -> None:

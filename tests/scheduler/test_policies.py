@@ -47,8 +47,7 @@ def test_requests_start_by_priority_then_arrival(policy: str, expected: list[str
     sched = make_scheduler(max_num_seqs=1, scheduling_policy=policy)
     priorities = [3, 1, 2, 1, 2]  # lower first, ties by arrival: r1 r3, then r2 r4, then r0
     groups = [
-        make_group(i, prompt_of(i, 6), max_tokens=3, priority=p)
-        for i, p in enumerate(priorities)
+        make_group(i, prompt_of(i, 6), max_tokens=3, priority=p) for i, p in enumerate(priorities)
     ]
     add_all(sched, groups)
     assert start_order(sched, groups) == expected
@@ -69,8 +68,7 @@ def test_the_lowest_priority_running_request_is_preempted_first(policy: str, vic
     # short. fcfs preempts the latest arrival; priority the lowest priority (r1: 5).
     sched = make_scheduler(num_blocks=12, max_num_seqs=3, scheduling_policy=policy)
     groups = [
-        make_group(i, prompt_of(i, 4), max_tokens=16, priority=p)
-        for i, p in enumerate([0, 5, 1])
+        make_group(i, prompt_of(i, 4), max_tokens=16, priority=p) for i, p in enumerate([0, 5, 1])
     ]
     add_all(sched, groups)
     assert grow_until_preemption(sched)[0] == victim
@@ -198,6 +196,23 @@ def test_sjf_runs_shorter_predicted_jobs_first() -> None:
     assert_all_free(sched)
 
 
+def test_sjf_ranks_a_capped_long_prompt_by_its_cap() -> None:
+    """A long-class prompt capped at 3 tokens ranks as a 3-token job: after the short job,
+    ahead of the uncapped long one that came first (a prediction of ~LONG would have put
+    it after that one)."""
+    sched = sjf_scheduler(30.0, lambda: 0.0)
+    groups = add_all(
+        sched,
+        [
+            job(0, long_prompt(0), LONG, 0.0),
+            job(1, long_prompt(1), 3, 1.0),
+            job(2, short_prompt(2), SHORT, 2.0),
+        ],
+    )
+    assert start_order(sched, groups) == ["r2", "r1", "r0"]
+    assert_all_free(sched)
+
+
 @pytest.mark.parametrize("max_wait_s", [10.0, 1000.0])
 def test_a_request_that_always_loses_on_rank_waits_no_longer_than_the_bound(
     max_wait_s: float,
@@ -249,7 +264,9 @@ def test_sjf_a_waiting_short_job_takes_the_seat_of_a_running_long_one() -> None:
     while sched.has_unfinished_requests():
         run_step(sched)
         finished += [
-            g.request_id for g in (long, peer, short) if g.is_finished and g.request_id not in finished
+            g.request_id
+            for g in (long, peer, short)
+            if g.is_finished and g.request_id not in finished
         ]
     assert finished == ["r2", "r0", "r1"]
     # The preempted job kept its tokens: it ends with all of them.
