@@ -11,7 +11,8 @@ says what it needs to run here and why. Without that venv the vLLM part prints h
 install it and is skipped; serve still runs.
 
 Both servers load the same float32 HF directory, the default model (SmolLM2-135M-Instruct,
-converted once from its GGUF), under the same served name, with the same settings: float32,
+converted once from its GGUF), under the same served name, with the same settings: float32
+(`--dtype bfloat16` runs both in bfloat16, for CPUs with AVX512_BF16 or AMX),
 max model len 2048, prefix caching off, a 4 GiB KV cache (`--kv-cache-gib`), listening on
 127.0.0.1 only; everything else is each server's default. Each server is started in turn
 (serve first; `--vllm-first` turns the order round), warmed with a few short requests,
@@ -104,6 +105,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--single-requests", type=int, default=4)
     p.add_argument("--single-prompt", type=int, default=32, help="single: prompt tokens")
     p.add_argument("--single-output", type=int, default=128, help="single: output tokens")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="both servers'"
+    )
     p.add_argument("--kv-cache-gib", type=int, default=4, help="each server's KV cache")
     p.add_argument("--serve-flags", default="", help='extra serve flags, as --serve-flags="--x y"')
     p.add_argument("--serve-tree", type=Path, default=None, help="run serve from this checkout")
@@ -220,7 +224,7 @@ def measure(name: str, url: str, model: str, request_sets: dict, args) -> dict:
 def run_serve(model_dir: Path, request_sets: dict, args) -> dict:
     flags = [
         "--served-model-name", DEFAULT_MODEL_NAME,
-        "--dtype", "float32",
+        "--dtype", args.dtype,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--no-enable-prefix-caching",
         "--kv-cache-memory", f"{args.kv_cache_gib}GiB",
@@ -256,7 +260,7 @@ def run_vllm(model_dir: Path, request_sets: dict, args) -> dict | None:
     flags = [
         "--model", str(model_dir),
         "--served-model-name", DEFAULT_MODEL_NAME,
-        "--dtype", "float32",
+        "--dtype", args.dtype,
         "--max-model-len", str(MAX_MODEL_LEN),
         "--no-enable-prefix-caching",
         *shlex.split(args.vllm_flags),
@@ -314,7 +318,10 @@ def print_table(results: dict, machine_info: dict) -> dict:
         f"{results['bandwidth_gbps']:.1f} GB/s; weights {results['weight_bytes'] / 1e6:.0f} MB; "
         f"batch-1 floor {results['floor_ms']:.2f} ms/token"
     )
-    print(f"serve {serve and serve['version']}, vLLM-CPU {vllm and vllm['version']}")
+    print(
+        f"serve {serve and serve['version']}, vLLM-CPU {vllm and vllm['version']}, "
+        f"{results['args']['dtype']}"
+    )
     print(f"{'load':<9}{'metric':<17}{'serve':>10}{'vLLM':>10}{'serve/vLLM':>12}")
     ratios = {}
     for load, label, key, stat in ROWS:
@@ -344,7 +351,8 @@ def main() -> None:
         "single": workload.make_requests(single, TOKEN_IDS),
     }
     bandwidths = [copy_bandwidth_gbps()]
-    num_weight_bytes = weight_bytes(model_dir)
+    # The directory holds float32; a bfloat16 server reads half the bytes a token.
+    num_weight_bytes = weight_bytes(model_dir) // (2 if args.dtype == "bfloat16" else 1)
     print(
         f"model {model_dir} ({num_weight_bytes / 1e6:.0f} MB of weights); copy bandwidth "
         f"{bandwidths[0]:.1f} GB/s",
