@@ -209,13 +209,14 @@ def linear(
     """A row or two (one or two sequences decoding) go to the native kernel; more rows to
     oneDNN with the weight prepacked; F.linear where neither applies."""
     rows = x.shape[0] if x.dim() == 2 else -1
-    if 1 <= rows <= _NATIVE_MAX_ROWS and x.dtype == weight.dtype and x.dtype in _NATIVE_DTYPES:
-        if weight.is_contiguous() and native.available():
-            out = x.new_empty(rows, weight.shape[0])
-            torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
-            return out
-    if rows >= 1 and x.dtype == weight.dtype:
-        packed = _packed_weight(weight)
-        if packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    if rows < 1 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    native_fits = x.dtype in _NATIVE_DTYPES and weight.is_contiguous()
+    if rows <= _NATIVE_MAX_ROWS and native_fits and native.available():
+        out = x.new_empty(rows, weight.shape[0])
+        torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
+        return out
+    packed = _packed_weight(weight)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
