@@ -250,24 +250,26 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     return app
 
 
-DISCONNECT_POLL_S = 0.25
+async def _wait_for_disconnect(request: Request) -> None:
+    """Return when the client hangs up. The body is already read (FastAPI parsed it), so
+    the next message the server's `receive` gives is the disconnect, the moment it happens."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Request):
     """Await a non-streamed response, but cancel it — which aborts its requests in the
     engine and frees their blocks — as soon as the client hangs up. None if it did."""
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
     finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
 
 
 async def _json_unless_disconnected(work: Awaitable[dict[str, Any]], request: Request) -> Any:
