@@ -208,6 +208,18 @@ def hf_generate(model, batch: list[Request], pad_token_id: int) -> None:
     assert output_ids.shape == (len(batch), longest + num_new), output_ids.shape
 
 
+def release(llm) -> None:
+    """Stop serve and give back its GPU memory (the KV cache takes most of the card), so
+    HF can load the same weights after it."""
+    import gc
+
+    llm.shutdown()
+    llm.engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_hf(model, requests: list[Request], batch_size: int, pad_token_id: int) -> Result:
     start = time.perf_counter()
     with torch.inference_mode():
@@ -290,6 +302,7 @@ def main() -> None:
             serial.append(run_serve(serial_llm, requests, plain_params(requests), "serial"))
             again = run_serve(llm, requests, plain_params(requests))
             serial.append(run_serve(serial_llm, requests, plain_params(requests), "serial"))
+            release(serial_llm)
             serve = max(serve, again, key=lambda r: r.output_tokens_per_s)
         if args.compare_tp:
             llm.shutdown()
@@ -299,6 +312,8 @@ def main() -> None:
             name = f"serve tp={args.compare_tp}"
             parallel = run_serve(tp_llm, requests, plain_params(requests), name)
             tp_llm.shutdown()
+        release(llm)
+        del llm
     sizes = [int(b) for b in args.hf_batch_sizes.split(",")]
     hf = None if args.skip_hf else run_hf_sweep(model_dir, args.dtype, requests, tokenizer, sizes)
     best_serial = max(serial, key=lambda r: r.output_tokens_per_s) if serial else None
