@@ -29,10 +29,12 @@ GQA_LAYOUTS = {
 
 
 def rel_err(out: torch.Tensor, expected: torch.Tensor) -> float:
-    """NaN (an unwritten, poisoned element) compares as infinitely wrong."""
+    """NaN (an unwritten, poisoned element) compares as infinitely wrong. Either side may be
+    on the GPU (a kernel's output against a CPU reference): both are compared on the CPU."""
     assert out.shape == expected.shape, (out.shape, expected.shape)
-    diff = (out.double() - expected.double()).abs().nan_to_num(nan=float("inf"))
-    return (diff.max() / expected.double().abs().max().clamp_min(1e-30)).item()
+    out, expected = out.detach().cpu().double(), expected.detach().cpu().double()
+    diff = (out - expected).abs().nan_to_num(nan=float("inf"))
+    return (diff.max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:

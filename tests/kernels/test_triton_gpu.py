@@ -351,6 +351,7 @@ def _engine_greedy(dtype: str):
     return llm.engine.model_path, prompts, [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow
 def test_default_model_float32_matches_hf():
     from tiny_models import hf_greedy
 
@@ -359,6 +360,7 @@ def test_default_model_float32_matches_hf():
         assert tokens == hf_greedy(model_path, prompt, MAX_TOKENS, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_default_model_bfloat16_first_divergence_from_hf_bfloat16(record_property):
     """Not equality: bfloat16 rounding differs between our kernels and HF's, and a near tie
     can flip a greedy token. Reports where each prompt first diverges."""
