@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, sized for a short lease (about 6 minutes on an H200):
-# the kernel and GPU tests, the kernels against the device's limits, serve against HF
-# transformers at two model shapes, and where a decode step's time goes. Each part has its
-# own time limit, so one that hangs costs only its share; logs and JSON land in OUT_DIR.
+# the kernel and GPU tests, the kernels against the device's limits, the server on CUDA,
+# serve against HF transformers at two model shapes, and where a decode step's time goes.
+# Each part has its own time limit, so one that hangs costs only its share; logs and JSON
+# land in OUT_DIR.
 #
 #     benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]
 #
@@ -40,6 +41,18 @@ timeout 120 python3 benchmarks/random_model.py --out /tmp/gpu-check-8b "${base[@
     --device cuda --set hidden_size=4096 intermediate_size=14336 num_hidden_layers=32 \
     num_attention_heads=32 num_key_value_heads=8 head_dim=128 tie_word_embeddings=false \
     | tail -1
+
+part "the OpenAI server on CUDA: one streamed chat and one completion"
+python3 -m serve --model /tmp/gpu-check-small --dtype bfloat16 --port 8765 >"$out/server.log" 2>&1 &
+server=$!
+for _ in $(seq 120); do curl -sf localhost:8765/health >/dev/null && break; sleep 0.5; done
+curl -s localhost:8765/v1/completions -H 'Content-Type: application/json' \
+    -d '{"model": "/tmp/gpu-check-small", "prompt": "Once upon a time", "max_tokens": 16}' \
+    | python3 -c 'import json, sys; print("completion usage:", json.load(sys.stdin)["usage"])'
+curl -sN localhost:8765/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"model": "/tmp/gpu-check-small", "messages": [{"role": "user", "content": "Hi"}],
+         "max_tokens": 16, "stream": true}' | grep -c '^data: {' | sed 's/^/chat stream chunks: /'
+kill "$server"; wait "$server" 2>/dev/null
 
 for shape in small 8b; do
     part "serve against HF generate, $shape"
