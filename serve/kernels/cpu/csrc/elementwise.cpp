@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace serve_cpu {
@@ -270,5 +271,23 @@ TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary_embedding", &rotary_embedding);
 }
+
+namespace ops {
+
+void rms_norm(at::Tensor& out, at::Tensor& sum, const at::Tensor& x,
+              const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps) {
+  serve_cpu::rms_norm(out, sum, x, residual, weight, eps);
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) { serve_cpu::silu_and_mul(out, x); }
+
+void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tensor& positions,
+                      const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& cos_sin_cache, bool is_neox_style) {
+  serve_cpu::rotary_embedding(query_out, key_out, positions, query, key, cos_sin_cache,
+                              is_neox_style);
+}
+
+}  // namespace ops
 
 }  // namespace serve_cpu

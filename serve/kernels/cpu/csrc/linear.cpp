@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace serve_cpu {
@@ -112,5 +113,14 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("linear_few_rows", &linear_few_rows); }
+
+namespace ops {
+
+void linear_few_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias) {
+  serve_cpu::linear_few_rows(out, x, weight, bias);
+}
+
+}  // namespace ops
 
 }  // namespace serve_cpu

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "attention_wide.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace serve_cpu {
@@ -410,5 +411,23 @@ TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) {
   m.impl("paged_attention", &paged_attention);
   m.impl("reshape_and_cache", &reshape_and_cache);
 }
+
+namespace ops {
+
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                       at::Tensor& value_cache, const at::Tensor& slot_mapping) {
+  serve_cpu::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                     const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
+                     double logit_softcap) {
+  serve_cpu::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                             query_start_loc, scale, alibi_slopes, sliding_window, logit_softcap);
+}
+
+}  // namespace ops
 
 }  // namespace serve_cpu

@@ -1,0 +1,172 @@
+"""Llama-style decoder layers run as one native call on CPU, for steps of one or two tokens.
+
+At such a step every linear is a pass over its weights through the few-row native kernel,
+and the rest of a layer (two norms, rotary, the cache write, attention, the activation)
+is cheap to compute but not to call: ~10 ops a layer from Python, each through a module,
+the kernel interface and the dispatcher, were 3-5 ms of the default model's 14-21 ms step.
+`serve_cpu::decoder_layers` (kernels/cpu/csrc/decoder.cpp) runs the same kernels in the
+same order from C++, so a step's output is the Python loop's bit for bit.
+
+It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
+Qwen2, Mistral, SmolLM, ...) with RMSNorm, a plain rotary embedding, SiLU-gated MLP, no
+q/k norms, no ALiBi, no soft-cap, no residual multiplier, one rank, float32 or bfloat16,
+and the native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0`
+turns it off (to compare, or to rule it out).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from serve.distributed.parallel_state import get_tp_group
+from serve.kernels import cpu
+from serve.kernels.backend import ops_for
+from serve.kernels.cpu import ONEDNN_MIN_ROWS, native
+from serve.models.forward_context import get_forward_context
+from serve.models.layers.activation import ActAndMul
+from serve.models.layers.layernorm import RMSNorm
+from serve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from serve.models.layers.rotary import RotaryEmbedding
+
+ENV_VAR = "SERVE_CPU_LAYER_STACK"
+MAX_ROWS = ONEDNN_MIN_ROWS - 1  # the rows the few-row linear takes; more go to oneDNN
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class NativeLayerStack:
+    """The layers' weights and options, gathered once; the KV caches are read at each call
+    (the model runner binds them after the model is built, and unbinds them around its
+    profiling forward)."""
+
+    layers: list[nn.Module]  # LlamaDecoderLayer
+    weights: list[torch.Tensor | None]
+    cos_sin_caches: list[torch.Tensor]
+    is_neox_style: bool
+    scales: list[float]
+    sliding_windows: list[int]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    dtype: torch.dtype
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether this step's hidden states [T, hidden] go through the stack."""
+        return (
+            x.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS
+            and x.dtype == self.dtype
+            and x.device.type == "cpu"
+            and all(layer.self_attn.attn.kv_cache is not None for layer in self.layers)
+        )
+
+    def __call__(
+        self, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after the last layer, as the loop leaves them."""
+        meta = get_forward_context()
+        caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        return torch.ops.serve_cpu.decoder_layers(
+            x.contiguous(),
+            None,
+            positions,
+            self.weights,
+            [k for k, _ in caches],
+            [v for _, v in caches],
+            self.cos_sin_caches,
+            self.is_neox_style,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scales,
+            self.sliding_windows,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+        )
+
+
+def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
+    """The stack for these layers, or None where any of them computes something the native
+    call does not (or the native kernels are off or missing)."""
+    from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if os.environ.get(ENV_VAR, "1") == "0" or not layers or get_tp_group().world_size != 1:
+        return None
+    if ops_for(torch.device("cpu")) is not cpu:  # SERVE_KERNEL_BACKEND=reference: its ops
+        return None
+    weights: list[torch.Tensor | None] = []
+    eps: set[float] = set()
+    attention_shapes: set[tuple[int, int, int]] = set()
+    neox: set[bool] = set()
+    cos_sin, scales, windows = [], [], []
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer or layer.residual_multiplier != 1.0:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return None
+        if any(type(norm) is not RMSNorm for norm in norms):
+            return None
+        if attn.q_norm is not None or attn.k_norm is not None:
+            return None
+        if type(attn.rotary_emb) is not RotaryEmbedding:
+            return None
+        inner = attn.attn
+        if inner.alibi_slopes is not None or inner.logit_softcap is not None:
+            return None
+        if type(mlp.act) is not ActAndMul or mlp.act.name not in ("silu", "swish"):
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kinds = (
+            QKVParallelLinear,
+            RowParallelLinear,
+            MergedColumnParallelLinear,
+            RowParallelLinear,
+        )
+        if any(type(lin) is not kind for lin, kind in zip(linears, kinds, strict=True)):
+            return None
+        for norm, linear_pair in zip(norms, (linears[:2], linears[2:]), strict=True):
+            weights.append(norm.weight)
+            for lin in linear_pair:
+                weights.extend((lin.weight, lin.bias))
+        eps.update(norm.eps for norm in norms)
+        attention_shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
+        neox.add(attn.rotary_emb.is_neox_style)
+        cos_sin.append(attn.rotary_emb.cos_sin_cache)
+        scales.append(float(inner.scale))
+        windows.append(int(inner.sliding_window or 0))
+    if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1:
+        return None
+    dtype = weights[0].dtype
+    tensors = [w for w in weights if w is not None]
+    if dtype not in _DTYPES or any(w.dtype != dtype or not w.is_contiguous() for w in tensors):
+        return None
+    if any(w.device.type != "cpu" for w in tensors) or not native.available():
+        return None
+    ((num_heads, num_kv_heads, head_dim),) = attention_shapes
+    return NativeLayerStack(
+        list(layers),
+        weights,
+        cos_sin,
+        neox.pop(),
+        scales,
+        windows,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        eps.pop(),
+        dtype,
+    )

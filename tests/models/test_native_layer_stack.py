@@ -1,0 +1,105 @@
+"""The native layer stack: a Llama-style model's layers in one C++ call at steps of one or
+two tokens on CPU. It must change nothing a user sees: the same tokens and the same
+logprobs, bit for bit, as the per-layer Python loop, and it must leave alone every model
+whose layers compute something it does not."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import random_prompts
+
+from serve import LLM, SamplingParams
+from serve.kernels.backend import BACKEND_ENV_VAR, ops_for
+from serve.models.native_layer_stack import ENV_VAR, NativeLayerStack, build_layer_stack
+
+VOCAB = 512
+# A small KV cache: an engine's default CPU cache is gigabytes, and each test runs two.
+ENGINE = {"enable_prefix_caching": False, "block_size": 4, "num_gpu_blocks_override": 64}
+
+
+def _model(llm: LLM):
+    return llm.engine.executor.worker.model_runner.model
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """How many forwards went through a native stack, in this test."""
+    calls = []
+    original = NativeLayerStack.__call__
+
+    def counted(self, positions, x):
+        calls.append(x.shape[0])
+        return original(self, positions, x)
+
+    monkeypatch.setattr(NativeLayerStack, "__call__", counted)
+    return calls
+
+
+def _decode(llm: LLM) -> list:
+    """Two prompts decoding together (two-row steps), then one alone (one-row steps):
+    each sequence's tokens, top-3 logprobs at every step, and cumulative logprob."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = random_prompts(VOCAB, 3, 5, 40, seed=11)
+    runs = [prompts[:2], prompts[2:]]
+    results = []
+    for batch in runs:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        for out in outs:
+            seq = out.outputs[0]
+            results.append((seq.token_ids, seq.logprobs, seq.cumulative_logprob))
+    return results
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
+    tiny_model_factory, monkeypatch, stack_calls, arch, dtype
+):
+    """Llama (tied head), Qwen2 (QKV biases) and Mistral (a sliding window of 12, which
+    the 40-token prompts cross), in both CPU dtypes."""
+    model_dir = str(tiny_model_factory(arch))
+    engine = {**ENGINE, "dtype": dtype}
+    monkeypatch.setenv(ENV_VAR, "0")
+    with LLM(model=model_dir, **engine) as llm:
+        assert build_layer_stack(_model(llm).model.layers) is None
+        looped = _decode(llm)
+    assert stack_calls == []
+    monkeypatch.delenv(ENV_VAR)
+    with LLM(model=model_dir, **engine) as llm:
+        stacked = _decode(llm)
+    # Every decode step (9 after each first token) went through the stack, at its rows.
+    assert stack_calls.count(2) == 9 and stack_calls.count(1) == 9, stack_calls
+    assert stacked == looped
+
+
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "qwen3",  # q/k norms
+        "granite",  # residual multiplier
+        "mixtral",  # a sparse MoE block for an MLP
+        "gemma2",  # its own layers: soft-caps, norms around each block
+        "phi3",  # LongRoPE
+    ],
+)
+def test_stack_leaves_layers_it_does_not_compute(tiny_model_factory, stack_calls, arch):
+    llm = LLM(model=str(tiny_model_factory(arch)), **ENGINE)
+    with llm:
+        assert build_layer_stack(_model(llm).model.layers) is None
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert stack_calls == []
+
+
+def test_reference_backend_keeps_the_reference_ops(tiny_model_factory, monkeypatch, stack_calls):
+    """`SERVE_KERNEL_BACKEND=reference` asks for the torch ops: the native stack stays out."""
+    monkeypatch.setenv(BACKEND_ENV_VAR, "reference")
+    ops_for.cache_clear()
+    try:
+        with LLM(model=str(tiny_model_factory("llama")), **ENGINE) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    finally:
+        monkeypatch.delenv(BACKEND_ENV_VAR)
+        ops_for.cache_clear()
+    assert stack_calls == []
