@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "ops.h"
 #include "vec.h"
@@ -33,7 +34,7 @@ inline float16v load_weights(const at::BFloat16* p) {
 // Taking several rows of W at once, k outer, read them as as many interleaved streams,
 // each a row long, and ran 1.1-1.2x slower in float32 and 1.6x in bfloat16.
 template <int M, typename weight_t>
-void rows_times_weight(const float* x, const weight_t* w, const float* bias, float* y, int64_t K,
+void rows_times_weight(const float* x, const weight_t* w, const float* bias, weight_t* y, int64_t K,
                        int64_t N, int64_t n_begin, int64_t n_end) {
   for (int64_t n = n_begin; n < n_end; ++n) {
     const weight_t* row = w + n * K;
@@ -57,13 +58,14 @@ void rows_times_weight(const float* x, const weight_t* w, const float* bias, flo
     for (int m = 0; m < M; ++m) {
       float s = horizontal_sum(even[m] + odd[m]);
       for (int64_t t = k; t < K; ++t) s += static_cast<float>(row[t]) * x[m * K + t];
-      y[m * N + n] = s + (bias != nullptr ? bias[n] : 0.0f);
+      // bfloat16 y: rounded once, from the float32 sum (as a copy of float32 y would).
+      y[m * N + n] = static_cast<weight_t>(s + (bias != nullptr ? bias[n] : 0.0f));
     }
   }
 }
 
 template <typename weight_t>
-void run_rows(const float* x, const weight_t* w, const float* b, float* y, int64_t M, int64_t K,
+void run_rows(const float* x, const weight_t* w, const float* b, weight_t* y, int64_t M, int64_t K,
               int64_t N, int64_t grain) {
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     switch (M) {
@@ -85,25 +87,30 @@ void linear_few_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "1 to ", kMaxRows, " rows");
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out [M, N]");
-  // bfloat16 x, bias and y go through float32 copies (a few KB): the sums are float32, and
-  // y is rounded once at the end, as oneDNN's bfloat16 matmul does.
-  const at::Tensor x32 = x.to(at::kFloat);
-  at::Tensor y32 = dtype == at::kFloat ? out : at::empty({M, N}, x32.options());
-  const float* b = nullptr;
-  at::Tensor bias32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == dtype, "bias [N], the weight's dtype");
-    bias32 = bias->to(at::kFloat).contiguous();
-    b = bias32.data_ptr<float>();
-  }
-  const float* xp = x32.data_ptr<float>();
-  float* yp = y32.data_ptr<float>();
+  // The sums are float32 whatever the dtype: bfloat16 x and bias are widened into float32
+  // buffers here (a few KB, without the allocations and copy ops of tensors), and y is
+  // rounded once at the end, as oneDNN's bfloat16 matmul does.
+  if (bias.has_value())
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == dtype && bias->is_contiguous(),
+                "bias [N], contiguous, the weight's dtype");
   // Chunks large enough that a thread streams tens of KB of W between scheduling points.
   const int64_t grain = std::max<int64_t>(4, (16384 / std::max<int64_t>(K, 1)) / 4 * 4);
-  AT_DISPATCH_SWITCH(dtype, "linear_few_rows",
-    AT_DISPATCH_CASE(at::kFloat, [&] { run_rows(xp, weight.data_ptr<float>(), b, yp, M, K, N, grain); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { run_rows(xp, weight.data_ptr<at::BFloat16>(), b, yp, M, K, N, grain); }));
-  if (dtype != at::kFloat) out.copy_(y32);
+  if (dtype == at::kFloat) {
+    run_rows(x.data_ptr<float>(), weight.data_ptr<float>(),
+             bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, K, N,
+             grain);
+    return;
+  }
+  using T = at::BFloat16;
+  std::vector<float> x32(M * K), bias32(bias.has_value() ? N : 0);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M * K; ++i) x32[i] = static_cast<float>(xp[i]);
+  if (bias.has_value()) {
+    const T* bp = bias->data_ptr<T>();
+    for (int64_t i = 0; i < N; ++i) bias32[i] = static_cast<float>(bp[i]);
+  }
+  run_rows(x32.data(), weight.data_ptr<T>(), bias.has_value() ? bias32.data() : nullptr,
+           out.data_ptr<T>(), M, K, N, grain);
 }
 
 }  // namespace
