@@ -84,7 +84,9 @@ class LlamaAttention(nn.Module):
         # This rank's heads: attention and its KV cache hold only these.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         o_bias = bool(getattr(hf, "attention_bias", False))
-        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * self.head_dim, config.hidden_size, o_bias
+        )
         # Qwen3: RMSNorm over each head's q and k, before the rotation.
         self.q_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, hf.rms_norm_eps) if qk_norm else None
@@ -160,11 +162,15 @@ class LlamaDecoderLayer(nn.Module):
         hf = config.hf
         self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm, mult.attention)
         self.residual_multiplier = mult.residual
-        self.mlp = mlp if mlp is not None else LlamaMLP(
-            config.hidden_size,
-            hf.intermediate_size,
-            getattr(hf, "hidden_act", "silu"),
-            bool(getattr(hf, "mlp_bias", False)),
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else LlamaMLP(
+                config.hidden_size,
+                hf.intermediate_size,
+                getattr(hf, "hidden_act", "silu"),
+                bool(getattr(hf, "mlp_bias", False)),
+            )
         )
         self.input_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, hf.rms_norm_eps)
