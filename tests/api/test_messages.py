@@ -341,12 +341,12 @@ def test_structured_output(server):
 
 @pytest.fixture(scope="module")
 def deadline_server(server_factory, long_context_model):
-    """test_timeouts' server: requests end after 2 s (--request-timeout)."""
+    """test_timeouts' server: requests end after 0.5 s (--request-timeout)."""
     return server_factory(
         "--max-model-len",
         "4096",
         "--request-timeout",
-        "2.0",
+        "0.5",
         "--grammar-compile-timeout",
         "0.001",
         model=long_context_model,

@@ -496,12 +496,12 @@ def test_auto_reads_text_then_calls(tool_server, stream):
 
 
 def test_a_stream_past_the_deadline_ends_with_an_error_event(server_factory, long_context_model):
-    """test_timeouts' server: requests stop after 2 s."""
+    """test_timeouts' server: requests stop after 0.5 s."""
     server = server_factory(
         "--max-model-len",
         "4096",
         "--request-timeout",
-        "2.0",
+        "0.5",
         "--grammar-compile-timeout",
         "0.001",
         model=long_context_model,
