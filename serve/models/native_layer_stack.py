@@ -124,6 +124,9 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
             return None
         if type(attn.rotary_emb) is not RotaryEmbedding:
             return None
+        table = attn.rotary_emb.cos_sin_cache  # the native rotary's: float32, contiguous
+        if table.dtype != torch.float32 or not table.is_contiguous():
+            return None
         inner = attn.attn
         if inner.alibi_slopes is not None or inner.logit_softcap is not None:
             return None
@@ -145,7 +148,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         eps.update(norm.eps for norm in norms)
         attention_shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         neox.add(attn.rotary_emb.is_neox_style)
-        cos_sin.append(attn.rotary_emb.cos_sin_cache)
+        cos_sin.append(table)
         scales.append(float(inner.scale))
         windows.append(int(inner.sliding_window or 0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1:
