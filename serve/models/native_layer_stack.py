@@ -25,7 +25,7 @@ from torch import nn
 from serve.distributed.parallel_state import get_tp_group
 from serve.kernels import cpu
 from serve.kernels.backend import ops_for
-from serve.kernels.cpu import ONEDNN_MIN_ROWS, native
+from serve.kernels.cpu import NATIVE_MAX_ROWS, native
 from serve.models.forward_context import get_forward_context
 from serve.models.layers.activation import ActAndMul
 from serve.models.layers.layernorm import RMSNorm
@@ -37,7 +37,6 @@ from serve.models.layers.linear import (
 from serve.models.layers.rotary import RotaryEmbedding
 
 ENV_VAR = "SERVE_CPU_LAYER_STACK"
-MAX_ROWS = ONEDNN_MIN_ROWS - 1  # the rows the few-row linear takes; more go to oneDNN
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -63,7 +62,7 @@ class NativeLayerStack:
         """Whether this step's hidden states [T, hidden] go through the stack."""
         return (
             x.dim() == 2
-            and 1 <= x.shape[0] <= MAX_ROWS
+            and 1 <= x.shape[0] <= NATIVE_MAX_ROWS  # the loop's linears run the few-row kernel
             and x.dtype == self.dtype
             and x.device.type == "cpu"
             and all(layer.self_attn.attn.kv_cache is not None for layer in self.layers)
@@ -77,7 +76,6 @@ class NativeLayerStack:
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
         return torch.ops.serve_cpu.decoder_layers(
             x.contiguous(),
-            None,
             positions,
             self.weights,
             [k for k, _ in caches],

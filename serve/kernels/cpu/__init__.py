@@ -195,10 +195,10 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
 # float32: 24-29 ms for one or two rows against 19-23 for three; bfloat16: 13-19 against
 # 12-14); the native kernel's, 19-23 ms and 8-10 ms. From three rows oneDNN is as fast or
 # faster (RESULTS.md, "Session 18").
-_NATIVE_MAX_ROWS = 2
+NATIVE_MAX_ROWS = 2
 # The fewest rows that run on oneDNN: a forward of this many reorders every weight it
 # touches (the model runner's start-up forward).
-ONEDNN_MIN_ROWS = _NATIVE_MAX_ROWS + 1
+ONEDNN_MIN_ROWS = NATIVE_MAX_ROWS + 1
 
 
 def linear(
@@ -212,7 +212,7 @@ def linear(
     if rows < 1 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     native_fits = x.dtype in _NATIVE_DTYPES and weight.is_contiguous()
-    if rows <= _NATIVE_MAX_ROWS and native_fits and native.available():
+    if rows <= NATIVE_MAX_ROWS and native_fits and native.available():
         out = x.new_empty(rows, weight.shape[0])
         torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
         return out

@@ -36,8 +36,7 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x_in, const std::optional<at::Tensor>& residual_in,
-    const at::Tensor& positions, const c10::List<std::optional<at::Tensor>>& weights,
+    const at::Tensor& x_in, const at::Tensor& positions, const c10::List<std::optional<at::Tensor>>& weights,
     at::TensorList key_caches, at::TensorList value_caches, at::TensorList cos_sin_caches,
     bool is_neox_style, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
@@ -55,11 +54,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t tokens = x_in.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in;
-  std::optional<at::Tensor> residual = residual_in;
+  std::optional<at::Tensor> residual;  // the first layer's input is the residual
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const auto w = [&](int64_t i) { return weights.get(layer * kWeightsPerLayer + i); };
-    // The input norm, adding the residual where there is one (the first layer has none:
-    // its input is the residual).
+    // The input norm, adding the residual from the second layer on.
     at::Tensor h = at::empty_like(x);
     at::Tensor total = residual.has_value() ? at::empty_like(x) : x;
     ops::rms_norm(h, total, x, residual, *w(0), eps);
@@ -100,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 
 TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
   m.def(
-      "decoder_layers(Tensor x, Tensor? residual, Tensor positions, Tensor?[] weights, "
+      "decoder_layers(Tensor x, Tensor positions, Tensor?[] weights, "
       "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] cos_sin_caches, "
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "

@@ -19,7 +19,7 @@ namespace serve_cpu {
 namespace {
 
 // The most rows of x served here (serve calls it for one or two rows, float32 or
-// bfloat16; more run in oneDNN: serve/kernels/cpu/__init__.py `_NATIVE_MAX_ROWS`).
+// bfloat16; more run in oneDNN: serve/kernels/cpu/__init__.py `NATIVE_MAX_ROWS`).
 constexpr int64_t kMaxRows = 4;
 
 inline float16v load_weights(const float* p) { return load16(p); }
