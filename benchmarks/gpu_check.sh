@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole GPU check in one run, sized for a short lease (about 6 minutes on an H200):
+# The whole GPU check in one run, sized for a short lease (about 7 minutes on an H200):
 # the kernel and GPU tests, the kernels against the device's limits, the server on CUDA,
-# serve against HF transformers at two model shapes, and where a decode step's time goes.
+# serve (eager and with CUDA graphs) against HF transformers at two model shapes, and where
+# a decode step's time goes, eager and graphed.
 # Each part has its own time limit, so one that hangs costs only its share; logs and JSON
 # land in OUT_DIR.
 #
@@ -31,7 +32,8 @@ OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -p no:cacheprovider -q -n 8 -m "
 echo "rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" | tail -20
 
 part "the engine on CUDA (half the GPU as KV cache: run alone)"
-timeout 80 python3 -m pytest -p no:cacheprovider -q tests/engine/test_cuda.py >"$out/cuda.log" 2>&1
+timeout 120 python3 -m pytest -p no:cacheprovider -q tests/engine/test_cuda.py \
+    tests/worker/test_cuda_graphs.py >"$out/cuda.log" 2>&1
 echo "rc=$?"; tail -3 "$out/cuda.log"
 
 part "random-weight models: SmolLM2-135M's shape and Llama-3-8B's"
@@ -56,13 +58,15 @@ kill "$server"; wait "$server" 2>/dev/null
 
 for shape in small 8b; do
     part "serve against HF generate, $shape"
-    (cd benchmarks && timeout 150 python3 throughput.py --model /tmp/gpu-check-$shape \
-        --dtype bfloat16 --num-requests 64 --hf-batch-sizes 64 --json "$out/throughput_$shape.json" \
-        >"$out/throughput_$shape.log" 2>&1)
-    echo "rc=$?"; tail -4 "$out/throughput_$shape.log"
-    part "where a decode step goes, $shape"
-    timeout 90 python3 benchmarks/step_profile.py --model /tmp/gpu-check-$shape --batches 1,64 \
-        --steps 32 --rows 30 >"$out/step_profile_$shape.log" 2>&1
-    echo "rc=$?"; grep "^== batch" "$out/step_profile_$shape.log"
+    (cd benchmarks && timeout 180 python3 throughput.py --model /tmp/gpu-check-$shape \
+        --dtype bfloat16 --num-requests 64 --hf-batch-sizes 64 --compare-cuda-graphs \
+        --json "$out/throughput_$shape.json" >"$out/throughput_$shape.log" 2>&1)
+    echo "rc=$?"; tail -6 "$out/throughput_$shape.log"
+    for graphs in "" --cuda-graphs; do
+        part "where a decode step goes, $shape ${graphs:-eager}"
+        timeout 90 python3 benchmarks/step_profile.py --model /tmp/gpu-check-$shape --batches 1,64 \
+            --steps 32 --rows 30 $graphs >"$out/step_profile_$shape${graphs:+_graphs}.log" 2>&1
+        echo "rc=$?"; grep "^== batch" "$out/step_profile_$shape${graphs:+_graphs}.log"
+    done
 done
 part done

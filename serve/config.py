@@ -497,6 +497,12 @@ class EngineConfig:
         default_factory=SpeculativeConfig, metadata={_TITLE: "speculative decoding"}
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    cuda_graphs: bool = setting(
+        False,
+        "on CUDA, run decode steps of up to --max-num-seqs sequences (at most 512) as "
+        "CUDA graphs captured at start, one replay a step instead of some 300 kernel "
+        "launches; ignored on CPU. Off by default until it is measured on a GPU",
+    )
 
     @classmethod
     def create(cls, model: str | None = None, **settings: Any) -> EngineConfig:

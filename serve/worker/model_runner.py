@@ -5,7 +5,8 @@ forward pass, and (on the driver) the step's sampled tokens.
         mirror.apply(out)          the scheduler's news: new sequences, forks, tables, ends
         block moves                swap out, swap in, copy on write
         inputs from the mirror     tokens, positions, slots, block tables (model_inputs.py)
-        forward, logits            every rank (tensor parallel: collectives inside)
+        forward, logits            every rank (tensor parallel: collectives inside); a
+                                   decode step replays a CUDA graph with --cuda-graphs
         sample                     the driver (step_sampler.py); the tokens are broadcast
         pool                       the driver: pooling sequences' hidden states (pooler.py)
         mirror.append_sampled      every rank, so every mirror stays the same
@@ -26,9 +27,11 @@ from serve.kernels.cpu import ONEDNN_MIN_ROWS
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
-from serve.models.loader import load_model
+from serve.models.loader import load_model, model_max_len
+from serve.models.registry import get_arch_config
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
+from serve.worker.cuda_graphs import DecodeGraphs, ineligibility
 from serve.worker.draft_model import DraftModelProposer
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.model_kv import ModelKV
@@ -43,15 +46,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The largest decode batch captured as a CUDA graph (vLLM's default bound too); larger
+# decode steps run eagerly, where the launches weigh less beside the work.
+MAX_CAPTURED_BATCH = 512
+
 
 class ModelRunner:
     def __init__(self, config: WorkerConfig, hf_config: Any, device: torch.device) -> None:
-        self.config, self.device = config, device
+        self.config, self.device, self.hf_config = config, device, hf_config
         engine = config.engine
         self.block_size = engine.cache.block_size
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
         self.kv = ModelKV.of(self.model)
         self.cache_engine: CacheEngine | None = None
+        self.graphs: DecodeGraphs | None = None  # with --cuda-graphs, once the cache is bound
         self.mirror = SequenceMirror()
         self.proposer = make_proposer(
             engine.speculative.method, engine.model, hf_config, self.block_size, device
@@ -109,6 +117,36 @@ class ModelRunner:
         )
         if self.draft is not None:
             self.draft.initialize_cache(num_blocks, num_cpu_blocks)
+        if self.config.engine.cuda_graphs:
+            self.graphs = self._capture_decode_graphs(num_blocks)
+
+    def _capture_decode_graphs(self, num_blocks: int) -> DecodeGraphs | None:
+        """The decode graphs over the bound cache (whose addresses they record), or None
+        with the reason logged when this model cannot replay them."""
+        engine = self.config.engine
+        arch = get_arch_config(self.hf_config, engine.model.model_impl)
+        reason = ineligibility(arch.model_impl, self.config.world_size, self.device)
+        if reason is not None:
+            logger.warning("--cuda-graphs: decode steps run eagerly, because %s.", reason)
+            return None
+        # The engine's max_model_len, as the engine core fits it (and refuses one longer).
+        limit = min(model_max_len(arch), num_blocks * self.block_size)
+        longest = min(engine.model.max_model_len or limit, limit)
+        graphs = DecodeGraphs(
+            self.model,
+            max_batch=min(engine.scheduler.max_num_seqs, MAX_CAPTURED_BATCH),
+            max_blocks_per_seq=-(-longest // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        try:
+            graphs.capture()
+        except Exception as e:
+            raise RuntimeError(
+                f"Capturing the decode steps as CUDA graphs failed ({e}). Start without "
+                "--cuda-graphs to run them eagerly."
+            ) from e
+        return graphs
 
     def _profile_free_cuda_memory(self) -> float:
         """Total memory x utilisation, minus the peak of a forward pass at full token budget."""
@@ -169,8 +207,13 @@ class ModelRunner:
         drafts = self.proposer.propose_step(out, self.mirror) if self.proposer else {}
         inputs = build_model_inputs(out, self.mirror, self.block_size, self.device, drafts)
         prepared = time.perf_counter()
-        with forward_context(inputs.meta):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+        graph_size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        if graph_size is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(inputs, graph_size)
+        else:
+            with forward_context(inputs.meta):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
         if inputs.sampled_seqs:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
