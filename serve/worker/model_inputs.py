@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from serve.kernels import AttentionMetadata
-from serve.step import ScheduledSequence, SchedulerOutput
+from serve.step import SchedulerOutput
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 
 
@@ -58,16 +61,17 @@ class ModelInputs:
         return rows
 
 
-def _long_tensor(values: list, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+def _long_tensor(values: Sequence[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    array = np.asarray(values, dtype=np.int64)  # from a list, ~3x faster than torch.tensor
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
-@dataclass(frozen=True)
-class QuerySpan:
+class QuerySpan(NamedTuple):
     """One sequence's query in a paged forward: positions [start, start + count), whose
-    K/V go to the slots of `block_table` (which covers them)."""
+    K/V go to the slots of `block_table` (which covers them). (A tuple: a step makes one
+    per sequence, and a frozen dataclass costs ~3x as much to make.)"""
 
-    block_table: list[int]
+    block_table: Sequence[int]  # the mirror's array('q'), or any sequence of block ids
     start: int
     count: int
 
@@ -76,27 +80,37 @@ def paged_attention_inputs(
     spans: list[QuerySpan], block_size: int, num_decode_seqs: int, device: torch.device
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """The positions ([num_tokens]) and attention metadata of queries laid end to end in
-    `spans`' order; the first `num_decode_seqs` spans are single-token decodes."""
-    positions: list[int] = []
-    slots: list[int] = []
-    for span in spans:
-        table, positions_of = span.block_table, range(span.start, span.start + span.count)
-        positions.extend(positions_of)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in positions_of)
-    seq_lens = [span.start + span.count for span in spans]
-    query_lens = [span.count for span in spans]
+    `spans`' order; the first `num_decode_seqs` spans are single-token decodes.
+
+    A per-step hot path: one Python pass over the spans (their block tables copied row by
+    row into one array, a memcpy each from the mirror's arrays), the per-token positions and
+    slots computed in numpy."""
+    num_seqs = len(spans)
+    starts = np.fromiter((span.start for span in spans), np.int64, num_seqs)
+    query_lens = np.fromiter((span.count for span in spans), np.int64, num_seqs)
     max_blocks = max(len(span.block_table) for span in spans)
-    tables = [span.block_table + [0] * (max_blocks - len(span.block_table)) for span in spans]
-    query_start_loc = [0]
-    for n in query_lens:
-        query_start_loc.append(query_start_loc[-1] + n)
+    tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+    for row, span in zip(tables, spans):
+        row[: len(span.block_table)] = span.block_table
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    if num_tokens == num_seqs:  # one token each: decodes (and one-token chunks)
+        seq_of_token, positions = np.arange(num_seqs), starts
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        first_token = np.repeat(query_start_loc[:-1], query_lens)
+        positions = np.repeat(starts, query_lens) + (np.arange(num_tokens) - first_token)
+    blocks = tables[seq_of_token, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    seq_lens = starts + query_lens
     meta = AttentionMetadata(
         slot_mapping=_long_tensor(slots, device),
         block_tables=_long_tensor(tables, device),
         seq_lens=_long_tensor(seq_lens, device),
         query_start_loc=_long_tensor(query_start_loc, device),
-        seq_lens_cpu=seq_lens,
-        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens.tolist(),
+        query_lens_cpu=query_lens.tolist(),
         num_decode_seqs=num_decode_seqs,
     )
     return _long_tensor(positions, device), meta
@@ -114,12 +128,16 @@ def build_model_inputs(
     `drafts` (seq id -> proposals) follow their sequence's last token, in the room the
     scheduler made for them (`num_spec_tokens`): a query of 1 + proposals tokens."""
     drafts = drafts or {}
-
-    def num_tokens(s: ScheduledSequence) -> int:  # what the step computes of it
-        return s.num_new_tokens - s.num_spec_tokens + len(drafts.get(s.seq_id, ()))
-
-    ordered = sorted(out.scheduled, key=lambda s: num_tokens(s) != 1)  # stable
-    num_decode_seqs = sum(1 for s in ordered if num_tokens(s) == 1)
+    # (tokens the step computes of it, the sequence), decodes first, each group in order.
+    sized = [
+        (s.num_new_tokens - s.num_spec_tokens + len(drafts.get(s.seq_id, ())), s)
+        for s in out.scheduled
+    ]
+    decodes = [x for x in sized if x[0] == 1]
+    num_decode_seqs = len(decodes)
+    if num_decode_seqs < len(sized):
+        decodes += [x for x in sized if x[0] != 1]
+    seqs = mirror.seqs
     token_ids: list[int] = []
     spans: list[QuerySpan] = []
     logits_indices: list[int] = []
@@ -128,8 +146,8 @@ def build_model_inputs(
     prompt_indices: list[int] = []
     prompt_spans: list[PromptSpan] = []
     pool_spans: list[PoolSpan] = []
-    for s in ordered:
-        seq, start = mirror[s.seq_id], s.start
+    for n, s in decodes:
+        seq, start = seqs[s.seq_id], s.start
         n_known = s.num_new_tokens - s.num_spec_tokens
         new_tokens = seq.token_ids_between(start, start + n_known)
         if len(new_tokens) != n_known:
@@ -137,23 +155,25 @@ def build_model_inputs(
                 f"sequence {s.seq_id}: the step computes positions [{start}, "
                 f"{start + n_known}), but the worker knows {seq.num_tokens} of its tokens"
             )
-        seq_drafts = drafts.get(s.seq_id, [])
-        n = n_known + len(seq_drafts)
         offset = len(token_ids)  # the sequence's first row of the token stream
-        token_ids += new_tokens + seq_drafts
-        if seq.sampling_params.prompt_logprobs is not None:
+        token_ids += new_tokens
+        seq_drafts = drafts.get(s.seq_id, [])
+        if seq_drafts:
+            token_ids += seq_drafts
+        params = seq.sampling_params
+        if params.prompt_logprobs is not None:
             # Position p's logits predict prompt token p + 1; the last prompt position
             # predicts the first output token, which the sampler reports.
             count = min(start + n, seq.num_prompt_tokens - 1) - start
             if count > 0:
                 prompt_spans.append(PromptSpan(seq, start, count, len(prompt_indices)))
                 prompt_indices.extend(range(offset, offset + count))
-        if seq.sampling_params.pooling is not None:
+        if params.pooling is not None:
             pool_spans.append(PoolSpan(seq, start, n, offset))
         spans.append(QuerySpan(seq.block_table, start, n))
         if s.is_sampled:
-            last = len(token_ids) - 1 - len(seq_drafts)  # the sequence's last known token
-            logits_indices.extend(range(last, len(token_ids)))
+            last = offset + n_known - 1  # the sequence's last known token
+            logits_indices.extend(range(last, offset + n))
             sampled.append(seq)
             sampled_drafts.append(seq_drafts)
     positions, meta = paged_attention_inputs(spans, block_size, num_decode_seqs, device)

@@ -14,6 +14,7 @@ Writers: `apply` (from the scheduler's messages) and `fork_sample` / `append_sam
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from serve.sampling_params import SamplingParams
@@ -28,7 +29,9 @@ class MirroredSequence:
     sampling_params: SamplingParams
     seed: int | None  # its own random stream (None: the shared one)
     output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    # int64 in an array, not a list: model_inputs copies each step's tables row by row
+    # into one numpy array, a memcpy from an array (~5x faster than from a list).
+    block_table: array = field(default_factory=lambda: array("q"))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -60,7 +63,7 @@ class MirroredSequence:
             self.sampling_params,
             seed,
             list(self.output_token_ids),
-            list(self.block_table),
+            array("q", self.block_table),
         )
 
 
@@ -90,7 +93,7 @@ class SequenceMirror:
         for s in out.scheduled:
             table = self.seqs[s.seq_id].block_table
             del table[s.table_start :]
-            table += s.block_ids
+            table.extend(s.block_ids)
         return forgotten
 
     def fork_sample(self, parent_id: int, child_id: int, seed: int | None) -> MirroredSequence:

@@ -320,7 +320,7 @@ def run_step_with_deltas(sched: Scheduler) -> tuple[SchedulerOutput, list[Reques
     worker.mirror.apply(out)
     check_mirror(sched, worker)
     for s in out.scheduled:  # the mirror's tables are the block manager's
-        assert worker.mirror[s.seq_id].block_table == tables[s.seq_id]
+        assert list(worker.mirror[s.seq_id].block_table) == tables[s.seq_id]
     result = worker.run(out)
     deltas = sched.update_from_output(out, result)
     for s, seq in zip(out.scheduled, scheduled):
