@@ -49,6 +49,10 @@ logger = logging.getLogger(__name__)
 # The largest decode batch captured as a CUDA graph (vLLM's default bound too); larger
 # decode steps run eagerly, where the launches weigh less beside the work.
 MAX_CAPTURED_BATCH = 512
+# Entries of the graphs' static block table (int64, rows x the longest context's blocks):
+# 32 MiB. A model with no position limit may have a context as long as the whole cache;
+# past this width (262k tokens at 512 rows of 16-token blocks) its steps run eagerly.
+MAX_CAPTURED_TABLE_ENTRIES = 4 << 20
 
 
 class ModelRunner:
@@ -132,10 +136,13 @@ class ModelRunner:
         # The engine's max_model_len, as the engine core fits it (and refuses one longer).
         limit = min(model_max_len(arch), num_blocks * self.block_size)
         longest = min(engine.model.max_model_len or limit, limit)
+        max_batch = min(engine.scheduler.max_num_seqs, MAX_CAPTURED_BATCH)
         graphs = DecodeGraphs(
             self.model,
-            max_batch=min(engine.scheduler.max_num_seqs, MAX_CAPTURED_BATCH),
-            max_blocks_per_seq=-(-longest // self.block_size),
+            max_batch=max_batch,
+            max_blocks_per_seq=min(
+                -(-longest // self.block_size), MAX_CAPTURED_TABLE_ENTRIES // max_batch
+            ),
             block_size=self.block_size,
             device=self.device,
         )

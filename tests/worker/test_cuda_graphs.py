@@ -45,6 +45,21 @@ def test_only_native_models_on_one_cuda_rank_on_triton_are_captured():
     assert "transformers" in ineligibility("transformers", 1, cuda)
 
 
+def test_only_decode_steps_the_graphs_hold_are_replayed():
+    graphs = DecodeGraphs(torch.nn.Identity(), 8, 2, 4, CPU, capture=False)
+    decodes = [[1, 2], [3], [4, 5], [6]]
+    assert graphs.size_for(_decode_inputs(decodes[:1], [5], 4)) == 1
+    assert graphs.size_for(_decode_inputs(decodes[:3], [5, 2, 8], 4)) == 4
+    assert graphs.size_for(_decode_inputs(decodes * 2, [2] * 8, 4)) == 8
+    assert graphs.size_for(_decode_inputs(decodes * 2 + [[7]], [2] * 9, 4)) is None  # > 8
+    wide = _decode_inputs([[1, 2, 3]], [9], 4)  # longer than the graphs' tables
+    assert graphs.size_for(wide) is None
+    spans = [QuerySpan([1, 2], 4, 1), QuerySpan([3], 0, 3)]  # a decode and a prompt
+    positions, meta = paged_attention_inputs(spans, 4, 1, CPU)
+    mixed = ModelInputs(torch.zeros(4, dtype=torch.long), positions, meta, torch.arange(2), [], [])
+    assert graphs.size_for(mixed) is None
+
+
 def test_a_cpu_engine_with_the_flag_runs_eagerly_and_says_why(tiny_llama, caplog):
     with caplog.at_level(logging.WARNING, logger="serve.worker.model_runner"):
         llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="4MiB", cuda_graphs=True)
