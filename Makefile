@@ -27,6 +27,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check serve tests benchmarks
+	$(BIN)/ruff format --check serve tests benchmarks
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/throughput.py

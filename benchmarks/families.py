@@ -106,7 +106,9 @@ class ServeRunner:
 
     def __init__(self, model_dir: Path, num_seqs: int, max_len: int) -> None:
         hf_config = load_hf_config(model_dir)
-        self.model = load_model(ModelConfig(dtype="float32"), model_dir, hf_config, torch.device("cpu"))
+        self.model = load_model(
+            ModelConfig(dtype="float32"), model_dir, hf_config, torch.device("cpu")
+        )
         attn = attention_layers(self.model)
         self.blocks_per_seq = -(-max_len // BLOCK_SIZE)
         cache = CacheEngine(

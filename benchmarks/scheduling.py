@@ -41,9 +41,30 @@ from serve.bench.client import RequestResult, send
 from serve.bench.report import latency_stats
 
 TOPICS = (
-    "the ocean", "mountains", "the moon", "trains", "coffee", "libraries", "rivers", "bees",
-    "winter", "bridges", "the desert", "music", "gardens", "volcanoes", "clocks", "islands",
-    "forests", "cities", "rain", "paper", "glass", "salt", "maps", "lighthouses",
+    "the ocean",
+    "mountains",
+    "the moon",
+    "trains",
+    "coffee",
+    "libraries",
+    "rivers",
+    "bees",
+    "winter",
+    "bridges",
+    "the desert",
+    "music",
+    "gardens",
+    "volcanoes",
+    "clocks",
+    "islands",
+    "forests",
+    "cities",
+    "rain",
+    "paper",
+    "glass",
+    "salt",
+    "maps",
+    "lighthouses",
 )
 SHORT_ASKS = (
     "Answer in one word: what colour is {}?",
@@ -185,16 +206,16 @@ def main() -> None:
         "command": " ".join(sys.argv),
     }
 
-    process, url, _ = start_server(args.model, [*flags, "--scheduling-policy", "fcfs"], log_dir, "calibrate")
+    process, url, _ = start_server(
+        args.model, [*flags, "--scheduling-policy", "fcfs"], log_dir, "calibrate"
+    )
     try:
         calibration = make_mix(args.num_calibration, args, seed=args.seed + 200)
 
         async def calibrate() -> float:
             async with httpx.AsyncClient(base_url=url, timeout=None) as client:
                 model = (await client.get("/v1/models")).json()["data"][0]["id"]
-                results, duration = await run_mix(
-                    client, model, calibration, float("inf"), 0, args
-                )
+                results, duration = await run_mix(client, model, calibration, float("inf"), 0, args)
             return sum(r.error is None for _, r in results) / duration
 
         capacity = asyncio.run(calibrate())

@@ -35,10 +35,10 @@ PASSAGE = (
     "grew old, the lamp was replaced by an electric one, and the stairs were climbed only "
     "once a month, to check the bulbs and to clean the salt from the windows."
 )
-TYPO_PASSAGE = PASSAGE.replace("narrow", "narow").replace("water", "watter").replace(
-    "replaced", "replased"
+TYPO_PASSAGE = (
+    PASSAGE.replace("narrow", "narow").replace("water", "watter").replace("replaced", "replased")
 )
-CODE = '''def total_price(items, tax_rate):
+CODE = """def total_price(items, tax_rate):
     subtotal = 0
     for item in items:
         subtotal = subtotal + item.price * item.quantity
@@ -52,7 +52,7 @@ def average_price(items):
     for item in items:
         subtotal = subtotal + item.price
     return subtotal / len(items)
-'''
+"""
 PROMPTS = [
     "Fix the spelling mistakes in this paragraph and write it out again in full:\n\n"
     + TYPO_PASSAGE,

@@ -113,8 +113,10 @@ def main() -> None:
             sys.exit(done.stderr)
         rows = [("before", r) for r in json.loads(done.stdout.splitlines()[-1])] + rows
     print(f"{args.num_seqs} sequences decoding; medians over steady steps")
-    print(f"{'tree':10} {'async':>5} {'steps':>5} {'bytes/step':>10} {'wall ms':>8} "
-          f"{'forward ms':>10} {'outside ms':>10}")
+    print(
+        f"{'tree':10} {'async':>5} {'steps':>5} {'bytes/step':>10} {'wall ms':>8} "
+        f"{'forward ms':>10} {'outside ms':>10}"
+    )
     for name, r in rows:
         print(
             f"{name:10} {'on' if r['async_scheduling'] else 'off':>5} {r['steady_steps']:5d} "

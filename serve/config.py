@@ -281,7 +281,8 @@ class SchedulerConfig:
         _check_choices(self)
         if not self.sjf_max_wait_s > 0:
             raise InvalidSettingError(
-                "sjf_max_wait_s", f"must be a positive number of seconds, got {self.sjf_max_wait_s}."
+                "sjf_max_wait_s",
+                f"must be a positive number of seconds, got {self.sjf_max_wait_s}.",
             )
         if self.max_num_seqs < 1:
             raise InvalidSettingError("max_num_seqs", f"must be positive, got {self.max_num_seqs}.")
@@ -334,7 +335,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeM
     method = value.get("method")
     if method not in SPECULATIVE_METHODS:
         raise InvalidSettingError(
-            name, f"needs \"method\": one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}."
+            name, f'needs "method": one of {", ".join(SPECULATIVE_METHODS)}; got {method!r}.'
         )
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
         if key in value and (type(value[key]) is not int or value[key] < 1):
@@ -354,7 +355,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeM
         if high is None and low is not None:
             value["prompt_lookup_max"] = max(low, SpeculativeMethod.prompt_lookup_max)
     elif not isinstance(value.get("model"), str):
-        raise InvalidSettingError(name, "method draft_model needs \"model\": the draft's path.")
+        raise InvalidSettingError(name, 'method draft_model needs "model": the draft\'s path.')
     spec = SpeculativeMethod(**value)
     if spec.prompt_lookup_min > spec.prompt_lookup_max:
         raise InvalidSettingError(

@@ -32,7 +32,9 @@ _MHA_ONLY = ("num_key_value_heads", "head_dim")
 _MHA_OWN_WIDTH = (*_MHA_ONLY, "intermediate_size")
 
 FAMILIES: list[Family] = [
-    Family("llama", "llama", "LlamaForCausalLM", {"rope_theta": 10000.0, "tie_word_embeddings": True}),
+    Family(
+        "llama", "llama", "LlamaForCausalLM", {"rope_theta": 10000.0, "tie_word_embeddings": True}
+    ),
     Family(
         "mistral",
         "mistral",
@@ -40,7 +42,12 @@ FAMILIES: list[Family] = [
         {"rope_theta": 1000000.0, "tie_word_embeddings": False, "sliding_window": 12},
         window=12,
     ),
-    Family("qwen2", "qwen2", "Qwen2ForCausalLM", {"rope_theta": 1000000.0, "tie_word_embeddings": False}),
+    Family(
+        "qwen2",
+        "qwen2",
+        "Qwen2ForCausalLM",
+        {"rope_theta": 1000000.0, "tie_word_embeddings": False},
+    ),
     Family(
         "qwen3",
         "qwen3",

@@ -262,7 +262,9 @@ class LLM:
             future.result()
         try:
             for i, (request_id, (text, token_ids, params)) in enumerate(zip(ids, requests)):
-                self.add_request(request_id, token_ids, params, text, priorities[i] if priorities else 0)
+                self.add_request(
+                    request_id, token_ids, params, text, priorities[i] if priorities else 0
+                )
         except Exception:
             for request_id in ids:
                 self.abort_request(request_id)

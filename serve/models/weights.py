@@ -190,7 +190,9 @@ def load_checkpoint(
             try:
                 weight_loader(param, part, shard)
             except ValueError as e:
-                raise ValueError(f"checkpoint tensor {checkpoint_name!r} -> {target}: {e}") from None
+                raise ValueError(
+                    f"checkpoint tensor {checkpoint_name!r} -> {target}: {e}"
+                ) from None
             loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:

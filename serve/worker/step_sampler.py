@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 PLACEHOLDER_TOKEN = 0  # a failed request's rows: ended by the scheduler, never read
 
+
 class StepSampler:
     def __init__(
         self, seed: int, eos_token_ids: Iterable[int], grammars: LazyStructuredOutput
@@ -157,7 +158,9 @@ class StepSampler:
                     if ended:  # complete (or refused): the sequence stops at this token
                         output.grammar_ended_seq_ids.append(seq.seq_id)
                         break
-        first_rows = torch.tensor([starts[i] for i in plain], dtype=torch.long, device=logits.device)
+        first_rows = torch.tensor(
+            [starts[i] for i in plain], dtype=torch.long, device=logits.device
+        )
         return logits.index_select(0, first_rows), [rows[i] for i in plain]
 
     def _proposals_mask(

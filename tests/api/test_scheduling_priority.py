@@ -22,7 +22,10 @@ NUM_LOW = 64
 def test_a_priority_is_a_400_on_a_server_that_schedules_fcfs(http, server):
     for path, body in (
         ("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+        ),
     ):
         resp = http.post(path, json={"model": server.model, "priority": 3, **body})
         error = assert_openai_error(resp, 400, param="priority")
@@ -67,7 +70,11 @@ def test_a_high_priority_request_overtakes_a_full_batch(tiny_llama):
         ) as client:
 
             def complete(priority: int, max_tokens: int):
-                body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "priority": priority}
+                body = {
+                    "prompt": "Once upon a time",
+                    "max_tokens": max_tokens,
+                    "priority": priority,
+                }
                 return client.post("/v1/completions", json={**body, "ignore_eos": True})
 
             low = [asyncio.create_task(complete(10, 80)) for _ in range(NUM_LOW)]

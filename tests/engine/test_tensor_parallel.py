@@ -208,7 +208,9 @@ def test_ray_executor_runs_the_workload_as_one_rank_does(local_ray, tiny_model_f
 
 
 def test_a_split_that_does_not_divide_the_heads_is_refused_naming_the_numbers(tiny_llama):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide num_attention_heads 4"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size 3 must divide num_attention_heads 4"
+    ):
         LLM(model=str(tiny_llama), tensor_parallel_size=3)
 
 

@@ -209,7 +209,9 @@ class FakeWorker:
         if room == 0:
             return []
         self.num_proposals += 1
-        return [PROPOSAL_TOKEN + self.num_proposals * 100 + i for i in range(self.rng.randint(0, room))]
+        return [
+            PROPOSAL_TOKEN + self.num_proposals * 100 + i for i in range(self.rng.randint(0, room))
+        ]
 
     def check(self, seq: Sequence, table: list[int], on_cpu: bool) -> None:
         blocks, bs = (self.cpu if on_cpu else self.device), self.block_size

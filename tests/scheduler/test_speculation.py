@@ -53,8 +53,16 @@ def test_speculating_requests_under_preemption_end_with_their_lengths_and_free_e
     spec = sched.spec_decode
     assert spec is not None and 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     for group in groups:
-        assert all(len(seq.output_token_ids) == group.sampling_params.max_tokens for seq in group.seqs)
-    accepted = [t for g in groups for s in g.seqs for t in s.output_token_ids if PROPOSAL_TOKEN <= t < FAKE_TOKEN + FIRST_SCHEDULER_SEQ_ID]
+        assert all(
+            len(seq.output_token_ids) == group.sampling_params.max_tokens for seq in group.seqs
+        )
+    accepted = [
+        t
+        for g in groups
+        for s in g.seqs
+        for t in s.output_token_ids
+        if PROPOSAL_TOKEN <= t < FAKE_TOKEN + FIRST_SCHEDULER_SEQ_ID
+    ]
     assert len(accepted) == spec.num_accepted_tokens  # no accepted proposal was lost
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_blocks

@@ -45,7 +45,11 @@ class LayerNorm(nn.Module):
     `elementwise_affine=False` (OPT's option) has neither."""
 
     def __init__(
-        self, hidden_size: int, eps: float = 1e-5, bias: bool = True, elementwise_affine: bool = True
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        elementwise_affine: bool = True,
     ) -> None:
         super().__init__()
         self.weight = self.bias = None
