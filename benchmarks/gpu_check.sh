@@ -32,7 +32,7 @@ OMP_NUM_THREADS=2 timeout 200 python3 -m pytest -p no:cacheprovider -q -n 8 -m "
 echo "rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$out/tests.log" | tail -20
 
 part "the engine on CUDA (half the GPU as KV cache: run alone)"
-timeout 120 python3 -m pytest -p no:cacheprovider -q tests/engine/test_cuda.py \
+timeout 180 python3 -m pytest -p no:cacheprovider -q tests/engine/test_cuda.py \
     tests/worker/test_cuda_graphs.py >"$out/cuda.log" 2>&1
 echo "rc=$?"; tail -3 "$out/cuda.log"
 

@@ -155,7 +155,8 @@ def test_padded_rows_write_nothing_to_the_cache(tiny_llama, triton_on_cpu):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_give_the_eager_tokens(tiny_llama):
+@pytest.mark.parametrize("family", ["llama", "mixtral", "gemma2"])
+def test_cuda_graphs_give_the_eager_tokens(tiny_model_factory, family):
     """Real captures: the same greedy tokens with and without graphs, over batches that
     shrink as requests finish (each replays a different size). Float32: the graphs' decode
     kernel splits each context for the longest one, the eager one for this step's, and in
@@ -164,10 +165,11 @@ def test_cuda_graphs_give_the_eager_tokens(tiny_llama):
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in range(4, 28, 4)
     ]
+    model = tiny_model_factory(family)
     outputs = {}
     for graphs in (False, True):
         llm = LLM(
-            model=str(tiny_llama),
+            model=str(model),
             device="cuda",
             dtype="float32",
             gpu_memory_utilization=0.3,
