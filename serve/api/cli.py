@@ -259,7 +259,7 @@ def _load(args: argparse.Namespace):
         chat_template = Path(args.chat_template).read_text()
 
     from serve.api.server import build_app
-    from serve.api.serving_base import ServerSettings
+    from serve.api.settings import ServerSettings
 
     if args.disable_frontend_multiprocessing:
         from serve.engine.async_engine import AsyncEngine

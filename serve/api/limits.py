@@ -1,6 +1,6 @@
 """RequestLimits: how much one request may ask for, each bounded by a flag. A leaf module
 that imports nothing, so that the command line reads the defaults without loading the
-server (serving_base.check_limits applies them)."""
+server (request_checks.check_limits applies them)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Unknown fields are accepted and ignored, as OpenAI's own clients and many tools send
 fields a server may not know; known fields with wrong types or values fail with a 400.
 Limits the server sets (--max-n, --max-stop-sequences, ...) are checked against its
-settings (serving_base.check_limits), not here.
+settings (request_checks.check_limits), not here.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import copy
 from typing import Any
 
 from serve.api.responses_items import function_call_item, message_item, output_text_part
-from serve.api.serving_base import sse
+from serve.api.sse import sse
 from serve.api.tool_parsers import StreamEvent
 
 Event = tuple[str, dict[str, Any]]  # (type, fields)

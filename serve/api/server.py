@@ -33,19 +33,15 @@ from serve.api.protocol import (
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest
 from serve.api.protocol_embeddings import EmbeddingRequest
 from serve.api.protocol_responses import ResponsesRequest
+from serve.api.request_checks import PromptCharLimit, check_model, check_structured_output
 from serve.api.response_store import ResponseStore
-from serve.api.serving_base import (
-    PromptCharLimit,
-    ServerSettings,
-    check_model,
-    check_structured_output,
-    off_the_loop,
-)
+from serve.api.serving_base import off_the_loop
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
 from serve.api.serving_embeddings import EmbeddingHandler
 from serve.api.serving_messages import MessagesHandler
 from serve.api.serving_responses import ResponsesHandler
+from serve.api.settings import ServerSettings
 from serve.api.tokenizer_info import tokenizer_info
 from serve.engine.protocol import EngineClient, EngineDeadError
 

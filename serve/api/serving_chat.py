@@ -11,25 +11,13 @@ from typing import Any
 
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError
+from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
 from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
-from serve.api.serving_base import (
-    ChunkWriter,
-    PromptCharLimit,
-    ServerSettings,
-    UsageCallback,
-    check_limits,
-    check_model,
-    final_outputs,
-    finish_chunk,
-    off_the_loop,
-    open_stream,
-    prompt_logprobs_json,
-    ranked_alternatives,
-    resolve_max_tokens,
-    stream_choices,
-    token_text,
-    usage,
-)
+from serve.api.request_checks import PromptCharLimit, check_limits, check_model, resolve_max_tokens
+from serve.api.serving_base import off_the_loop, open_stream
+from serve.api.settings import ServerSettings
+from serve.api.sse import ChunkWriter
+from serve.api.streaming import UsageCallback, final_outputs, finish_chunk, stream_choices, usage
 from serve.api.tool_parsers import (
     TOOL_PARSERS,
     NamedFunctionParser,

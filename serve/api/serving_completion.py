@@ -12,27 +12,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serve.api.errors import APIError
+from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
 from serve.api.protocol import CompletionRequest, now, random_id
-from serve.api.serving_base import (
-    SSE_DONE,
-    ChunkWriter,
-    PromptCharLimit,
-    ServerSettings,
+from serve.api.request_checks import PromptCharLimit, check_limits, check_model, resolve_max_tokens
+from serve.api.serving_base import off_the_loop, open_stream
+from serve.api.settings import ServerSettings
+from serve.api.sse import ChunkWriter
+from serve.api.streaming import (
     UsageCallback,
-    check_limits,
-    check_model,
     final_outputs,
     finish_chunk,
     guard_stream,
     merge_streams,
-    off_the_loop,
-    open_stream,
-    prompt_logprobs_json,
-    ranked_alternatives,
-    resolve_max_tokens,
-    sse,
     stream_choices,
-    token_text,
+    stream_end,
     usage,
 )
 from serve.engine.protocol import EngineClient
@@ -241,13 +234,8 @@ class CompletionHandler:
                     del choice["index"]
                     yield writer.chunk(index, **choice)
         counts = usage(sum(len(ids) for _, ids, _ in prompts), 0)
-        if on_usage is not None:
-            on_usage(counts)
-        if failed.error is not None:
-            yield sse(failed.error)
-        elif writer.include_usage:
-            yield writer.usage_chunk(counts)
-        yield SSE_DONE
+        for event in stream_end(writer, failed, counts, on_usage):
+            yield event
 
     async def _events(
         self,

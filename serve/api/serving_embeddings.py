@@ -13,14 +13,10 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import random_id
 from serve.api.protocol_embeddings import EmbeddingRequest, embedding_response
-from serve.api.serving_base import (
-    PromptCharLimit,
-    ServerSettings,
-    UsageCallback,
-    check_model,
-    final_outputs,
-    off_the_loop,
-)
+from serve.api.request_checks import PromptCharLimit, check_model
+from serve.api.serving_base import off_the_loop
+from serve.api.settings import ServerSettings
+from serve.api.streaming import UsageCallback, final_outputs
 from serve.engine.protocol import EngineClient
 from serve.engine.validation import check_priority
 from serve.pooling_params import PoolingParams

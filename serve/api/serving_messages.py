@@ -23,20 +23,19 @@ from pydantic_core import from_json
 from serve.api.errors import APIError, validation_message
 from serve.api.protocol import ChatCompletionRequest
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest, ToolChoiceAuto
-from serve.api.serving_base import (
+from serve.api.request_checks import check_model, check_structured_output
+from serve.api.serving_base import off_the_loop
+from serve.api.serving_chat import ChatHandler, ChatPrompt
+from serve.api.sse import sse
+from serve.api.streaming import (
     StreamState,
     UsageCallback,
-    check_model,
-    check_structured_output,
     choice_outputs,
     final_outputs,
     guard_stream,
-    off_the_loop,
-    sse,
     stop_holdback,
     usage,
 )
-from serve.api.serving_chat import ChatHandler, ChatPrompt
 from serve.api.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamEvent, ToolCall
 from serve.outputs import CompletionOutput, RequestOutput
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from serve.api.errors import APIError, validation_message
 from serve.api.protocol import ChatCompletionRequest, now
 from serve.api.protocol_responses import ResponsesRequest
+from serve.api.request_checks import check_structured_output
 from serve.api.response_store import ConversationItem, ResponseStore
 from serve.api.responses_items import (
     chat_messages,
@@ -29,19 +30,17 @@ from serve.api.responses_items import (
     usage,
 )
 from serve.api.responses_stream import EventNumbering, StreamedOutput
-from serve.api.serving_base import (
+from serve.api.serving_base import off_the_loop, open_stream
+from serve.api.serving_chat import ChatHandler, ChatPrompt
+from serve.api.streaming import (
     StreamState,
     UsageCallback,
-    check_structured_output,
     choice_outputs,
     final_outputs,
     guard_stream,
-    off_the_loop,
-    open_stream,
     stop_holdback,
 )
-from serve.api.serving_base import usage as chat_usage
-from serve.api.serving_chat import ChatHandler, ChatPrompt
+from serve.api.streaming import usage as chat_usage
 from serve.outputs import CompletionOutput, RequestOutput
 
 # The chat request's fields, as this endpoint calls them (first step of a param's path).

@@ -426,7 +426,7 @@ def test_an_unexpected_error_is_a_500_that_the_app_does_not_raise(caplog):
     then drops the keep-alive connection; the app answers it and is done. httpx's ASGI
     transport raises whatever the app raises."""
     from serve.api.server import build_app
-    from serve.api.serving_base import ServerSettings
+    from serve.api.settings import ServerSettings
 
     app = build_app(_EngineWithABug(), ServerSettings("tiny", "/nowhere"))
 

@@ -12,7 +12,7 @@ from api.openai_errors import assert_openai_error
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.api.server import build_app
-from serve.api.serving_base import ServerSettings
+from serve.api.settings import ServerSettings
 from serve.config import EngineConfig
 from serve.engine.async_engine import AsyncEngine
 

@@ -1,0 +1,148 @@
+"""Whether a request may start, decided before any engine work: the server's limits and the
+scheduling policy (400s naming the flag), the model name (404), the context window (by
+characters before tokenizing, by tokens after), and the request's grammar compiled within
+its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from serve.api.errors import APIError
+from serve.api.protocol import SamplingRequest
+from serve.api.settings import ServerSettings
+from serve.engine.protocol import EngineClient
+from serve.engine.validation import check_priority
+from serve.sampling_params import StructuredOutputsParams
+
+
+def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:
+    """A 400 naming the flag for a request that asks for more than this server allows,
+    or for a `priority` it does not schedule by. Cheap: checked before the prompt is
+    tokenized."""
+    try:
+        check_priority(request.priority, settings.scheduling_policy)
+    except ValueError as e:
+        raise APIError(400, str(e), param="priority") from None
+    limits = settings.limits
+    for name, value in (("n", request.n), ("best_of", request.best_of)):
+        if value is not None and value > limits.max_n:
+            raise APIError(
+                400,
+                f"{name} is {value}; this server allows at most {limits.max_n} (--max-n).",
+                param=name,
+            )
+    stop_lists = {
+        "stop": request.stop if isinstance(request.stop, list) else None,
+        "stop_token_ids": request.stop_token_ids,
+        "bad_words": request.bad_words,
+    }
+    for name, entries in stop_lists.items():
+        _check_num_entries(name, entries, limits.max_stop_sequences, "--max-stop-sequences")
+    _check_num_entries("logit_bias", request.logit_bias, limits.max_logit_bias, "--max-logit-bias")
+
+
+def _check_num_entries(
+    name: str, entries: list[Any] | dict[str, Any] | None, limit: int, flag: str
+) -> None:
+    if entries is not None and len(entries) > limit:
+        raise APIError(
+            400,
+            f"{name} has {len(entries)} entries; this server allows at most {limit} ({flag}).",
+            param=name,
+        )
+
+
+def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
+    """The completion budget; a 400 in OpenAI's words when prompt + output cannot fit
+    (with `requested` None, at least one token of output must)."""
+    if prompt_len + (1 if requested is None else requested) > max_model_len:
+        asked = prompt_len + (requested or 0)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {asked} tokens ({prompt_len} in the prompt, {requested or 0} for the "
+            "completion). Please reduce the length of the prompt or the completion.",
+            param="messages" if requested is None else "max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested if requested is not None else max_model_len - prompt_len
+
+
+class PromptCharLimit:
+    """A prompt text too long for the context window, found before it is tokenized.
+
+    Tokenizing costs time in proportion to the text (seconds for megabytes), so a prompt
+    that cannot fit is refused on its length in characters first: no token of this
+    tokenizer spells more than `max_token_chars` characters, so a text of n characters is
+    at least n / max_token_chars tokens. The bound is loosened 4x, for normalizers that
+    fold several characters into one (combining accents, collapsed whitespace)."""
+
+    SLACK = 4
+
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        max_token_chars = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        self.max_model_len = max_model_len
+        self.max_chars = max_model_len * max(max_token_chars, 1) * self.SLACK
+
+    def check(self, text: str, param: str) -> None:
+        if len(text) > self.max_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, the prompt has {len(text)} characters, far more than that many "
+                "tokens can hold. Please reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+
+def check_model(model: str | None, settings: ServerSettings) -> None:
+    if model not in (None, settings.served_model_name, settings.model_path):
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist. This server serves "
+            f"`{settings.served_model_name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def check_structured_output(
+    engine: EngineClient, request: SamplingRequest, timeout_s: float | None = None
+) -> None:
+    """Compile the request's grammar before it starts: an invalid schema, regex or grammar,
+    or one that takes longer than `timeout_s` to compile, is a 400 naming the problem and
+    never reaches the engine loop."""
+    try:
+        spec = request.structured_outputs_params()
+        if spec is not None:
+            await _compile_within(engine, spec, timeout_s)
+    except ValueError as e:
+        param = next(
+            (f for f in STRUCTURED_OUTPUT_FIELDS if getattr(request, f, None) is not None), None
+        )
+        raise APIError(400, str(e), param=param) from None
+
+
+async def _compile_within(
+    engine: EngineClient, spec: StructuredOutputsParams, timeout_s: float | None
+) -> None:
+    try:
+        await asyncio.wait_for(engine.compile_grammar(spec), timeout_s)
+    except TimeoutError:
+        # The compile thread runs on (it cannot be interrupted); the request is refused.
+        raise ValueError(
+            f"Compiling this request's structured output took longer than {timeout_s:g} s "
+            "(the server's --grammar-compile-timeout). Simplify the schema, regex or grammar."
+        ) from None
+
+
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tool_choice",
+)

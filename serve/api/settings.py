@@ -1,0 +1,30 @@
+"""The API server's own settings (the flags that are not the engine's), as the CLI builds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from serve.api.limits import RequestLimits
+from serve.config import ResponseStoreConfig
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    model_path: str
+    api_keys: tuple[str, ...] = ()  # empty: no key needed
+    chat_template: str | None = None
+    # A request's own `chat_template` is rendered only when the operator trusts clients
+    # with it (sandboxed or not, a template is code the server runs for them).
+    trust_request_chat_template: bool = False
+    metrics_public: bool = False  # /metrics needs no key
+    metrics_names: str = "serve"  # the prefix of the vLLM-shaped series: serve_ or vllm:
+    allowed_origins: tuple[str, ...] = ()  # CORS for these browser origins; empty: no CORS
+    tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
+    max_generating_requests: int | None = None  # in flight, running or queued; None: no cap
+    max_body_bytes: int | None = None
+    request_timeout_s: float | None = None  # a generation request's deadline; None: none
+    grammar_compile_timeout_s: float | None = None  # compiling a request's grammar
+    scheduling_policy: str = "fcfs"  # a request's `priority` is refused under the others
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)

@@ -1,0 +1,241 @@
+"""Turning engine streams into a response: the `n` choices of each prompt numbered as
+OpenAI numbers them, text held back while it may still become a stop string, the
+content, finish and usage chunks of a streamed response, a failure mid-stream as an error
+event, and the final outputs of a non-streamed one (an engine error as its HTTP status)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.api.errors import APIError, error_body
+from serve.api.sse import SSE_DONE, ChunkWriter, sse
+from serve.engine.protocol import (
+    EngineDeadError,
+    RequestError,
+    RequestTimeoutError,
+)
+from serve.outputs import CompletionOutput, RequestOutput
+
+
+async def merge_streams(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs as they come, tagged with their index.
+    Closing the merged iterator closes (and so aborts) every request still running."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()  # abort now, not when the generator is collected
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((index, out))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class ChoiceProgress:
+    """What one streamed choice has sent so far."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamState:
+    num_choices: int
+    holdback: int  # chars that could still be the start of a stop string
+    choices: list[ChoiceProgress] = field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
+
+    def delta(self, index: int, completion: CompletionOutput) -> tuple[str, int, int]:
+        """New text, and the range of new tokens, for choice `index`."""
+        progress = self.choices[index]
+        end = len(completion.text)
+        if not completion.finished:
+            end = max(progress.num_chars, end - self.holdback)
+        text = completion.text[progress.num_chars : end]
+        first_token = progress.num_tokens
+        progress.num_chars = end
+        progress.num_tokens = len(completion.token_ids)
+        progress.finish_reason = completion.finish_reason
+        return text, first_token, progress.num_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+
+def stop_holdback(stop: str | list[str] | None) -> int:
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    return max((len(s) for s in stops), default=1) - 1
+
+
+UsageCallback = Callable[[dict[str, int]], None]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+# What an engine request's stream may raise, and the HTTP status each means. ValueError
+# last: the engine refused the request (its message names the field).
+_ENGINE_ERROR_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (EngineDeadError, 503),
+    (RequestError, 500),  # the engine failed this request alone
+    (RequestTimeoutError, 504),  # --request-timeout
+    (ValueError, 400),
+)
+
+
+_ENGINE_ERRORS = tuple(kind for kind, _ in _ENGINE_ERROR_STATUS)
+
+
+def _engine_error_status(error: Exception) -> int:
+    return next(status for kind, status in _ENGINE_ERROR_STATUS if isinstance(error, kind))
+
+
+@dataclass
+class StreamFailure:
+    error: dict[str, Any] | None = None
+
+
+@asynccontextmanager
+async def guard_stream(path: str = "") -> AsyncIterator[StreamFailure]:
+    """Turn a failure mid-stream (the response has started: its status is sent) into an
+    error event for the client, in the error shape of `path`'s API, instead of a
+    connection cut without a word."""
+    failure = StreamFailure()
+    try:
+        yield failure
+    except _ENGINE_ERRORS as e:
+        failure.error = error_body(_engine_error_status(e), str(e), path=path)
+
+
+# (index, completion, new text, first new token, end of new tokens, chars sent before)
+# -> the choice's fields in each content chunk to send (none, one or several).
+ContentFields = Callable[[int, CompletionOutput, str, int, int, int], list[dict[str, Any]]]
+
+
+# (index, finished completion) -> the choice's fields in each last chunk: anything held
+# back, then the finish chunk (`finish_chunk`).
+FinishFields = Callable[[int, CompletionOutput], list[dict[str, Any]]]
+
+
+def finish_chunk(
+    completion: CompletionOutput, finish_reason: str | None = None, **fields: Any
+) -> dict[str, Any]:
+    """A choice's finish-chunk fields; `finish_reason` overrides the engine's."""
+    return {
+        **fields,
+        "logprobs": None,
+        "finish_reason": finish_reason or completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+
+
+async def choice_outputs(
+    streams: list[AsyncGenerator[RequestOutput, None]], n: int
+) -> AsyncIterator[tuple[int, CompletionOutput]]:
+    """Every choice's output as it grows: choice `i * n + j` is output j of prompt i, as
+    OpenAI numbers them."""
+    async for stream_index, out in merge_streams(streams):
+        for completion in out.outputs:
+            yield stream_index * n + completion.index, completion
+
+
+async def final_outputs(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+) -> list[RequestOutput]:
+    """Each request's last (complete) output, in the order of `streams`."""
+    last: dict[int, RequestOutput] = {}
+    try:
+        async for stream_index, out in merge_streams(streams):
+            last[stream_index] = out
+    except _ENGINE_ERRORS as e:
+        raise APIError(_engine_error_status(e), str(e)) from None
+    return [last[i] for i in range(len(streams))]
+
+
+async def stream_choices(
+    streams: list[AsyncGenerator[RequestOutput, None]],
+    n: int,
+    writer: ChunkWriter,
+    stop: str | list[str] | None,
+    num_prompt_tokens: int,
+    content_fields: ContentFields,
+    finish_fields: FinishFields,
+    on_usage: UsageCallback | None,
+) -> AsyncIterator[str]:
+    """The content, finish and usage chunks of a streamed response, then [DONE]. Chat and
+    completions differ only in the fields of a choice, which the callers supply."""
+    state = StreamState(len(streams) * n, stop_holdback(stop))
+    async with guard_stream() as failed:
+        async for index, completion in choice_outputs(streams, n):
+            if state.choices[index].finish_reason is not None:
+                continue  # a sibling moved on; this choice has said all it had
+            sent_chars = state.choices[index].num_chars
+            text, start, end = state.delta(index, completion)
+            if text or (completion.logprobs is not None and end > start):
+                for fields in content_fields(index, completion, text, start, end, sent_chars):
+                    yield writer.chunk(index, **fields, finish_reason=None)
+            if completion.finished:
+                for fields in finish_fields(index, completion):
+                    yield writer.chunk(index, **fields)
+    for event in stream_end(
+        writer, failed, usage(num_prompt_tokens, state.completion_tokens), on_usage
+    ):
+        yield event
+
+
+def stream_end(
+    writer: ChunkWriter,
+    failure: StreamFailure,
+    counts: dict[str, int],
+    on_usage: UsageCallback | None,
+) -> Iterator[str]:
+    """A streamed response's last events: the error of a failure mid-stream, else the
+    usage chunk when the client asked for one; then [DONE]. `on_usage` hears the counts."""
+    if on_usage is not None:
+        on_usage(counts)
+    if failure.error is not None:
+        yield sse(failure.error)
+    elif writer.include_usage:
+        yield writer.usage_chunk(counts)
+    yield SSE_DONE
