@@ -133,10 +133,10 @@ def build_model_inputs(
         (s.num_new_tokens - s.num_spec_tokens + len(drafts.get(s.seq_id, ())), s)
         for s in out.scheduled
     ]
-    decodes = [x for x in sized if x[0] == 1]
-    num_decode_seqs = len(decodes)
+    ordered = [x for x in sized if x[0] == 1]
+    num_decode_seqs = len(ordered)
     if num_decode_seqs < len(sized):
-        decodes += [x for x in sized if x[0] != 1]
+        ordered += [x for x in sized if x[0] != 1]
     seqs = mirror.seqs
     token_ids: list[int] = []
     spans: list[QuerySpan] = []
@@ -146,7 +146,7 @@ def build_model_inputs(
     prompt_indices: list[int] = []
     prompt_spans: list[PromptSpan] = []
     pool_spans: list[PoolSpan] = []
-    for n, s in decodes:
+    for n, s in ordered:
         seq, start = seqs[s.seq_id], s.start
         n_known = s.num_new_tokens - s.num_spec_tokens
         new_tokens = seq.token_ids_between(start, start + n_known)
