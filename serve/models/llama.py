@@ -227,7 +227,7 @@ class LlamaModel(nn.Module):
 
     def _native_stack(self) -> NativeLayerStack | None:
         """Built at the first forward, once the weights are loaded and placed."""
-        if self._stack_built is False:
+        if not self._stack_built:
             self._stack = build_layer_stack(self.layers)
             self._stack_built = True
         return self._stack

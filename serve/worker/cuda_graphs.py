@@ -31,12 +31,11 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import nn
 
-from serve.kernels import AttentionMetadata
+from serve.kernels import AttentionMetadata, reference
 from serve.kernels.backend import ops_for
 from serve.models.forward_context import forward_context
 from serve.worker.model_inputs import ModelInputs
@@ -63,15 +62,9 @@ def ineligibility(model_impl: str, world_size: int, device: torch.device) -> str
         return "tensor parallelism is not captured yet (its all-reduces run eagerly)"
     if model_impl != "native":
         return "transformers' modeling code may read tensors on the host mid-forward"
-    if not _is_triton(ops_for(device)):
-        return (
-            "the kernel backend is not Triton (SERVE_KERNEL_BACKEND), and others read host metadata"
-        )
+    if ops_for(device) is reference:  # on CUDA the one other backend than Triton
+        return "SERVE_KERNEL_BACKEND=reference: its attention reads the host's metadata"
     return None
-
-
-def _is_triton(ops: ModuleType) -> bool:
-    return ops.__name__ == "serve.kernels.triton"
 
 
 @dataclass

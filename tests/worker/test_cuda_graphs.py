@@ -45,6 +45,15 @@ def test_only_native_models_on_one_cuda_rank_on_triton_are_captured():
     assert "transformers" in ineligibility("transformers", 1, cuda)
 
 
+def test_the_reference_backend_is_not_captured(monkeypatch):
+    monkeypatch.setenv(backend.BACKEND_ENV_VAR, "reference")
+    backend.ops_for.cache_clear()
+    try:
+        assert "reference" in ineligibility("native", 1, torch.device("cuda", 0))
+    finally:
+        backend.ops_for.cache_clear()
+
+
 def test_only_decode_steps_the_graphs_hold_are_replayed():
     graphs = DecodeGraphs(torch.nn.Identity(), 8, 2, 4, CPU, capture=False)
     decodes = [[1, 2], [3], [4, 5], [6]]
