@@ -102,6 +102,8 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
 
     if os.environ.get(ENV_VAR, "1") == "0" or not layers or get_tp_group().world_size != 1:
         return None
+    if next(layers.parameters()).device.type != "cpu":  # a CPU kernel: not for CUDA weights
+        return None
     if ops_for(torch.device("cpu")) is not cpu:  # SERVE_KERNEL_BACKEND=reference: its ops
         return None
     weights: list[torch.Tensor | None] = []

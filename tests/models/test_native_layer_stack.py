@@ -5,6 +5,8 @@ whose layers compute something it does not."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from tiny_models import random_prompts
 
@@ -103,3 +105,21 @@ def test_reference_backend_keeps_the_reference_ops(tiny_model_factory, monkeypat
         monkeypatch.delenv(BACKEND_ENV_VAR)
         ops_for.cache_clear()
     assert stack_calls == []
+
+
+def test_layers_off_the_cpu_get_no_stack(tiny_model_factory, monkeypatch):
+    """The stack is a CPU kernel: layers on another device (CUDA; here the meta device) run
+    their own forwards, without asking for the CPU's ops. A CUDA machine runs the Triton
+    backend without the interpreter, where the CPU's Triton ops would refuse to load."""
+    with LLM(model=str(tiny_model_factory("llama")), **ENGINE) as llm:
+        layers = _model(llm).model.layers
+        assert build_layer_stack(layers) is not None
+        off_the_cpu = copy.deepcopy(layers).to("meta")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    ops_for.cache_clear()
+    try:
+        assert build_layer_stack(off_the_cpu) is None
+    finally:
+        monkeypatch.undo()
+        ops_for.cache_clear()
