@@ -14,6 +14,42 @@ if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from gpu_share import ENGINE_SHARE  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_gpu_shared_by_test_workers():
+    """With pytest-xdist on a GPU machine, the engines a worker starts in its own process
+    size their KV cache from a share of the GPU (gpu_share.py), not from 0.9 of it each.
+    Engines started in a process of their own (the core process, `serve` itself) keep
+    their setting."""
+    if ENGINE_SHARE is None:
+        yield
+        return
+    from serve.worker import model_runner
+
+    share = ENGINE_SHARE
+    budget = model_runner.cuda_kv_cache_budget
+
+    def shared(total, utilization, peak, free, device="cuda"):
+        return budget(total, min(utilization, share), peak, free, device)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "cuda_kv_cache_budget", shared)
+        yield
+
+
+@pytest.fixture(autouse=ENGINE_SHARE is not None)
+def _engines_freed_after_each_test():
+    """An engine's objects form cycles, so only a collection frees its KV cache: on a GPU
+    shared by test workers, collect after each test rather than let caches pile up."""
+    yield
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="session")

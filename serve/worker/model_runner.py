@@ -6,7 +6,7 @@ forward pass, and (on the driver) the step's sampled tokens.
         block moves                swap out, swap in, copy on write
         inputs from the mirror     tokens, positions, slots, block tables (model_inputs.py)
         forward, logits            every rank (tensor parallel: collectives inside); a
-                                   decode step replays a CUDA graph with --cuda-graphs
+                                   decode step replays a CUDA graph on CUDA
         sample                     the driver (step_sampler.py); the tokens are broadcast
         pool                       the driver: pooling sequences' hidden states (pooler.py)
         mirror.append_sampled      every rank, so every mirror stays the same
@@ -63,7 +63,7 @@ class ModelRunner:
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
         self.kv = ModelKV.of(self.model)
         self.cache_engine: CacheEngine | None = None
-        self.graphs: DecodeGraphs | None = None  # with --cuda-graphs, once the cache is bound
+        self.graphs: DecodeGraphs | None = None  # on CUDA, once the cache is bound
         self.mirror = SequenceMirror()
         self.proposer = make_proposer(
             engine.speculative.method, engine.model, hf_config, self.block_size, device
@@ -121,7 +121,7 @@ class ModelRunner:
         )
         if self.draft is not None:
             self.draft.initialize_cache(num_blocks, num_cpu_blocks)
-        if self.config.engine.cuda_graphs:
+        if self.config.engine.cuda_graphs and self.device.type == "cuda":
             self.graphs = self._capture_decode_graphs(num_blocks)
 
     def _capture_decode_graphs(self, num_blocks: int) -> DecodeGraphs | None:
@@ -131,7 +131,7 @@ class ModelRunner:
         arch = get_arch_config(self.hf_config, engine.model.model_impl)
         reason = ineligibility(arch.model_impl, self.config.world_size, self.device)
         if reason is not None:
-            logger.warning("--cuda-graphs: decode steps run eagerly, because %s.", reason)
+            logger.info("Decode steps run eagerly, not as CUDA graphs, because %s.", reason)
             return None
         # The engine's max_model_len, as the engine core fits it (and refuses one longer).
         limit = min(model_max_len(arch), num_blocks * self.block_size)
@@ -150,8 +150,8 @@ class ModelRunner:
             graphs.capture()
         except Exception as e:
             raise RuntimeError(
-                f"Capturing the decode steps as CUDA graphs failed ({e}). Start without "
-                "--cuda-graphs to run them eagerly."
+                f"Capturing the decode steps as CUDA graphs failed ({e}). Start with "
+                "--no-cuda-graphs (cuda_graphs=False) to run them eagerly."
             ) from e
         return graphs
 
@@ -164,8 +164,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return total * engine.cache.gpu_memory_utilization - peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        return cuda_kv_cache_budget(
+            total, engine.cache.gpu_memory_utilization, peak, free, self.device
+        )
 
     def _dummy_forward(self, num_tokens: int) -> None:
         """One prompt of `num_tokens` through the model over a one-block scratch cache, with
@@ -362,3 +364,30 @@ def _move_engine_blocks(engine: CacheEngine, out: SchedulerOutput, device: torch
             torch.tensor(src_ids, device=device),
             torch.tensor(dst_ids, device=device),
         )
+
+
+def cuda_kv_cache_budget(
+    total: int, utilization: float, peak: int, free: int, device: torch.device | str = "cuda"
+) -> float:
+    """Bytes for the KV cache on a GPU: the engine's share of the device (`total` x
+    `utilization`) less the profiled forward's peak, weights included. The cache is
+    allocated from what is `free` now: where other processes hold more of the device than
+    the share leaves them, this is a start-up error that says what to set, not an
+    out-of-memory error halfway through the allocation."""
+    budget = total * utilization - peak
+    if budget <= free:
+        return budget
+    # What would fit, a little short of everything free: the graphs and the sampler need some.
+    fits = int((free * 0.95 + peak) / total * 100) / 100
+    gib = 2**30
+    advice = (
+        f"Lower --gpu-memory-utilization to {fits:g} or less, or free the GPU."
+        if fits * total > peak
+        else "Free the GPU."
+    )
+    raise ValueError(
+        f"--gpu-memory-utilization {utilization:g} asks for {total * utilization / gib:.1f} "
+        f"GiB of {device}'s {total / gib:.1f} GiB, but only {free / gib:.1f} GiB is free "
+        f"beside this engine's peak of {peak / gib:.1f} GiB: other processes hold the rest. "
+        + advice
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from gpu_share import ENGINE_SHARE
 from tiny_models import hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
@@ -18,8 +19,10 @@ def test_cuda_greedy_matches_hf(tiny_model_factory, arch):
     runner = llm.engine.executor.worker.model_runner
     assert runner.device.type == "cuda"
     assert next(runner.model.parameters()).is_cuda
-    # Profiled: half the GPU, less the forward's peak, is KV cache.
-    assert llm.engine.executor.num_blocks * runner.bytes_per_block > 0.3 * _gpu_bytes()
+    # Profiled: half the GPU (less where test workers share it), less the forward's peak,
+    # is KV cache.
+    share = ENGINE_SHARE or 0.5
+    assert llm.engine.executor.num_blocks * runner.bytes_per_block > 0.6 * share * _gpu_bytes()
     prompts = random_prompts(512, 6, 1, 60, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
