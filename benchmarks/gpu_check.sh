@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one run, sized for a short lease (about 7 minutes on an H200):
 # the kernel and GPU tests, the kernels against the device's limits, the server on CUDA,
-# serve (eager and with CUDA graphs) against HF transformers at two model shapes, and where
-# a decode step's time goes, eager and graphed.
+# serve (CUDA graphs, its default, and eager) against HF transformers at two model shapes,
+# and where a decode step's time goes, graphed and eager.
 # Each part has its own time limit, so one that hangs costs only its share; logs and JSON
 # land in OUT_DIR.
 #
@@ -59,14 +59,14 @@ kill "$server"; wait "$server" 2>/dev/null
 for shape in small 8b; do
     part "serve against HF generate, $shape"
     (cd benchmarks && timeout 180 python3 throughput.py --model /tmp/gpu-check-$shape \
-        --dtype bfloat16 --num-requests 64 --hf-batch-sizes 64 --compare-cuda-graphs \
+        --dtype bfloat16 --num-requests 64 --hf-batch-sizes 64 --compare-eager \
         --json "$out/throughput_$shape.json" >"$out/throughput_$shape.log" 2>&1)
     echo "rc=$?"; tail -6 "$out/throughput_$shape.log"
-    for graphs in "" --cuda-graphs; do
-        part "where a decode step goes, $shape ${graphs:-eager}"
+    for eager in "" --eager; do
+        part "where a decode step goes, $shape ${eager:-graphs}"
         timeout 90 python3 benchmarks/step_profile.py --model /tmp/gpu-check-$shape --batches 1,64 \
-            --steps 32 --rows 30 $graphs >"$out/step_profile_$shape${graphs:+_graphs}.log" 2>&1
-        echo "rc=$?"; grep "^== batch" "$out/step_profile_$shape${graphs:+_graphs}.log"
+            --steps 32 --rows 30 $eager >"$out/step_profile_$shape${eager:+_eager}.log" 2>&1
+        echo "rc=$?"; grep "^== batch" "$out/step_profile_$shape${eager:+_eager}.log"
     done
 done
 part done

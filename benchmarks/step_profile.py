@@ -6,7 +6,7 @@ prefix caching off); the prefill is included in the wall time, which is small ne
 the decode at these lengths. On a GPU, device busy against wall says whether the step is
 bound by the device or by the host.
 
-    python benchmarks/step_profile.py --model DIR --batches 1,64 --steps 64 --rows 30 [--cuda-graphs]
+    python benchmarks/step_profile.py --model DIR --batches 1,64 --steps 64 --rows 30 [--eager]
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batches", default="1,64", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=64, help="tokens each request decodes")
     p.add_argument("--rows", type=int, default=0, help="print this many rows of each profile")
-    p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs")
+    p.add_argument(
+        "--eager", action="store_true", help="decode steps eager, not replayed as CUDA graphs"
+    )
     return p.parse_args()
 
 
@@ -40,7 +42,7 @@ def main() -> None:
         model=args.model,
         dtype=args.dtype,
         enable_prefix_caching=False,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=not args.eager,
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True)
     on_gpu = torch.cuda.is_available()

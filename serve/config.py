@@ -499,10 +499,11 @@ class EngineConfig:
     )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     cuda_graphs: bool = setting(
-        False,
+        True,
         "on CUDA, run decode steps of up to --max-num-seqs sequences (at most 512) as "
         "CUDA graphs captured at start, one replay a step instead of some 300 kernel "
-        "launches; ignored on CPU. Off by default until it is measured on a GPU",
+        "launches; --no-cuda-graphs runs them eagerly (vLLM's --enforce-eager). "
+        "Nothing to capture on CPU",
     )
 
     @classmethod

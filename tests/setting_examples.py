@@ -49,7 +49,7 @@ EXAMPLES = {
         '{"method": "ngram", "num_speculative_tokens": 3}',
     ),
     "device": Example(("--device", "cpu"), "cpu"),
-    "cuda_graphs": Example(("--cuda-graphs",), True),
+    "cuda_graphs": Example(("--no-cuda-graphs",), False),
 }
 
 
