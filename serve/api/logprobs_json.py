@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from serve.engine.detokenizer import text_decoder
 from serve.outputs import RequestOutput
 
 
@@ -14,7 +15,7 @@ def ranked_alternatives(top: dict[int, float], num_top: int) -> list[tuple[int, 
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id])
+    return text_decoder(tokenizer)([token_id], False)
 
 
 def prompt_logprobs_json(

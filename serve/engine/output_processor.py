@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string, text_decoder
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.protocol import request_error_message
 from serve.engine.request_metrics import RequestMetrics
@@ -175,9 +175,7 @@ class RequestState:
                 if self._stop_string(seq, core_finish, len(new_text)):
                     return core_finish is None
         if seq.detokenizer is None:
-            seq.text = self.tokenizer.decode(
-                seq.token_ids, skip_special_tokens=self.params.skip_special_tokens
-            )
+            seq.text = text_decoder(self.tokenizer)(seq.token_ids, self.params.skip_special_tokens)
         if d.cumulative_logprob is not None:
             seq.cumulative_logprob = d.cumulative_logprob
         seq.finish_reason, seq.stop_reason = d.finish_reason, d.stop_reason

@@ -15,9 +15,9 @@ import random
 import pytest
 import transformers
 from tiny_models import build_tokenizer
-from tokenizers import Tokenizer, models, normalizers, trainers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string, text_decoder
 
 MULTIBYTE_TEXT = "héllo wörld — 你好 🙂"
 TEXTS = [
@@ -284,3 +284,40 @@ def test_stop_string_through_the_detokenizer(request, tokenizer_name, include):
         end = continuation.index(stop) + (len(stop) if include else 0)
         assert seq.text == continuation[:end]
         assert seq.stop_reason == stop
+
+
+# -- which decode runs ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def word_piece():
+    """A WordPiece tokenizer that cleans up spaces (BERT's "hello , world" -> "hello, world"):
+    the Rust decode alone would keep the space."""
+    vocab = {t: i for i, t in enumerate(["[UNK]", "[SEP]", "hello", "world", ",", "!", "'", "s"])}
+    backend = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(cleanup=False)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_wrapper(word_piece):
+    ids = encode(word_piece, "hello, world!")
+    assert word_piece.backend_tokenizer.decode(ids) == "hello , world !"
+    expected = word_piece.decode(ids)
+    assert text_decoder(word_piece)(ids, True) == expected == "hello, world!"
+    seq, _ = detokenize(word_piece, encode(word_piece, "hello"), ids)
+    assert seq.text == " " + expected
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_decode_gives_the_wrappers_text(byte_level, byte_fallback, skip):
+    """Where the front end calls the Rust tokenizer directly, its text is transformers'."""
+    rng = random.Random(1)
+    for tokenizer in (byte_level, byte_fallback):
+        assert text_decoder(tokenizer) is text_decoder(tokenizer)  # decided once
+        for _ in range(200):
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 12))]
+            expected = tokenizer.decode(ids, skip_special_tokens=skip)
+            assert text_decoder(tokenizer)(ids, skip) == expected
