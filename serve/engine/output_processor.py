@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +124,7 @@ class RequestState:
         params = self.params
         num_seqs = params.n if params.use_beam_search else params.best_of
         self.is_finished = delta.finished or (
-            len(self.seqs) == num_seqs
-            and all(s.finish_reason is not None for s in self.seqs.values())
+            len(self.seqs) == num_seqs and _all_finished(self.seqs.values())
         )
         if self.is_finished:
             to_core = [] if delta.finished else [AbortRequest(self.request_id)]
@@ -277,7 +277,9 @@ class OutputProcessor:
 
     def _observe(self, state: RequestState, delta: RequestDelta, now: float) -> None:
         """Time the request's new tokens, and its end."""
-        num_new = sum(len(d.token_ids) for d in delta.seqs)
+        num_new = 0
+        for d in delta.seqs:
+            num_new += len(d.token_ids)
         if num_new:
             if state.first_token_time is None:
                 state.first_token_time = now
@@ -312,3 +314,12 @@ def _failed(state: RequestState, error: str) -> RequestOutput:
     return RequestOutput(
         state.request_id, state.prompt, state.prompt_token_ids, finished=True, error=error
     )
+
+
+def _all_finished(seqs: Iterable[_SeqOutput]) -> bool:
+    """Every sequence has its finish reason (a loop: `all()` over a generator costs more,
+    for each request every step)."""
+    for seq in seqs:
+        if seq.finish_reason is None:
+            return False
+    return True

@@ -185,14 +185,15 @@ class BlockManager:
             else (self.block_tables, self.block_pool)
         )
         total = 0
-        writers: Counter[int] = Counter()
+        writers: Counter[int] | None = None  # made only when a shared block is written
         for seq, num_tokens in plan:
             table = tables.get(seq.seq_id, [])
             total += max(0, self.num_required_blocks(num_tokens) - len(table))
             shared = self._shared_block_written(seq, num_tokens, table, pool)
             if shared is not None:
+                writers = writers if writers is not None else Counter()
                 writers[shared] += 1
-        for block_id, num_writers in writers.items():
+        for block_id, num_writers in (writers or {}).items():
             # The last holder to write finds itself the only one and writes in place.
             total += min(num_writers, pool.ref_count(block_id) - 1)
         return total
@@ -206,7 +207,9 @@ class BlockManager:
         must make before the forward pass. All-or-nothing: raises `NoFreeBlocksError` and
         changes nothing when the free blocks do not suffice."""
         table = self.block_tables.setdefault(seq.seq_id, [])
-        needed = self.num_blocks_needed([(seq, num_tokens)])
+        shared = self._shared_block_written(seq, num_tokens, table, self.block_pool)
+        # num_blocks_needed for this one sequence: new blocks, and a copy of a shared one.
+        needed = max(0, self.num_required_blocks(num_tokens) - len(table)) + (shared is not None)
         if needed > self.num_free_blocks:
             if not table:
                 del self.block_tables[seq.seq_id]
@@ -214,7 +217,6 @@ class BlockManager:
                 f"seq {seq.seq_id} needs {needed} blocks, {self.num_free_blocks} are free"
             )
         copies = []
-        shared = self._shared_block_written(seq, num_tokens, table, self.block_pool)
         if shared is not None:
             index = seq.num_planned_tokens // self.block_size
             fresh = self.block_pool.allocate(after=table[index - 1] if index else None)
