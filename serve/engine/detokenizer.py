@@ -66,6 +66,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool
     ) -> None:
+        self.tokenizer = tokenizer
         self.decode = text_decoder(tokenizer)
         self.prompt_token_ids = prompt_token_ids  # shared with the request; never changed
         self.skip_special_tokens = skip_special_tokens
