@@ -7,10 +7,11 @@ from __future__ import annotations
 import random
 from array import array
 
+import numpy as np
 import pytest
 import torch
 
-from serve.worker.model_inputs import QuerySpan, paged_attention_inputs
+from serve.worker.model_inputs import QuerySpan, pack_int64, paged_attention_inputs, upload_int64
 
 CPU = torch.device("cpu")
 
@@ -66,3 +67,25 @@ def test_inputs_match_the_token_by_token_definition(num_decodes, num_chunks, blo
     for tensor in (positions, meta.slot_mapping, meta.block_tables, meta.seq_lens):
         assert tensor.dtype == torch.int64
     assert all(type(n) is int for n in meta.seq_lens_cpu + meta.query_lens_cpu)
+
+
+def test_arrays_packed_for_one_upload_keep_their_values_shapes_and_alignment():
+    """On a GPU a step's int64 inputs go up as one buffer, sliced back into each array."""
+    rng = np.random.default_rng(0)
+    arrays = [
+        rng.integers(-(2**40), 2**40, size=shape)
+        for shape in [(5,), (3, 7), (1,), (0,), (4, 0), (2, 3)]
+    ]
+    staging, places = pack_int64(arrays, pin=False)
+    for a, (start, end, shape) in zip(arrays, places):
+        assert start % 2 == 0  # 16 bytes: Triton specializes on a pointer's alignment
+        assert shape == a.shape
+        assert torch.equal(staging[start:end].view(shape), torch.from_numpy(a))
+    assert staging.numel() == sum(-(-a.size // 2) * 2 for a in arrays)
+
+
+def test_cpu_inputs_are_the_arrays_own_memory():
+    values = np.arange(6, dtype=np.int64)
+    (tensor,) = upload_int64([values], CPU)
+    values[0] = 99
+    assert tensor[0] == 99
