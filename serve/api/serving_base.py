@@ -37,16 +37,24 @@ def open_stream(
     max_tokens: int,
     num_logprobs: int | None,
     timeout_s: float | None = None,
+    final_only: bool = False,
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
-    it is stopped with RequestTimeoutError after `timeout_s`."""
+    it is stopped with RequestTimeoutError after `timeout_s`. With `final_only` (a
+    response that is not streamed) it gives the finished output alone."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs)
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
     return engine.generate(
-        request_id, prompt_token_ids, params, prompt, timeout_s, priority=request.priority
+        request_id,
+        prompt_token_ids,
+        params,
+        prompt,
+        timeout_s,
+        priority=request.priority,
+        final_only=final_only,
     )
 
 

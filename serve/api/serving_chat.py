@@ -168,7 +168,7 @@ class ChatHandler:
     ) -> dict[str, Any]:
         prompt = await off_the_loop(self.prepare, request)
         request_id = random_id("chatcmpl")
-        (out,) = await final_outputs([self.generate(request, request_id, prompt)])
+        (out,) = await final_outputs([self.generate(request, request_id, prompt, final_only=True)])
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
         for index, completion in enumerate(finals):
@@ -217,9 +217,13 @@ class ChatHandler:
         return self._events(request, [stream], writer, prompt, on_usage)
 
     def generate(
-        self, request: ChatCompletionRequest, request_id: str, prompt: ChatPrompt
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompt: ChatPrompt,
+        final_only: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine request for a prepared prompt."""
+        """The engine request for a prepared prompt (`final_only`: not streamed)."""
         return open_stream(
             self.engine,
             request,
@@ -229,6 +233,7 @@ class ChatHandler:
             prompt.max_tokens,
             request.num_logprobs,
             self.settings.request_timeout_s,
+            final_only,
         )
 
     async def _events(

@@ -96,8 +96,8 @@ class CompletionHandler:
             for text, ids in self._prompts(request)
         ]
 
-    def _open(self, request: CompletionRequest, request_id: str, prompts):
-        """One engine request per prompt."""
+    def _open(self, request: CompletionRequest, request_id: str, prompts, final_only: bool = False):
+        """One engine request per prompt (`final_only`: not streamed)."""
         return [
             open_stream(
                 self.engine,
@@ -108,6 +108,7 @@ class CompletionHandler:
                 max_tokens,
                 request.num_logprobs,
                 self.settings.request_timeout_s,
+                final_only,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]
@@ -182,7 +183,7 @@ class CompletionHandler:
     ) -> dict[str, Any]:
         prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("cmpl")
-        outs = await final_outputs(self._open(request, request_id, prompts))
+        outs = await final_outputs(self._open(request, request_id, prompts, final_only=True))
         choices = []
         for i, out in enumerate(outs):
             out.outputs.sort(key=lambda c: c.index)

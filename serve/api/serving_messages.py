@@ -173,14 +173,16 @@ class MessagesHandler:
         prompt = await off_the_loop(self.chat.prepare, chat)
         return PreparedMessage(chat, prompt, message_id())
 
-    def _generate(self, prepared: PreparedMessage) -> AsyncGenerator[RequestOutput, None]:
-        return self.chat.generate(prepared.chat, prepared.id, prepared.prompt)
+    def _generate(
+        self, prepared: PreparedMessage, final_only: bool = False
+    ) -> AsyncGenerator[RequestOutput, None]:
+        return self.chat.generate(prepared.chat, prepared.id, prepared.prompt, final_only)
 
     async def create(
         self, request: MessagesRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
         prepared = await self.prepare(request)
-        (out,) = await final_outputs([self._generate(prepared)])
+        (out,) = await final_outputs([self._generate(prepared, final_only=True)])
         completion = out.outputs[0]
         parser = prepared.prompt.output_parser
         parsed = parser.parse(completion.text) if parser else ParsedOutput(completion.text, [])

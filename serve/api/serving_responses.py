@@ -101,7 +101,7 @@ class ResponsesHandler:
         self, request: ResponsesRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
         turn, prompt = await self._begin(request)
-        (out,) = await final_outputs([self._open(turn, prompt)])
+        (out,) = await final_outputs([self._open(turn, prompt, final_only=True)])
         completion = out.outputs[0]
         status = _status(completion.finish_reason)
         parser = prompt.output_parser
@@ -164,7 +164,9 @@ class ResponsesHandler:
                 raise APIError(400, message, param) from None
         return Turn(request, conversation, chat)
 
-    def _open(self, turn: Turn, prompt: ChatPrompt) -> AsyncGenerator[RequestOutput, None]:
+    def _open(
+        self, turn: Turn, prompt: ChatPrompt, final_only: bool = False
+    ) -> AsyncGenerator[RequestOutput, None]:
         with _responses_params():
             return open_stream(
                 self.engine,
@@ -175,6 +177,7 @@ class ResponsesHandler:
                 prompt.max_tokens,
                 turn.chat.num_logprobs,
                 self.settings.request_timeout_s,
+                final_only,
             )
 
     # -- the response -------------------------------------------------------------------------

@@ -83,8 +83,10 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Any,
         arrival_time: float,
+        final_only: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.final_only = final_only  # its reader wants the final output alone
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -100,9 +102,11 @@ class RequestState:
 
     @property
     def streams(self) -> bool:
-        """Whether its output is read as it grows: not when the returned sequences are
-        chosen at the end (best_of > n, beam search)."""
-        return not self.params.use_beam_search and self.params.best_of == self.params.n
+        """Whether its output is read as it grows: not when its reader wants the final
+        output alone, nor when the returned sequences are chosen at the end (best_of > n,
+        beam search)."""
+        params = self.params
+        return not self.final_only and not params.use_beam_search and params.best_of == params.n
 
     def apply(self, delta: RequestDelta) -> tuple[bool, list[AbortRequest | StopSequence]]:
         """Take one message: whether the output changed, and what the core must stop."""
@@ -213,9 +217,19 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        final_only: bool = False,
     ) -> None:
+        """Track a request. With `final_only`, `process` gives its output once, finished,
+        not a snapshot every step: for a reader that keeps only the last (a response that
+        is not streamed), those snapshots cost the front end its time for nothing."""
         state = RequestState(
-            request_id, prompt, prompt_token_ids, params, self.tokenizer, time.monotonic()
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            self.tokenizer,
+            time.monotonic(),
+            final_only,
         )
         with self._lock:
             self._requests[request_id] = state

@@ -50,7 +50,7 @@ class OutputStreams:
         return self._processor.metrics
 
     async def generate(
-        self, add: AddRequest, timeout_s: float | None = None
+        self, add: AddRequest, timeout_s: float | None = None, final_only: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes. Closing or cancelling the
         iterator early, or `timeout_s` passing (RequestTimeoutError), sends an abort,
@@ -63,7 +63,9 @@ class OutputStreams:
             if request_id in self._streams:
                 raise ValueError(f"A request with id {request_id!r} is already running.")
             self._streams[request_id] = stream
-        self._processor.add_request(request_id, add.prompt, add.prompt_token_ids, add.params)
+        self._processor.add_request(
+            request_id, add.prompt, add.prompt_token_ids, add.params, final_only
+        )
         self._send(add)
         deadline = None if timeout_s is None else stream.loop.time() + timeout_s
         finished = False
@@ -171,9 +173,10 @@ class EngineFrontEnd:
         prompt: str | None = None,
         timeout_s: float | None = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes or `timeout_s` passes.
-        Closing or cancelling the iterator early aborts the request in the core and
-        frees its blocks."""
+        """Cumulative outputs of one request until it finishes or `timeout_s` passes (with
+        `final_only`, only the finished one). Closing or cancelling the iterator early
+        aborts the request in the core and frees its blocks."""
         add = AddRequest(request_id, list(prompt_token_ids), params, prompt, priority)
-        return self._streams.generate(add, timeout_s)
+        return self._streams.generate(add, timeout_s, final_only)

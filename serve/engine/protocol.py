@@ -66,9 +66,10 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         timeout_s: float | None = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes. Closing the iterator early
-        aborts the request. Raises ValueError for a request the engine refuses,
+        """Cumulative outputs of one request until it finishes (with `final_only`, only
+        the finished one). Closing the iterator early aborts the request. Raises ValueError for a request the engine refuses,
         RequestError when processing this request failed, RequestTimeoutError (and aborts
         it) once it has run `timeout_s`, and EngineDeadError (also mid-stream) when the
         engine is gone."""

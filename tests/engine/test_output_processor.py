@@ -63,6 +63,29 @@ def test_text_grows_token_by_token_and_outputs_are_snapshots(tokenizer):
     assert outputs[-1].finished and processor.num_requests == 0
 
 
+def test_a_final_only_request_gives_its_finished_output_alone(tokenizer):
+    """A response that is not streamed keeps only the last output: no snapshot per step,
+    and the one it gets is the streamed request's last, stop strings applied."""
+    ids = _ids(tokenizer, "The sea is wide and blue.")
+    streamed, final_only = OutputProcessor(tokenizer), OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=None, stop=["blue"])
+    streamed.add_request("r", None, PROMPT_IDS, params)
+    final_only.add_request("r", None, PROMPT_IDS, params, final_only=True)
+    outputs = {streamed: [], final_only: []}
+    for processor in outputs:
+        for token_id in ids:
+            step = _step(processor, _token(0, token_id))
+            outputs[processor] += step.outputs
+            if step.to_core:  # the stop string ended it here
+                break
+    assert len(outputs[streamed]) > 1 and len(outputs[final_only]) == 1
+    (last,) = outputs[final_only]
+    assert last.finished and last.outputs[0].text == "The sea is wide and " == (
+        outputs[streamed][-1].outputs[0].text
+    )
+    assert last.outputs[0].token_ids == outputs[streamed][-1].outputs[0].token_ids
+
+
 @pytest.mark.parametrize(("params", "needs"), [({"logprobs": 0}, True), ({"n": 2}, False)])
 def test_cumulative_logprob_only_for_requests_that_need_logprobs(tokenizer, params, needs):
     processor = _processor(tokenizer, **params)
@@ -276,3 +299,26 @@ def test_the_core_frees_a_stopped_sequences_blocks(llm, prompt):
     while llm.has_unfinished_requests():
         llm.step()
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_the_engine_gives_a_final_only_request_its_last_output_alone(llm, prompt):
+    """What a response that is not streamed reads: one output, the streamed one's last."""
+    params = SamplingParams(**N3)
+    engine = AsyncEngine.from_config(llm.engine.config)
+
+    async def outputs(request_id: str, final_only: bool) -> list:
+        stream = engine.generate(request_id, prompt, params, final_only=final_only)
+        return [out async for out in stream]
+
+    async def both():
+        return await asyncio.gather(outputs("streamed", False), outputs("final", True))
+
+    try:
+        streamed, final = asyncio.run(both())
+    finally:
+        engine.shutdown()
+    assert len(streamed) > 1 and len(final) == 1 and final[0].finished
+    key = [(c.index, c.token_ids, c.text, c.finish_reason) for c in streamed[-1].outputs]
+    assert sorted(key) == sorted(
+        (c.index, c.token_ids, c.text, c.finish_reason) for c in final[0].outputs
+    )
