@@ -33,10 +33,6 @@ class SequenceStatus(enum.Enum):
     SWAPPED = enum.auto()  # preempted with its KV blocks moved to the CPU swap space
     FINISHED = enum.auto()
 
-    @property
-    def is_finished(self) -> bool:
-        return self is SequenceStatus.FINISHED
-
 
 # The member itself, for the per-sequence checks of every step: an Enum member read
 # through its class costs ~5x a module global.

@@ -7,14 +7,15 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from gpu_share import ENGINE_SHARE, ON_A_GPU_MACHINE  # noqa: E402 (imports only os)
+
 # Without a GPU the Triton kernel tests run under Triton's interpreter. Triton reads this
 # once, and transformers imports triton while test modules are collected, so it is set
 # here, first; only the kernel tests use Triton on CPU.
-if not os.path.exists("/dev/nvidiactl"):
+if not ON_A_GPU_MACHINE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from gpu_share import ENGINE_SHARE  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="session")
