@@ -117,6 +117,19 @@ def paged_attention_inputs(
     A per-step hot path: one Python pass over the spans (their block tables copied row by
     row into one array, a memcpy each from the mirror's arrays), the per-token positions and
     slots computed in numpy."""
+    positions, meta, _ = _paged_attention(spans, block_size, num_decode_seqs, device, [])
+    return positions, meta
+
+
+def _paged_attention(
+    spans: list[QuerySpan],
+    block_size: int,
+    num_decode_seqs: int,
+    device: torch.device,
+    also: list[Sequence[int] | np.ndarray],
+) -> tuple[torch.Tensor, AttentionMetadata, list[torch.Tensor]]:
+    """`paged_attention_inputs`, and the int64 arrays `also` on `device` in the same
+    upload (on a GPU, one copy a step)."""
     num_seqs = len(spans)
     starts = np.fromiter((span.start for span in spans), np.int64, num_seqs)
     query_lens = np.fromiter((span.count for span in spans), np.int64, num_seqs)
@@ -136,8 +149,8 @@ def paged_attention_inputs(
     blocks = tables[seq_of_token, positions // block_size]
     slots = blocks * block_size + positions % block_size
     seq_lens = starts + query_lens
-    slot_mapping, block_tables, seq_lens_t, query_start, positions_t = upload_int64(
-        [slots, tables, seq_lens, query_start_loc, positions], device
+    slot_mapping, block_tables, seq_lens_t, query_start, positions_t, *also_t = upload_int64(
+        [slots, tables, seq_lens, query_start_loc, positions, *also], device
     )
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
@@ -148,7 +161,7 @@ def paged_attention_inputs(
         query_lens_cpu=query_lens.tolist(),
         num_decode_seqs=num_decode_seqs,
     )
-    return positions_t, meta
+    return positions_t, meta, also_t
 
 
 def build_model_inputs(
@@ -211,9 +224,9 @@ def build_model_inputs(
             logits_indices.extend(range(last, offset + n))
             sampled.append(seq)
             sampled_drafts.append(seq_drafts)
-    positions, meta = paged_attention_inputs(spans, block_size, num_decode_seqs, device)
-    input_ids, logits_rows, *prompt_rows = upload_int64(
-        [token_ids, logits_indices] + ([prompt_indices] if prompt_indices else []), device
+    also = [token_ids, logits_indices] + ([prompt_indices] if prompt_indices else [])
+    positions, meta, (input_ids, logits_rows, *prompt_rows) = _paged_attention(
+        spans, block_size, num_decode_seqs, device, also
     )
     return ModelInputs(
         input_ids,
