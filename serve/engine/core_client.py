@@ -36,6 +36,7 @@ from serve.engine.messages import (
     CoreStats,
     RequestFailed,
     Stop,
+    decode_reply,
 )
 from serve.engine.output_streams import EngineFrontEnd
 from serve.engine.protocol import EngineDeadError, RequestError
@@ -169,7 +170,7 @@ class EngineCoreClient(EngineFrontEnd):
         if self._output_reader not in wait([self._output_reader, self._process.sentinel]):
             return None
         try:
-            return self._output_reader.recv()
+            return decode_reply(self._output_reader.recv_bytes())
         except (EOFError, OSError):
             return None
 

@@ -9,9 +9,9 @@
              ◀── CoreStats ───────────────────────── for /metrics, while busy and when idle
              ◀── CoreFailed ──────────────────────── the loop died (then exit 1)
 
-Both are one-way `multiprocessing` pipes of pickled plain dataclasses. The child sends
-each request's new tokens since its last message (output_deltas.py); the parent decodes
-the text and applies stop strings. The child ignores SIGINT: Ctrl-C reaches the whole
+Both are one-way `multiprocessing` pipes of plain data: a step's deltas as MessagePack,
+the rest pickled (messages.py). The child sends each request's new tokens since its last
+message (output_deltas.py); the parent decodes the text and applies stop strings. The child ignores SIGINT: Ctrl-C reaches the whole
 process group, and the parent decides when the core stops (Stop, or terminate). When the
 parent dies, its pipe ends close: the child's next read or write fails and it exits.
 Nothing here imports FastAPI or the API.
@@ -27,7 +27,14 @@ from multiprocessing.connection import Connection
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.core_loop import run_core_loop
-from serve.engine.messages import Command, CoreFailed, CoreReady, CoreStats, RequestFailed
+from serve.engine.messages import (
+    Command,
+    CoreFailed,
+    CoreReady,
+    CoreStats,
+    RequestFailed,
+    encode_step,
+)
 from serve.engine.protocol import request_error_message
 from serve.scheduler.output_deltas import RequestDelta
 
@@ -52,7 +59,7 @@ class _PipeReplies:
         self.conn = conn
 
     def put_step(self, deltas: list[RequestDelta]) -> None:
-        self.conn.send(deltas)
+        self.conn.send_bytes(encode_step(deltas))
 
     def request_failed(self, request_id: str, error: Exception) -> None:
         if isinstance(error, ValueError):
