@@ -26,7 +26,7 @@ class EventNumbering:
     def __init__(self) -> None:
         self.sequence_number = 0
 
-    def sse(self, type: str, **fields: Any) -> str:
+    def sse(self, type: str, **fields: Any) -> bytes:
         payload = {"type": type, **fields, "sequence_number": self.sequence_number}
         self.sequence_number += 1
         return sse(payload, event=type)

@@ -202,7 +202,7 @@ class ChatHandler:
 
     async def stream(
         self, request: ChatCompletionRequest, on_usage: UsageCallback | None = None
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """SSE chunks as OpenAI sends them: a role chunk per choice, content and tool-call
         deltas, a finish chunk per choice, the usage chunk if asked for, then [DONE]. Bad
         requests raise here, before the response starts."""
@@ -243,7 +243,7 @@ class ChatHandler:
         writer: ChunkWriter,
         prompt: ChatPrompt,
         on_usage: UsageCallback | None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         for index in range(request.n):
             role = {"role": "assistant", "content": ""}
             yield writer.chunk(index, delta=role, logprobs=None, finish_reason=None)

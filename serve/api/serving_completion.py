@@ -205,7 +205,7 @@ class CompletionHandler:
 
     async def stream(
         self, request: CompletionRequest, on_usage: UsageCallback | None = None
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         prompts = await off_the_loop(self.prepare, request)
         writer = ChunkWriter(
             random_id("cmpl"),
@@ -225,7 +225,7 @@ class CompletionHandler:
         streams: list[AsyncIterator[RequestOutput]],
         writer: ChunkWriter,
         on_usage: UsageCallback | None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """max_tokens 0 with echo, streamed: one chunk per choice, once its prompt is
         computed, with the prompt's text, logprobs and finish reason."""
         async with guard_stream() as failed:
@@ -245,7 +245,7 @@ class CompletionHandler:
         streams: list[AsyncIterator[RequestOutput]],
         writer: ChunkWriter,
         on_usage: UsageCallback | None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         if request.echo:
             for index in range(len(streams) * request.n):
                 echo = prompts[index // request.n][0]

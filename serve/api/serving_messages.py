@@ -73,7 +73,7 @@ def stop_reason(completion: CompletionOutput | None, has_calls: bool) -> tuple[s
     return "end_turn", None  # EOS, a stop token, a completed grammar (or an abort)
 
 
-def sse_event(name: str, payload: dict[str, Any]) -> str:
+def sse_event(name: str, payload: dict[str, Any]) -> bytes:
     return sse(payload, event=name)
 
 
@@ -122,7 +122,7 @@ class ContentBlockEvents:
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
         return [*stopped, sse_event("content_block_start", start)]
 
-    def _delta(self, delta: dict[str, Any]) -> str:
+    def _delta(self, delta: dict[str, Any]) -> bytes:
         body = {"type": "content_block_delta", "index": self.index, "delta": delta}
         return sse_event("content_block_delta", body)
 
@@ -201,7 +201,7 @@ class MessagesHandler:
 
     async def stream(
         self, request: MessagesRequest, on_usage: UsageCallback | None = None
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """The events of a streamed message. Bad requests raise here, before the response
         starts; a failure after that is an `error` event."""
         prepared = await self.prepare(request)
@@ -212,7 +212,7 @@ class MessagesHandler:
         prepared: PreparedMessage,
         outputs: AsyncGenerator[RequestOutput, None],
         on_usage: UsageCallback | None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         num_prompt_tokens = len(prepared.prompt.token_ids)
         start = self._message(prepared, [], None, None)
         start["usage"] = {"input_tokens": num_prompt_tokens, "output_tokens": 0}

@@ -118,7 +118,7 @@ class ResponsesHandler:
 
     async def stream(
         self, request: ResponsesRequest, on_usage: UsageCallback | None = None
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         """The response's events (see responses_stream.py), from `response.created` to
         `response.completed` or `response.incomplete`; a failure mid-stream ends it with
         an `error` event and `response.failed`. Bad requests raise here, before the
@@ -188,7 +188,7 @@ class ResponsesHandler:
         prompt: ChatPrompt,
         stream: AsyncGenerator[RequestOutput, None],
         on_usage: UsageCallback | None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         events = EventNumbering()
         started = self._response(turn, "in_progress", [], None)
         yield events.sse("response.created", response=started)

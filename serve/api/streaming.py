@@ -202,7 +202,7 @@ async def stream_choices(
     content_fields: ContentFields,
     finish_fields: FinishFields,
     on_usage: UsageCallback | None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """The content, finish and usage chunks of a streamed response, then [DONE]. Chat and
     completions differ only in the fields of a choice, which the callers supply."""
     state = StreamState(len(streams) * n, stop_holdback(stop))
@@ -229,7 +229,7 @@ def stream_end(
     failure: StreamFailure,
     counts: dict[str, int],
     on_usage: UsageCallback | None,
-) -> Iterator[str]:
+) -> Iterator[bytes]:
     """A streamed response's last events: the error of a failure mid-stream, else the
     usage chunk when the client asked for one; then [DONE]. `on_usage` hears the counts."""
     if on_usage is not None:
