@@ -52,9 +52,10 @@ class OutputStreams:
     async def generate(
         self, add: AddRequest, timeout_s: float | None = None, final_only: bool = False
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes. Closing or cancelling the
-        iterator early, or `timeout_s` passing (RequestTimeoutError), sends an abort,
-        which frees the request's blocks in the core."""
+        """Cumulative outputs of one request until it finishes: the newest at each read,
+        so a reader that falls behind skips the ones in between (`_catch_up`). Closing or
+        cancelling the iterator early, or `timeout_s` passing (RequestTimeoutError), sends
+        an abort, which frees the request's blocks in the core."""
         request_id = add.request_id
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:  # a stream registered here is failed by any later fail_all
@@ -69,12 +70,17 @@ class OutputStreams:
         self._send(add)
         deadline = None if timeout_s is None else stream.loop.time() + timeout_s
         finished = False
+        error: BaseException | None = None  # queued behind an output the reader had not read
         try:
             while not finished:
-                item = await _next_before(stream.queue, deadline, timeout_s)
+                if error is None:
+                    item = await _next_before(stream.queue, deadline, timeout_s)
+                else:
+                    item = error
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                item, error = _catch_up(stream.queue, item)
                 finished = item.finished
                 yield item
         finally:
@@ -132,6 +138,21 @@ async def _next_before(
             f"The request did not finish within {timeout_s:g} s (the server's "
             "--request-timeout) and was stopped. Ask for fewer tokens (max_tokens)."
         ) from None
+
+
+def _catch_up(
+    items: asyncio.Queue, output: RequestOutput
+) -> tuple[RequestOutput, BaseException | None]:
+    """The newest output queued behind `output`, and an error queued after them. Outputs
+    are cumulative, so a reader that fell behind (the event loop busier than the core)
+    loses nothing by skipping to the newest: it sends the tokens of several steps as one
+    chunk, and catches up, instead of paying a chunk per token and falling further behind."""
+    while not output.finished and not items.empty():
+        item = items.get_nowait()
+        if isinstance(item, BaseException):
+            return output, item
+        output = item
+    return output, None
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
