@@ -51,6 +51,9 @@ class BlockPool:
             self._num_clean = num_blocks
         self._hash_of_block: dict[int, bytes] = {}
         self._block_of_hash: dict[bytes, int] = {}
+        # Free blocks holding a prefix, counted as they change: the stats read it twice a
+        # second, and counting walked the free list (~20 ms at 131K blocks).
+        self._num_cached = 0
         self.peak_num_used = 0
 
     @property
@@ -69,7 +72,7 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold a known prefix."""
-        return sum(1 for b in self._free if b in self._hash_of_block)
+        return self._num_cached
 
     @property
     def free_block_ids(self) -> tuple[int, ...]:
@@ -95,6 +98,7 @@ class BlockPool:
         block_hash = self._hash_of_block.pop(block_id, None)
         if block_hash is not None:
             del self._block_of_hash[block_hash]
+            self._num_cached -= 1
         self._ref_counts[block_id] = 1
         self._note_usage()
         return block_id
@@ -105,6 +109,7 @@ class BlockPool:
             if block_id not in self._hash_of_block:
                 raise ValueError(f"incref of free, uncached block {block_id}")
             del self._free[block_id]
+            self._num_cached -= 1
             self._note_usage()
         self._ref_counts[block_id] += 1
 
@@ -115,7 +120,9 @@ class BlockPool:
         self._ref_counts[block_id] -= 1
         if self._ref_counts[block_id] == 0:
             self._free[block_id] = None
-            if self._clean is not None and block_id not in self._hash_of_block:
+            if block_id in self._hash_of_block:
+                self._num_cached += 1
+            elif self._clean is not None:
                 self._clean[block_id] = 1
                 self._num_clean += 1
 
@@ -185,6 +192,8 @@ class BlockPool:
                 f"block {block_id}'s prefix hash maps to {self._block_of_hash.get(block_hash)}"
             )
         assert len(self._block_of_hash) == len(self._hash_of_block), "prefix maps differ in size"
+        cached = sum(1 for b in free if b in self._hash_of_block)
+        assert self._num_cached == cached, f"cached count {self._num_cached} != {cached}"
         if self._clean is not None:
             clean = {b for b in free if b not in self._hash_of_block}
             marked = set(np.flatnonzero(self._clean).tolist())
