@@ -1,8 +1,9 @@
 """What a step's messages cost to cross a process boundary: bytes, encode and decode time.
 
 The multiprocess executor encodes each SchedulerOutput once and sends the bytes to every
-rank; rank 0 sends a ModelRunnerOutput back. This compares two encodings of those plain
-dataclasses on realistic steps:
+rank; rank 0 sends a ModelRunnerOutput back; a core process sends the front end the
+step's token deltas (list[RequestDelta], msgspec structs). This compares two encodings
+of those messages on realistic steps:
 
 - pickle (protocol 5): any Python object; decodes into the same dataclasses;
 - msgspec msgpack: a typed decoder builds the dataclasses (and checks their field types).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from serve.sampling_params import SamplingParams
+from serve.scheduler.output_deltas import RequestDelta, SeqDelta
 from serve.step import ModelRunnerOutput, NewSequence, ScheduledSequence, SchedulerOutput
 
 BLOCK_SIZE = 16
@@ -85,6 +87,20 @@ def sampled_output(num_seqs: int, top_logprobs: int, rng: random.Random) -> Mode
     )
 
 
+def token_deltas(num_seqs: int, top_logprobs: int, rng: random.Random) -> list[RequestDelta]:
+    """What a core process sends the front end after a decode step: one new token each
+    (with its logprob and top logprobs when `top_logprobs`)."""
+    deltas = []
+    for i in range(num_seqs):
+        top = None
+        if top_logprobs:
+            top = [{rng.randrange(VOCAB_SIZE): -rng.random() * 5 for _ in range(top_logprobs)}]
+        logprobs = [-rng.random()] if top_logprobs else None
+        seq = SeqDelta(0, [rng.randrange(VOCAB_SIZE)], logprobs, top)
+        deltas.append(RequestDelta(f"cmpl-{i:032x}-0", [seq], False))
+    return deltas
+
+
 @dataclass
 class Codec:
     name: str
@@ -111,8 +127,8 @@ def best_time_us(fn: Callable[[], object], repeats: int) -> float:
     return best * 1e6
 
 
-def measure(label: str, message: object, repeats: int) -> None:
-    for codec in codecs(type(message)):
+def measure(label: str, message: object, repeats: int, message_type: object = None) -> None:
+    for codec in codecs(message_type or type(message)):
         data = codec.encode(message)
         assert codec.decode(data) == message, f"{codec.name} does not round-trip {label}"
         encode_us = best_time_us(lambda c=codec: c.encode(message), repeats)
@@ -145,6 +161,13 @@ def main() -> None:
         sampled_output(args.decodes, args.top_logprobs, rng),
         args.repeats,
     )
+    for top in (0, args.top_logprobs):
+        measure(
+            f"deltas, {args.decodes} tokens" + (f" + top-{top}" if top else ""),
+            token_deltas(args.decodes, top, rng),
+            args.repeats,
+            list[RequestDelta],
+        )
 
 
 if __name__ == "__main__":
