@@ -2,7 +2,8 @@
 # The whole GPU check in one run, sized for a short lease (about 7 minutes on an H200):
 # the kernel and GPU tests, the kernels against the device's limits, the server on CUDA,
 # serve (CUDA graphs, its default, and eager) against HF transformers at two model shapes,
-# and where a decode step's time goes, graphed and eager.
+# where a decode step's time goes, graphed and eager, and whether the API process keeps
+# up with streamed tokens (its CPU time over a load of 256 streams).
 # Each part has its own time limit, so one that hangs costs only its share; logs and JSON
 # land in OUT_DIR.
 #
@@ -54,6 +55,14 @@ curl -s localhost:8765/v1/completions -H 'Content-Type: application/json' \
 curl -sN localhost:8765/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"model": "/tmp/gpu-check-small", "messages": [{"role": "user", "content": "Hi"}],
          "max_tokens": 16, "stream": true}' | grep -c '^data: {' | sed 's/^/chat stream chunks: /'
+part "the server under load: 256 streamed completions of 128 tokens, and the API process's CPU"
+cpu() { awk '{printf "%.2f", ($14 + $15) / 100}' "/proc/$1/stat"; }
+before=$(cpu "$server")
+timeout 120 python3 -m serve bench --base-url http://127.0.0.1:8765 --num-requests 256 \
+    --min-prompt 32 --max-prompt 64 --min-output 128 --max-output 128 --ignore-eos \
+    --no-plots --no-progress --output-dir "$out/bench" >"$out/bench.log" 2>&1
+echo "rc=$?"; grep -E "Output token throughput|TTFT|ITL" "$out/bench.log"
+echo "API process CPU: $before -> $(cpu "$server") s"
 kill "$server"; wait "$server" 2>/dev/null
 
 for shape in small 8b; do
