@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from serve.api.sse import sse
+
 MESSAGES = [{"role": "user", "content": "Please write a short poem about the sea."}]
 PROMPT = "The sea is wide and blue"
 
@@ -94,6 +96,21 @@ def test_completion_stream_framing(http, server):
     assert choice_chunks[-1]["choices"][0]["finish_reason"] == full["choices"][0]["finish_reason"]
     assert all(c["choices"][0]["finish_reason"] is None for c in choice_chunks[:-1])
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
+
+
+def test_an_event_is_one_json_line_with_text_kept_and_line_breaks_escaped():
+    """The encoder's own contract, without a server: other text stays UTF-8 as it is (not
+    \\u escapes), every character that ends a line for some client is escaped, and a
+    float JSON cannot hold is null, not a token a JSON parser rejects."""
+    text = "café ☕ one\ntwo\rthree\u2028four\x85five\u2029six"
+    event = sse({"text": text, "logprob": float("nan"), "low": float("-inf")}, event="delta")
+    head, data = event.split(b"\n", 1)
+    assert head == b"event: delta"
+    assert data.startswith(b"data: ") and data.endswith(b"\n\n")
+    line = data[len(b"data: ") : -2]
+    assert "café ☕".encode() in line
+    assert not any(c in line.decode() for c in "\n\r\x85\u2028\u2029")
+    assert json.loads(line) == {"text": text, "logprob": None, "low": None}
 
 
 def test_text_with_unicode_line_separators_stays_in_its_event(http, server):
