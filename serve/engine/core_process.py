@@ -11,9 +11,10 @@
 
 Both are one-way `multiprocessing` pipes of plain data: a step's deltas as MessagePack,
 the rest pickled (messages.py). The child sends each request's new tokens since its last
-message (output_deltas.py); the parent decodes the text and applies stop strings. The child ignores SIGINT: Ctrl-C reaches the whole
-process group, and the parent decides when the core stops (Stop, or terminate). When the
-parent dies, its pipe ends close: the child's next read or write fails and it exits.
+message (output_deltas.py); the parent decodes the text and applies stop strings. The
+child ignores SIGINT: Ctrl-C reaches the whole process group, and the parent decides when
+the core stops (Stop, or terminate). When the parent dies, its pipe ends close: the
+child's next read or write fails and it exits.
 Nothing here imports FastAPI or the API.
 """
 
