@@ -82,6 +82,10 @@ class BlockManager:
     def num_required_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def _num_new_blocks(self, num_tokens: int, table: list[int]) -> int:
+        """Blocks `num_tokens` tokens need beyond those `table` already lists."""
+        return max(0, self.num_required_blocks(num_tokens) - len(table))
+
     def get_block_table(self, seq_id: int) -> list[int]:
         return self.block_tables[seq_id]
 
@@ -130,7 +134,7 @@ class BlockManager:
         num_new = 0
         for cached_prefix, num_tokens in admissions:
             revived.update(b for b in cached_prefix if self.block_pool.is_free(b))
-            num_new += max(0, self.num_required_blocks(num_tokens) - len(cached_prefix))
+            num_new += self._num_new_blocks(num_tokens, cached_prefix)
         return len(revived) + num_new
 
     def take_cached_prefix(self, seq: Sequence, cached_prefix: list[int]) -> int:
@@ -188,7 +192,7 @@ class BlockManager:
         writers: Counter[int] | None = None  # made only when a shared block is written
         for seq, num_tokens in plan:
             table = tables.get(seq.seq_id, [])
-            total += max(0, self.num_required_blocks(num_tokens) - len(table))
+            total += self._num_new_blocks(num_tokens, table)
             shared = self._shared_block_written(seq, num_tokens, table, pool)
             if shared is not None:
                 writers = writers if writers is not None else Counter()
@@ -209,7 +213,7 @@ class BlockManager:
         table = self.block_tables.setdefault(seq.seq_id, [])
         shared = self._shared_block_written(seq, num_tokens, table, self.block_pool)
         # num_blocks_needed for this one sequence: new blocks, and a copy of a shared one.
-        needed = max(0, self.num_required_blocks(num_tokens) - len(table)) + (shared is not None)
+        needed = self._num_new_blocks(num_tokens, table) + (shared is not None)
         if needed > self.num_free_blocks:
             if not table:
                 del self.block_tables[seq.seq_id]
@@ -223,7 +227,7 @@ class BlockManager:
             self.block_pool.free(shared)
             table[index] = fresh
             copies.append((shared, fresh))
-        for _ in range(self.num_required_blocks(num_tokens) - len(table)):
+        for _ in range(self._num_new_blocks(num_tokens, table)):
             table.append(self.block_pool.allocate(after=table[-1] if table else None))
         self._num_slots_filled[seq.seq_id] = max(
             num_tokens, self._num_slots_filled.get(seq.seq_id, 0)
