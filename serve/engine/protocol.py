@@ -69,10 +69,10 @@ class EngineClient(Protocol):
         final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Cumulative outputs of one request until it finishes (with `final_only`, only
-        the finished one). Closing the iterator early aborts the request. Raises ValueError for a request the engine refuses,
-        RequestError when processing this request failed, RequestTimeoutError (and aborts
-        it) once it has run `timeout_s`, and EngineDeadError (also mid-stream) when the
-        engine is gone."""
+        the finished one). Closing the iterator early aborts the request. Raises
+        ValueError for a request the engine refuses, RequestError when processing this
+        request failed, RequestTimeoutError (and aborts it) once it has run `timeout_s`,
+        and EngineDeadError (also mid-stream) when the engine is gone."""
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         """ValueError unless every id is in the model's vocabulary."""
