@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
+
+
+class OutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, at every step
+    # What is new since the previous output. A streamed response sends only that, and a
+    # snapshot of a long output every step would cost the front end time in its length.
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"  # one output, the finished one: a response not streamed
 
 
 def request_error_message(error: BaseException) -> str:
@@ -51,6 +62,25 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+    def add_delta(self, later: RequestOutput) -> None:
+        """Fold the next DELTA output of this request into this one (a reader that fell
+        behind sends both as one): texts, tokens and logprobs joined, the rest the later's."""
+        mine = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = mine.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if old.logprobs is not None and new.logprobs is not None:
+                old.logprobs = old.logprobs + new.logprobs
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.finished = later.finished
+        self.error = later.error
+        self.pooled = later.pooled
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from serve.api.errors import APIError
 from serve.api.protocol import SamplingRequest
 from serve.engine.protocol import EngineClient
-from serve.outputs import RequestOutput
+from serve.outputs import OutputKind, RequestOutput
 
 T = TypeVar("T")
 
@@ -37,11 +37,11 @@ def open_stream(
     max_tokens: int,
     num_logprobs: int | None,
     timeout_s: float | None = None,
-    final_only: bool = False,
+    output_kind: OutputKind = OutputKind.DELTA,
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
-    it is stopped with RequestTimeoutError after `timeout_s`. With `final_only` (a
-    response that is not streamed) it gives the finished output alone."""
+    it is stopped with RequestTimeoutError after `timeout_s`. It gives what is new at each
+    step (DELTA, a streamed response's), or the finished output alone (FINAL_ONLY)."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs)
         engine.check_params(params)
@@ -54,7 +54,7 @@ def open_stream(
         prompt,
         timeout_s,
         priority=request.priority,
-        final_only=final_only,
+        output_kind=output_kind,
     )
 
 

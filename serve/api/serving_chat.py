@@ -28,7 +28,7 @@ from serve.api.tool_parsers import (
     get_tool_parser,
 )
 from serve.engine.protocol import EngineClient
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,13 @@ class ChatHandler:
             message["content"] = ""
         return message, tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls))
 
-    def token_logprobs(self, completion: CompletionOutput, start: int, end: int, num_top: int):
-        """OpenAI's logprobs of output tokens [start, end): `{"content": [...]}`, or None
-        when the request asked for none."""
+    def token_logprobs(self, completion: CompletionOutput, num_top: int):
+        """OpenAI's logprobs of the output's tokens (a DELTA output's: the new ones):
+        `{"content": [...]}`, or None when the request asked for none."""
         if completion.logprobs is None:
             return None
         content = []
-        for token_id, top in zip(completion.token_ids[start:end], completion.logprobs[start:end]):
+        for token_id, top in zip(completion.token_ids, completion.logprobs):
             token = token_text(self.tokenizer, token_id)
             ranked = ranked_alternatives(top, num_top)
             content.append(
@@ -168,7 +168,8 @@ class ChatHandler:
     ) -> dict[str, Any]:
         prompt = await off_the_loop(self.prepare, request)
         request_id = random_id("chatcmpl")
-        (out,) = await final_outputs([self.generate(request, request_id, prompt, final_only=True)])
+        stream = self.generate(request, request_id, prompt, OutputKind.FINAL_ONLY)
+        (out,) = await final_outputs([stream])
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
         for index, completion in enumerate(finals):
@@ -177,9 +178,7 @@ class ChatHandler:
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self.token_logprobs(
-                        completion, 0, len(completion.token_ids), request.top_logprobs or 0
-                    ),
+                    "logprobs": self.token_logprobs(completion, request.top_logprobs or 0),
                     "finish_reason": finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
@@ -221,9 +220,9 @@ class ChatHandler:
         request: ChatCompletionRequest,
         request_id: str,
         prompt: ChatPrompt,
-        final_only: bool = False,
+        output_kind: OutputKind = OutputKind.DELTA,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine request for a prepared prompt (`final_only`: not streamed)."""
+        """The engine request for a prepared prompt: deltas to stream, or the final output."""
         return open_stream(
             self.engine,
             request,
@@ -233,7 +232,7 @@ class ChatHandler:
             prompt.max_tokens,
             request.num_logprobs,
             self.settings.request_timeout_s,
-            final_only,
+            output_kind,
         )
 
     async def _events(
@@ -251,11 +250,11 @@ class ChatHandler:
         parser = prompt.output_parser
         readers = defaultdict(parser.stream) if parser is not None else None  # per choice
 
-        def content(index, completion, text, start, end, sent_chars):
-            logprobs = self.token_logprobs(completion, start, end, num_top)
+        def content(index, completion, sent_chars):
+            logprobs = self.token_logprobs(completion, num_top)
             if readers is None:
-                return [{"delta": {"content": text}, "logprobs": logprobs}]
-            return event_fields(readers[index].feed(text), logprobs)
+                return [{"delta": {"content": completion.text}, "logprobs": logprobs}]
+            return event_fields(readers[index].feed(completion.text), logprobs)
 
         def finish(index, completion):
             if readers is None:
@@ -269,7 +268,6 @@ class ChatHandler:
             streams,
             request.n,
             writer,
-            request.stop,
             len(prompt.token_ids),
             content,
             finish,

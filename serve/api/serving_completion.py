@@ -29,7 +29,7 @@ from serve.api.streaming import (
     usage,
 )
 from serve.engine.protocol import EngineClient
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
 class CompletionHandler:
@@ -96,8 +96,14 @@ class CompletionHandler:
             for text, ids in self._prompts(request)
         ]
 
-    def _open(self, request: CompletionRequest, request_id: str, prompts, final_only: bool = False):
-        """One engine request per prompt (`final_only`: not streamed)."""
+    def _open(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts,
+        output_kind: OutputKind = OutputKind.DELTA,
+    ):
+        """One engine request per prompt: deltas to stream, or the final output."""
         return [
             open_stream(
                 self.engine,
@@ -108,19 +114,19 @@ class CompletionHandler:
                 max_tokens,
                 request.num_logprobs,
                 self.settings.request_timeout_s,
-                final_only,
+                output_kind,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]
 
     def _logprobs(
-        self, completion: CompletionOutput, start: int, end: int, text_offset: int, num_top: int
+        self, completion: CompletionOutput, text_offset: int, num_top: int
     ) -> dict[str, Any] | None:
+        """The logprobs of the output's tokens (a DELTA output's: the new ones), their text
+        starting at `text_offset`."""
         if completion.logprobs is None:
             return None
-        return self._token_logprobs(
-            completion.token_ids[start:end], completion.logprobs[start:end], text_offset, num_top
-        )
+        return self._token_logprobs(completion.token_ids, completion.logprobs, text_offset, num_top)
 
     def _token_logprobs(
         self,
@@ -161,7 +167,7 @@ class CompletionHandler:
         completion = out.outputs[index % request.n]
         prefix = prompt_text if request.echo else ""
         num_top = request.logprobs or 0
-        logprobs = self._logprobs(completion, 0, len(completion.token_ids), len(prefix), num_top)
+        logprobs = self._logprobs(completion, len(prefix), num_top)
         if request.echo and logprobs is not None and out.prompt_logprobs is not None:
             echoed = self._token_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, num_top)
             logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
@@ -183,7 +189,7 @@ class CompletionHandler:
     ) -> dict[str, Any]:
         prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("cmpl")
-        outs = await final_outputs(self._open(request, request_id, prompts, final_only=True))
+        outs = await final_outputs(self._open(request, request_id, prompts, OutputKind.FINAL_ONLY))
         choices = []
         for i, out in enumerate(outs):
             out.outputs.sort(key=lambda c: c.index)
@@ -252,15 +258,15 @@ class CompletionHandler:
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
         num_top = request.logprobs or 0
 
-        def content(index, completion, text, start, end, sent_chars):
-            logprobs = self._logprobs(completion, start, end, sent_chars, num_top)
-            return [{"text": text, "logprobs": logprobs}]
+        def content(index, completion, sent_chars):
+            logprobs = self._logprobs(completion, sent_chars, num_top)
+            return [{"text": completion.text, "logprobs": logprobs}]
 
         def finish(index, completion):
             return [finish_chunk(completion, text="")]
 
         num_prompt = sum(len(ids) for _, ids, _ in prompts)
         async for event in stream_choices(
-            streams, request.n, writer, request.stop, num_prompt, content, finish, on_usage
+            streams, request.n, writer, num_prompt, content, finish, on_usage
         ):
             yield event

@@ -33,11 +33,10 @@ from serve.api.streaming import (
     choice_outputs,
     final_outputs,
     guard_stream,
-    stop_holdback,
     usage,
 )
 from serve.api.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamEvent, ToolCall
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 MESSAGES_PATH = "/v1/messages"
 
@@ -174,15 +173,15 @@ class MessagesHandler:
         return PreparedMessage(chat, prompt, message_id())
 
     def _generate(
-        self, prepared: PreparedMessage, final_only: bool = False
+        self, prepared: PreparedMessage, output_kind: OutputKind = OutputKind.DELTA
     ) -> AsyncGenerator[RequestOutput, None]:
-        return self.chat.generate(prepared.chat, prepared.id, prepared.prompt, final_only)
+        return self.chat.generate(prepared.chat, prepared.id, prepared.prompt, output_kind)
 
     async def create(
         self, request: MessagesRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
         prepared = await self.prepare(request)
-        (out,) = await final_outputs([self._generate(prepared, final_only=True)])
+        (out,) = await final_outputs([self._generate(prepared, OutputKind.FINAL_ONLY)])
         completion = out.outputs[0]
         parser = prepared.prompt.output_parser
         parsed = parser.parse(completion.text) if parser else ParsedOutput(completion.text, [])
@@ -220,14 +219,15 @@ class MessagesHandler:
         yield sse_event("ping", {"type": "ping"})
         parser = prepared.prompt.output_parser
         reader = parser.stream() if parser is not None else None
-        state = StreamState(1, stop_holdback(prepared.chat.stop))
+        state = StreamState(1)
         blocks = ContentBlockEvents()
         finished: CompletionOutput | None = None
         async with guard_stream(MESSAGES_PATH) as failed:
             async for _, completion in choice_outputs([outputs], 1):
                 if finished is not None:
                     continue
-                text, _, _ = state.delta(0, completion)
+                state.take(0, completion)
+                text = completion.text
                 events: list[StreamEvent] = reader.feed(text) if reader else [text]
                 if completion.finished:
                     finished = completion

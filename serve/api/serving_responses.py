@@ -38,10 +38,9 @@ from serve.api.streaming import (
     choice_outputs,
     final_outputs,
     guard_stream,
-    stop_holdback,
 )
 from serve.api.streaming import usage as chat_usage
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 # The chat request's fields, as this endpoint calls them (first step of a param's path).
 _PARAMS = {
@@ -101,13 +100,13 @@ class ResponsesHandler:
         self, request: ResponsesRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
         turn, prompt = await self._begin(request)
-        (out,) = await final_outputs([self._open(turn, prompt, final_only=True)])
+        (out,) = await final_outputs([self._open(turn, prompt, OutputKind.FINAL_ONLY)])
         completion = out.outputs[0]
         status = _status(completion.finish_reason)
         parser = prompt.output_parser
         parsed = parser.parse(completion.text) if parser is not None else None
         content = completion.text if parsed is None else parsed.content
-        logprobs = self._logprobs(turn, completion, 0, len(completion.token_ids))
+        logprobs = self._logprobs(turn, completion)
         output = output_items(content, parsed.tool_calls if parsed else [], status, logprobs)
         counts = (len(prompt.token_ids), out.num_output_tokens)
         body = self._response(turn, status, output, usage(*counts))
@@ -165,7 +164,7 @@ class ResponsesHandler:
         return Turn(request, conversation, chat)
 
     def _open(
-        self, turn: Turn, prompt: ChatPrompt, final_only: bool = False
+        self, turn: Turn, prompt: ChatPrompt, output_kind: OutputKind = OutputKind.DELTA
     ) -> AsyncGenerator[RequestOutput, None]:
         with _responses_params():
             return open_stream(
@@ -177,7 +176,7 @@ class ResponsesHandler:
                 prompt.max_tokens,
                 turn.chat.num_logprobs,
                 self.settings.request_timeout_s,
-                final_only,
+                output_kind,
             )
 
     # -- the response -------------------------------------------------------------------------
@@ -196,13 +195,14 @@ class ResponsesHandler:
         output = StreamedOutput()
         parser = prompt.output_parser
         reader = parser.stream() if parser is not None else None
-        state = StreamState(1, stop_holdback(turn.chat.stop))
+        state = StreamState(1)
         status = "completed"
         async with guard_stream() as failed:
             async for _, completion in choice_outputs([stream], 1):
-                text, start, end = state.delta(0, completion)
+                state.take(0, completion)
+                text = completion.text
                 pieces = (reader.feed(text) if reader is not None else [text]) if text else []
-                logprobs = self._logprobs(turn, completion, start, end)
+                logprobs = self._logprobs(turn, completion)
                 for kind, fields in output.feed(pieces, logprobs):
                     yield events.sse(kind, **fields)
                 if completion.finished:
@@ -227,11 +227,9 @@ class ResponsesHandler:
         self._remember(turn, body)  # before the last event: a client may look it up at once
         yield events.sse(f"response.{status}", response=body)
 
-    def _logprobs(
-        self, turn: Turn, completion: CompletionOutput, start: int, end: int
-    ) -> list[dict[str, Any]]:
+    def _logprobs(self, turn: Turn, completion: CompletionOutput) -> list[dict[str, Any]]:
         num_top = turn.chat.top_logprobs or 0
-        logprobs = self.chat.token_logprobs(completion, start, end, num_top)
+        logprobs = self.chat.token_logprobs(completion, num_top)
         return logprobs["content"] if logprobs is not None else []
 
     def _remember(self, turn: Turn, body: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
 """Turning engine streams into a response: the `n` choices of each prompt numbered as
-OpenAI numbers them, text held back while it may still become a stop string, the
-content, finish and usage chunks of a streamed response, a failure mid-stream as an error
-event, and the final outputs of a non-streamed one (an engine error as its HTTP status)."""
+OpenAI numbers them, the content, finish and usage chunks of a streamed response (from
+DELTA outputs: the engine holds back text that may still become a stop string), a failure
+mid-stream as an error event, and the final outputs of a non-streamed one (an engine error
+as its HTTP status)."""
 
 from __future__ import annotations
 
@@ -73,34 +74,23 @@ class ChoiceProgress:
 @dataclass
 class StreamState:
     num_choices: int
-    holdback: int  # chars that could still be the start of a stop string
     choices: list[ChoiceProgress] = field(default_factory=list)
-    prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
 
-    def delta(self, index: int, completion: CompletionOutput) -> tuple[str, int, int]:
-        """New text, and the range of new tokens, for choice `index`."""
+    def take(self, index: int, delta: CompletionOutput) -> int:
+        """Count choice `index`'s next DELTA output; the characters it had sent before."""
         progress = self.choices[index]
-        end = len(completion.text)
-        if not completion.finished:
-            end = max(progress.num_chars, end - self.holdback)
-        text = completion.text[progress.num_chars : end]
-        first_token = progress.num_tokens
-        progress.num_chars = end
-        progress.num_tokens = len(completion.token_ids)
-        progress.finish_reason = completion.finish_reason
-        return text, first_token, progress.num_tokens
+        sent_chars = progress.num_chars
+        progress.num_chars += len(delta.text)
+        progress.num_tokens += len(delta.token_ids)
+        progress.finish_reason = delta.finish_reason
+        return sent_chars
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
-
-
-def stop_holdback(stop: str | list[str] | None) -> int:
-    stops = [stop] if isinstance(stop, str) else (stop or [])
-    return max((len(s) for s in stops), default=1) - 1
 
 
 UsageCallback = Callable[[dict[str, int]], None]
@@ -148,9 +138,9 @@ async def guard_stream(path: str = "") -> AsyncIterator[StreamFailure]:
         failure.error = error_body(_engine_error_status(e), str(e), path=path)
 
 
-# (index, completion, new text, first new token, end of new tokens, chars sent before)
-# -> the choice's fields in each content chunk to send (none, one or several).
-ContentFields = Callable[[int, CompletionOutput, str, int, int, int], list[dict[str, Any]]]
+# (index, DELTA output, chars sent before) -> the choice's fields in each content chunk to
+# send (none, one or several).
+ContentFields = Callable[[int, CompletionOutput, int], list[dict[str, Any]]]
 
 
 # (index, finished completion) -> the choice's fields in each last chunk: anything held
@@ -173,7 +163,7 @@ def finish_chunk(
 async def choice_outputs(
     streams: list[AsyncGenerator[RequestOutput, None]], n: int
 ) -> AsyncIterator[tuple[int, CompletionOutput]]:
-    """Every choice's output as it grows: choice `i * n + j` is output j of prompt i, as
+    """Every choice's outputs as they come: choice `i * n + j` is output j of prompt i, as
     OpenAI numbers them."""
     async for stream_index, out in merge_streams(streams):
         for completion in out.outputs:
@@ -197,23 +187,22 @@ async def stream_choices(
     streams: list[AsyncGenerator[RequestOutput, None]],
     n: int,
     writer: ChunkWriter,
-    stop: str | list[str] | None,
     num_prompt_tokens: int,
     content_fields: ContentFields,
     finish_fields: FinishFields,
     on_usage: UsageCallback | None,
 ) -> AsyncIterator[bytes]:
-    """The content, finish and usage chunks of a streamed response, then [DONE]. Chat and
-    completions differ only in the fields of a choice, which the callers supply."""
-    state = StreamState(len(streams) * n, stop_holdback(stop))
+    """The content, finish and usage chunks of a streamed response (from DELTA outputs),
+    then [DONE]. Chat and completions differ only in the fields of a choice, which the
+    callers supply."""
+    state = StreamState(len(streams) * n)
     async with guard_stream() as failed:
         async for index, completion in choice_outputs(streams, n):
             if state.choices[index].finish_reason is not None:
-                continue  # a sibling moved on; this choice has said all it had
-            sent_chars = state.choices[index].num_chars
-            text, start, end = state.delta(index, completion)
-            if text or (completion.logprobs is not None and end > start):
-                for fields in content_fields(index, completion, text, start, end, sent_chars):
+                continue  # said all it had
+            sent_chars = state.take(index, completion)
+            if completion.text or (completion.logprobs is not None and completion.token_ids):
+                for fields in content_fields(index, completion, sent_chars):
                     yield writer.chunk(index, **fields, finish_reason=None)
             if completion.finished:
                 for fields in finish_fields(index, completion):

@@ -1,16 +1,19 @@
 """OutputProcessor: the front end's half of the engine's output, from token deltas to text.
 
 The core sends each request's new tokens (output_deltas.py); here each sequence's text is
-decoded incrementally (detokenizer.py), stop strings are applied, and the cumulative
-`RequestOutput`s are built. Every front end uses this one class: `OutputStreams` for the
-servers (a core process, or the core on a thread) and the offline `LLM`, so their outputs
-are the same.
+decoded incrementally (detokenizer.py), stop strings are applied, and the `RequestOutput`s
+are built, of the kind each reader asked for (`OutputKind`): everything so far, what is
+new since the last, or the finished output alone. Every front end uses this one class:
+`OutputStreams` for the servers (a core process, or the core on a thread) and the offline
+`LLM`, so their outputs are the same.
 
 A stop string ends a sequence here, before the core knows: the processor asks the core to
 stop it (`to_core`: an abort when the whole request is done, else `StopSequence`) and drops
 the tokens the core sampled for it in the meantime. `min_tokens` holds stop strings back
 as the core holds stop tokens back; a stop string found in the token that also reached the
-length limit wins (finish "stop", as in vLLM).
+length limit wins (finish "stop", as in vLLM). A DELTA output holds back the text that
+could still begin a stop string (`stop_holdback`) until more text shows it does not, so
+no text it hands out is ever cut.
 
 Thread-safety: `add_request` and `abort_request` may run on another thread than `process`
 (a server's event loop, its receiving thread); one thread at a time calls `process`.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +32,7 @@ from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string, t
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.protocol import request_error_message
 from serve.engine.request_metrics import RequestMetrics
-from serve.outputs import CompletionOutput, RequestOutput
+from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta, SeqDelta
 from serve.sequence import FinishReason
@@ -55,9 +58,13 @@ class _SeqOutput:
         # Summed token by token; None for a request that needs no logprobs (vLLM's too).
         self.cumulative_logprob: float | None = 0.0 if params.needs_logprobs else None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # All of it; for a DELTA request, what has not been handed out yet (the held-back
+        # tail), so that neither keeping nor sending it costs more as the output grows.
         self.text = ""
         self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
+        self.num_sent_tokens = 0  # DELTA: output tokens handed out
+        self.finish_sent = False  # DELTA: its finish was handed out
 
     def completion(self) -> CompletionOutput:
         """A snapshot: a reader may hold it while this sequence grows."""
@@ -71,6 +78,33 @@ class _SeqOutput:
             self.stop_reason,
         )
 
+    def delta(self, holdback: int) -> CompletionOutput | None:
+        """What is new since the last delta (None: nothing): the new tokens, and the new
+        text but its last `holdback` characters while it runs, which a stop string yet to
+        come could cut."""
+        finished = self.finish_reason is not None
+        start = self.num_sent_tokens
+        cut = len(self.text) if finished else max(len(self.text) - holdback, 0)
+        if not cut and start == len(self.token_ids) and finished == self.finish_sent:
+            return None
+        text, self.text = self.text[:cut], self.text[cut:]
+        self.num_sent_tokens = len(self.token_ids)
+        self.finish_sent = finished
+        return CompletionOutput(
+            self.index,
+            text,
+            self.token_ids[start:],
+            self.cumulative_logprob,
+            None if self.logprobs is None else self.logprobs[start:],
+            None if self.finish_reason is None else self.finish_reason.value,
+            self.stop_reason,
+        )
+
+
+def stop_holdback(stop_strings: Sequence[str]) -> int:
+    """Characters of streamed text that could still be the start of a stop string."""
+    return max((len(s) for s in stop_strings), default=1) - 1
+
 
 class RequestState:
     """One request's sequences, text and finish, from its token deltas."""
@@ -83,10 +117,11 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Any,
         arrival_time: float,
-        final_only: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         self.request_id = request_id
-        self.final_only = final_only  # its reader wants the final output alone
+        self.output_kind = output_kind
+        self.holdback = stop_holdback(params.stop_strings)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -106,7 +141,11 @@ class RequestState:
         output alone, nor when the returned sequences are chosen at the end (best_of > n,
         beam search)."""
         params = self.params
-        return not self.final_only and not params.use_beam_search and params.best_of == params.n
+        return (
+            self.output_kind is not OutputKind.FINAL_ONLY
+            and not params.use_beam_search
+            and params.best_of == params.n
+        )
 
     def apply(self, delta: RequestDelta) -> tuple[bool, list[AbortRequest | StopSequence]]:
         """Take one message: whether the output changed, and what the core must stop."""
@@ -135,7 +174,30 @@ class RequestState:
             return True, to_core
         return changed, [StopSequence(self.request_id, index) for index in stopped]
 
+    def next_output(self) -> RequestOutput | None:
+        """The output its reader gets now, of its kind (None: a delta with nothing new).
+        One that does not stream gets its whole output once, finished."""
+        if self.output_kind is not OutputKind.DELTA or not self.streams:
+            return self.output()
+        completions = []
+        for seq in self.seqs.values():
+            completion = seq.delta(self.holdback)
+            if completion is not None:
+                completions.append(completion)
+        if not completions and not self.is_finished:
+            return None
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            completions,
+            self.is_finished,
+            self.prompt_logprobs,
+            pooled=self.pooled,
+        )
+
     def output(self) -> RequestOutput:
+        """Everything so far (for a DELTA request: only before anything was handed out)."""
         completions = [seq.completion() for seq in self.seqs.values()]
         if self.is_finished and self.params.best_of > self.params.n:
             if not self.params.use_beam_search:  # beams come ranked by the search
@@ -217,11 +279,12 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        final_only: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
-        """Track a request. With `final_only`, `process` gives its output once, finished,
-        not a snapshot every step: for a reader that keeps only the last (a response that
-        is not streamed), those snapshots cost the front end its time for nothing."""
+        """Track a request, whose outputs are of `output_kind`. FINAL_ONLY: `process` gives
+        its output once, finished, not a snapshot every step: for a reader that keeps only
+        the last (a response that is not streamed), those snapshots cost the front end its
+        time for nothing."""
         state = RequestState(
             request_id,
             prompt,
@@ -229,7 +292,7 @@ class OutputProcessor:
             params,
             self.tokenizer,
             time.monotonic(),
-            final_only,
+            output_kind,
         )
         with self._lock:
             self._requests[request_id] = state
@@ -267,7 +330,9 @@ class OutputProcessor:
             try:
                 changed, to_core = state.apply(delta)
                 output = (
-                    state.output() if state.is_finished or (changed and state.streams) else None
+                    state.next_output()
+                    if state.is_finished or (changed and state.streams)
+                    else None
                 )
             except Exception as e:
                 logger.exception("Request %s: processing its output failed", state.request_id)

@@ -21,7 +21,7 @@ from serve.engine.messages import AbortRequest, AddRequest, Command, CoreStats
 from serve.engine.output_processor import OutputProcessor
 from serve.engine.protocol import EngineDeadError, RequestError, RequestTimeoutError
 from serve.engine.request_metrics import RequestMetrics
-from serve.outputs import RequestOutput
+from serve.outputs import OutputKind, RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
 
@@ -50,10 +50,13 @@ class OutputStreams:
         return self._processor.metrics
 
     async def generate(
-        self, add: AddRequest, timeout_s: float | None = None, final_only: bool = False
+        self,
+        add: AddRequest,
+        timeout_s: float | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes: the newest at each read,
-        so a reader that falls behind skips the ones in between (`_catch_up`). Closing or
+        """Outputs of one request, of `output_kind`, until it finishes. A reader that falls
+        behind gets what queued up as one output at its next read (`_catch_up`). Closing or
         cancelling the iterator early, or `timeout_s` passing (RequestTimeoutError), sends
         an abort, which frees the request's blocks in the core."""
         request_id = add.request_id
@@ -65,7 +68,7 @@ class OutputStreams:
                 raise ValueError(f"A request with id {request_id!r} is already running.")
             self._streams[request_id] = stream
         self._processor.add_request(
-            request_id, add.prompt, add.prompt_token_ids, add.params, final_only
+            request_id, add.prompt, add.prompt_token_ids, add.params, output_kind
         )
         self._send(add)
         deadline = None if timeout_s is None else stream.loop.time() + timeout_s
@@ -80,7 +83,7 @@ class OutputStreams:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                item, error = _catch_up(stream.queue, item)
+                item, error = _catch_up(stream.queue, item, output_kind is OutputKind.DELTA)
                 finished = item.finished
                 yield item
         finally:
@@ -141,17 +144,20 @@ async def _next_before(
 
 
 def _catch_up(
-    items: asyncio.Queue, output: RequestOutput
+    items: asyncio.Queue, output: RequestOutput, deltas: bool
 ) -> tuple[RequestOutput, BaseException | None]:
-    """The newest output queued behind `output`, and an error queued after them. Outputs
-    are cumulative, so a reader that fell behind (the event loop busier than the core)
-    loses nothing by skipping to the newest: it sends the tokens of several steps as one
-    chunk, and catches up, instead of paying a chunk per token and falling further behind."""
+    """`output` and the outputs queued behind it as one (cumulative ones: the newest;
+    `deltas`: joined), and an error queued after them. A reader that fell behind (the
+    event loop busier than the core) sends the tokens of several steps as one chunk, and
+    catches up, instead of paying a chunk per token and falling further behind."""
     while not output.finished and not items.empty():
         item = items.get_nowait()
         if isinstance(item, BaseException):
             return output, item
-        output = item
+        if deltas:
+            output.add_delta(item)
+        else:
+            output = item
     return output, None
 
 
@@ -194,10 +200,10 @@ class EngineFrontEnd:
         prompt: str | None = None,
         timeout_s: float | None = None,
         priority: int = 0,
-        final_only: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes or `timeout_s` passes (with
-        `final_only`, only the finished one). Closing or cancelling the iterator early
-        aborts the request in the core and frees its blocks."""
+        """Outputs of one request, of `output_kind`, until it finishes or `timeout_s`
+        passes. Closing or cancelling the iterator early aborts the request in the core
+        and frees its blocks."""
         add = AddRequest(request_id, list(prompt_token_ids), params, prompt, priority)
-        return self._streams.generate(add, timeout_s, final_only)
+        return self._streams.generate(add, timeout_s, output_kind)

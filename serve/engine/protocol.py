@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from serve.engine.messages import CoreStats
 from serve.engine.request_metrics import RequestMetrics
-from serve.outputs import RequestOutput, request_error_message
+from serve.outputs import OutputKind, RequestOutput, request_error_message
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -66,10 +66,10 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         timeout_s: float | None = None,
         priority: int = 0,
-        final_only: bool = False,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request until it finishes (with `final_only`, only
-        the finished one). Closing the iterator early aborts the request. Raises
+        """Outputs of one request until it finishes: everything so far at each, what is
+        new since the last, or the finished one alone (`output_kind`). Closing the iterator early aborts the request. Raises
         ValueError for a request the engine refuses, RequestError when processing this
         request failed, RequestTimeoutError (and aborts it) once it has run `timeout_s`,
         and EngineDeadError (also mid-stream) when the engine is gone."""

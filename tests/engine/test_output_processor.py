@@ -1,5 +1,6 @@
 """The front end's output processor: text decoded from the core's token deltas, stop strings
-applied (and the core told to stop what they end), cumulative outputs built.
+applied (and the core told to stop what they end), outputs of each kind built (DELTA ones
+add up to the cumulative one, holding back what a stop string could still cut).
 
 Pure tests feed hand-made deltas; engine tests check a stop string in one of n=3 samples
 against the same request without it, and the blocks the core frees for it."""
@@ -9,12 +10,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_models import build_tokenizer, random_prompts
 
 from serve import LLM, SamplingParams
 from serve.engine.async_engine import AsyncEngine
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.output_processor import OutputProcessor
+from serve.outputs import CompletionOutput, OutputKind
 from serve.scheduler.output_deltas import RequestDelta, SeqDelta
 from serve.sequence import FinishReason
 
@@ -70,7 +74,7 @@ def test_a_final_only_request_gives_its_finished_output_alone(tokenizer):
     streamed, final_only = OutputProcessor(tokenizer), OutputProcessor(tokenizer)
     params = SamplingParams(max_tokens=None, stop=["blue"])
     streamed.add_request("r", None, PROMPT_IDS, params)
-    final_only.add_request("r", None, PROMPT_IDS, params, final_only=True)
+    final_only.add_request("r", None, PROMPT_IDS, params, OutputKind.FINAL_ONLY)
     outputs = {streamed: [], final_only: []}
     for processor in outputs:
         for token_id in ids:
@@ -84,6 +88,72 @@ def test_a_final_only_request_gives_its_finished_output_alone(tokenizer):
         outputs[streamed][-1].outputs[0].text
     )
     assert last.outputs[0].token_ids == outputs[streamed][-1].outputs[0].token_ids
+
+
+WORDS = ["The", "sea", "is", "wide", "and", "blue.", "café", "naïve", "über", "wave"]
+STOPS = ["sea", "e w", "blue", "and b", "ï", "xyz", "wave"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    words=st.lists(
+        st.lists(st.sampled_from(WORDS), min_size=1, max_size=10), min_size=1, max_size=2
+    ),
+    stop=st.lists(st.sampled_from(STOPS), max_size=2),
+    tokens_a_step=st.integers(1, 3),
+    logprobs=st.booleans(),
+)
+def test_deltas_add_up_to_the_cumulative_output(tokenizer, words, stop, tokens_a_step, logprobs):
+    """A streamed response sends each DELTA output as it comes: joined, they are the
+    cumulative output's last, token for token, char for char; no text is handed out that
+    a stop string found later cuts; the finish comes once, last."""
+    ids = [_ids(tokenizer, " ".join(w)) for w in words]
+    params = SamplingParams(
+        max_tokens=None, n=len(ids), stop=stop or None, logprobs=0 if logprobs else None
+    )
+    outputs: dict[OutputKind, list] = {OutputKind.CUMULATIVE: [], OutputKind.DELTA: []}
+    for kind, got in outputs.items():
+        processor = OutputProcessor(tokenizer)
+        processor.add_request("r", None, PROMPT_IDS, params, kind)
+        longest = max(len(seq) for seq in ids)
+        for start in range(0, longest, tokens_a_step):
+            seqs = []
+            for index, seq in enumerate(ids):
+                new = seq[start : start + tokens_a_step]
+                if new:
+                    end = LENGTH if start + tokens_a_step >= len(seq) else None
+                    lps = [-0.5] * len(new) if logprobs else None
+                    top = [{t: -0.5} for t in new] if logprobs else None
+                    seqs.append(SeqDelta(index, new, lps, top, end))
+            got += processor.process(
+                [RequestDelta("r", seqs, start + tokens_a_step >= longest)]
+            ).outputs
+    finals = {c.index: c for c in outputs[OutputKind.CUMULATIVE][-1].outputs}
+    assert outputs[OutputKind.DELTA][-1].finished
+    assert not any(out.finished for out in outputs[OutputKind.DELTA][:-1])
+    for index, final in finals.items():
+        deltas = [c for out in outputs[OutputKind.DELTA] for c in out.outputs if c.index == index]
+        assert "".join(d.text for d in deltas) == final.text
+        assert [t for d in deltas for t in d.token_ids] == final.token_ids
+        if logprobs:
+            assert [lp for d in deltas for lp in d.logprobs] == final.logprobs
+            assert deltas[-1].cumulative_logprob == pytest.approx(final.cumulative_logprob)
+        assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [
+            final.finish_reason
+        ]
+        assert deltas[-1].stop_reason == final.stop_reason
+
+
+def test_a_delta_holds_back_what_could_begin_a_stop_string(tokenizer):
+    """ " b" comes two tokens before "lu" and "e" make it "blue": the stream waits with the
+    text's last three characters, so it never sends " b" and then finds it cut."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, PROMPT_IDS, SamplingParams(stop=["blue"]), OutputKind.DELTA)
+    sent = []
+    for token_id in _ids(tokenizer, "The sea is wide and blue."):
+        sent += [out.outputs[0].text for out in _step(processor, _token(0, token_id)).outputs]
+    assert "".join(sent) == "The sea is wide and "
+    assert sent[-3:] == ["an", "d ", ""]  # three characters held back: " b", then "blu"
 
 
 @pytest.mark.parametrize(("params", "needs"), [({"logprobs": 0}, True), ({"n": 2}, False)])
@@ -301,24 +371,36 @@ def test_the_core_frees_a_stopped_sequences_blocks(llm, prompt):
     assert manager.num_free_blocks == manager.num_blocks
 
 
-def test_the_engine_gives_a_final_only_request_its_last_output_alone(llm, prompt):
-    """What a response that is not streamed reads: one output, the streamed one's last."""
+def test_the_engine_gives_each_output_kind(llm, prompt):
+    """What a response that is not streamed reads: one output, the cumulative one's last;
+    what a streamed one reads: deltas that add up to it, sample by sample (n=3)."""
     params = SamplingParams(**N3)
     engine = AsyncEngine.from_config(llm.engine.config)
 
-    async def outputs(request_id: str, final_only: bool) -> list:
-        stream = engine.generate(request_id, prompt, params, final_only=final_only)
+    async def outputs(request_id: str, kind: OutputKind) -> list:
+        stream = engine.generate(request_id, prompt, params, output_kind=kind)
         return [out async for out in stream]
 
-    async def both():
-        return await asyncio.gather(outputs("streamed", False), outputs("final", True))
+    async def every_kind():
+        return await asyncio.gather(*(outputs(kind.value, kind) for kind in OutputKind))
 
     try:
-        streamed, final = asyncio.run(both())
+        cumulative, delta, final = asyncio.run(every_kind())
     finally:
         engine.shutdown()
-    assert len(streamed) > 1 and len(final) == 1 and final[0].finished
-    key = [(c.index, c.token_ids, c.text, c.finish_reason) for c in streamed[-1].outputs]
-    assert sorted(key) == sorted(
-        (c.index, c.token_ids, c.text, c.finish_reason) for c in final[0].outputs
-    )
+
+    def key(completions):
+        return sorted((c.index, c.token_ids, c.text, c.finish_reason) for c in completions)
+
+    assert len(cumulative) > 1 and len(final) == 1 and final[0].finished
+    assert key(cumulative[-1].outputs) == key(final[0].outputs)
+    joined: dict[int, CompletionOutput] = {}
+    for out in delta:
+        for c in out.outputs:
+            if c.index not in joined:
+                joined[c.index] = CompletionOutput(c.index, "", [])
+            whole = joined[c.index]
+            whole.text += c.text
+            whole.token_ids += c.token_ids
+            whole.finish_reason = c.finish_reason
+    assert len(delta) > 1 and key(joined.values()) == key(final[0].outputs)
