@@ -15,6 +15,7 @@ from serve.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
+    "argmax",
     "copy_blocks",
     "linear",
     "moe_experts",
@@ -25,6 +26,11 @@ __all__ = [
     "silu_and_mul",
     "swap_blocks",
 ]
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
+    """Greedy sampling's pick: each row's largest value's index, by torch.argmax's rules."""
+    return ops_for(x.device).argmax(x)
 
 
 def linear(

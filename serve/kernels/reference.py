@@ -342,6 +342,12 @@ def _attend_sdpa(
     return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
+    """Each row's largest value's index: the first where several tie; a NaN counts as larger
+    than any number (torch.argmax's rules, which greedy decoding's exactness rests on)."""
+    return x.argmax(dim=-1)
+
+
 def linear(
     x: torch.Tensor,  # [num_tokens, in_features]
     weight: torch.Tensor,  # [out_features, in_features]

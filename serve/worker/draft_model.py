@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from serve import kernels
 from serve.config import ModelConfig, SpeculativeMethod
 from serve.distributed.parallel_state import get_tp_group
 from serve.kv_cache.cache_engine import CacheEngine
@@ -164,9 +165,9 @@ class DraftModelProposer:
         logits = self.model.compute_logits(hidden[index])  # [len(rows), vocab]; None off rank 0
         group = get_tp_group()
         if group.world_size == 1:
-            return logits.argmax(dim=-1).tolist()
+            return kernels.argmax(logits).tolist()
         tokens = (
-            logits.argmax(dim=-1)
+            kernels.argmax(logits)
             if logits is not None
             else torch.empty(len(rows), dtype=torch.long, device=self.device)
         )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve import kernels
 from serve.sequence import Sequence
 from serve.worker import logits_processors as lp
 
@@ -64,7 +65,7 @@ class Sampler:
         before temperature and filters."""
         params = [s.sampling_params for s in seqs]
         processed = self.process_logits(logits, seqs, logits_mask)
-        token_ids = processed.argmax(dim=-1)
+        token_ids = kernels.argmax(processed)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from serve import kernels
 from serve.config import ModelConfig, SpeculativeMethod
 from serve.step import SchedulerOutput
 from serve.worker.sampler import LogitsMask, Sampler, SamplerOutput
@@ -130,7 +131,7 @@ def verify(
     """Each sequence's accepted proposals and next token, by the rules above."""
     positions = [at_position(seq, d, j) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
     processed = sampler.process_logits(logits, positions, logits_mask)
-    argmax = processed.argmax(dim=-1).tolist()
+    argmax = kernels.argmax(processed).tolist()
     offsets = np.cumsum([0] + [len(d) + 1 for d in drafts]).tolist()
     random = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
     taken: dict[int, tuple[int, list[int]]] = {}  # seq index -> (accepted, tokens)

@@ -435,3 +435,40 @@ def test_reshape_and_cache_rejects_a_slot_past_the_cache():
     caches = [torch.zeros(2, 4, 1, 8) for _ in range(2)]
     with pytest.raises(RuntimeError, match="past the cache"):
         cpu.reshape_and_cache(key, key, *caches, torch.tensor([8]))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 100, 49152, 49155])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_argmax_picks_torch_argmax_index(n, rows):
+    """Greedy decoding's exactness rests on this: the index torch.argmax gives, ties to the
+    first, on fresh random rows and on rows built to trip a vectorised search (the maximum
+    repeated across lanes, in the tail, at 0 beside -0, a NaN beside an inf, all -inf)."""
+    gen = seeded("argmax", n, rows)
+    x = torch.randn(rows, n, generator=gen)
+    picks = torch.randint(0, n, (rows, 3), generator=gen)
+    for r in range(rows):
+        kind = r % 8
+        if kind == 1:  # the maximum at three places, in different lanes
+            x[r, picks[r]] = 9.0
+        elif kind == 2:  # in the tail past the last 16
+            x[r, -min(2, n) :] = 9.0
+        elif kind == 3:  # a row of zeros and negative zeros: the first wins
+            x[r] = 0.0
+            x[r, picks[r]] = -0.0
+        elif kind == 4:  # NaN is larger than inf
+            x[r, picks[r, 0]] = float("inf")
+            x[r, picks[r, 1:]] = float("nan")
+        elif kind == 5:
+            x[r] = float("-inf")
+        elif kind == 6:  # +inf twice
+            x[r, picks[r, 1:]] = float("inf")
+    assert torch.equal(cpu.argmax(x), x.argmax(dim=-1))
+    torch.manual_seed(0)
+    wide = torch.randn(rows, n) * 1e30
+    assert torch.equal(cpu.argmax(wide), wide.argmax(dim=-1))
+
+
+def test_argmax_leaves_other_layouts_and_dtypes_to_torch():
+    x = torch.randn(6, 40, generator=seeded("argmax layouts"))
+    for other in (x.t(), x.to(torch.bfloat16), x[:, ::2], x.to(torch.float64)):
+        assert torch.equal(cpu.argmax(other), other.argmax(dim=-1))

@@ -2,10 +2,10 @@
 
 Loaded only through `serve.kernels.backend` (never at `import serve`). Under
 `TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how CI tests them.
-`linear` is torch's (cuBLAS), as in the reference.
+`linear` and `argmax` are torch's, as in the reference.
 """
 
-from serve.kernels.reference import linear
+from serve.kernels.reference import argmax, linear
 from serve.kernels.triton.activation import silu_and_mul
 from serve.kernels.triton.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from serve.kernels.triton.moe import moe_experts
@@ -14,6 +14,7 @@ from serve.kernels.triton.paged_attention import paged_attention
 from serve.kernels.triton.rotary import rotary_embedding
 
 __all__ = [
+    "argmax",
     "copy_blocks",
     "linear",
     "moe_experts",
