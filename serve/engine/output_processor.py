@@ -186,15 +186,7 @@ class RequestState:
                 completions.append(completion)
         if not completions and not self.is_finished:
             return None
-        return RequestOutput(
-            self.request_id,
-            self.prompt,
-            self.prompt_token_ids,
-            completions,
-            self.is_finished,
-            self.prompt_logprobs,
-            pooled=self.pooled,
-        )
+        return self._request_output(completions)
 
     def output(self) -> RequestOutput:
         """Everything so far (for a DELTA request: only before anything was handed out)."""
@@ -206,6 +198,9 @@ class RequestState:
             completions = completions[: self.params.n]
             for i, c in enumerate(completions):
                 c.index = i
+        return self._request_output(completions)
+
+    def _request_output(self, completions: list[CompletionOutput]) -> RequestOutput:
         return RequestOutput(
             self.request_id,
             self.prompt,
