@@ -69,10 +69,11 @@ class EngineClient(Protocol):
         output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes: everything so far at each, what is
-        new since the last, or the finished one alone (`output_kind`). Closing the iterator early aborts the request. Raises
-        ValueError for a request the engine refuses, RequestError when processing this
-        request failed, RequestTimeoutError (and aborts it) once it has run `timeout_s`,
-        and EngineDeadError (also mid-stream) when the engine is gone."""
+        new since the last, or the finished one alone (`output_kind`). Closing the
+        iterator early aborts the request. Raises ValueError for a request the engine
+        refuses, RequestError when processing this request failed, RequestTimeoutError
+        (and aborts it) once it has run `timeout_s`, and EngineDeadError (also mid-stream)
+        when the engine is gone."""
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         """ValueError unless every id is in the model's vocabulary."""
