@@ -271,9 +271,9 @@ class SchedulerConfig:
     )
     sjf_max_wait_s: float = setting(
         30.0,
-        "with --scheduling-policy sjf: a waiting request's rank improves with its wait and "
-        "reaches the front of the queue after this many seconds, so no request starves "
-        "behind shorter ones",
+        "with --scheduling-policy sjf: a queued request's rank improves while requests that "
+        "arrived after it run, and after this many seconds of that it goes ahead of every "
+        "later arrival, so no request starves behind shorter ones",
         metavar="SECONDS",
     )
 

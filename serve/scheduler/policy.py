@@ -10,13 +10,17 @@ accounting, chunking, prefix hits, swap) is the scheduler's and the same for all
   waiting request that cannot start for want of blocks or batch seats preempts running
   requests of lower priority (`preempts_for_waiting`).
 - sjf: shortest predicted remaining output first (length_predictor.py; a prediction never
-  exceeds the request's own `max_tokens`, or what its context leaves). A request's rank
-  shrinks linearly with its age (time since arrival) and is 0 after `max_wait_s`, where it
-  is ahead of every request that has not been there that long (arrival order among
-  those): no request waits past the bound for shorter ones. A waiting request predicted
-  to need under half what a running one still needs takes its seat or blocks (shortest
-  remaining first, SRPT-style), unless that one is past the bound. Until the predictor
-  has learned, every rank is 0: arrival order, and no one is preempted.
+  exceeds the request's own `max_tokens`, or what its context leaves). Starvation is
+  being passed over, so the bound counts only that: the time a request spends queued
+  (waiting or swapped) while a request that arrived after it runs. Its rank shrinks
+  linearly with that time and is 0 once it reaches `max_wait_s`, where the request is
+  ahead of every later arrival: none waits longer than the bound for requests that came
+  after it. Time spent behind earlier arrivals, the queueing fcfs would have too, does
+  not count (counting it, as plain age does, serves a congested queue in arrival order
+  just when reordering it pays most). A waiting request predicted to need under half
+  what a running one still needs takes its seat or blocks (shortest remaining first,
+  SRPT-style), unless that one is past the bound. Until the predictor has learned, every
+  rank is 0: arrival order, and no one is preempted.
 
 Writers: the per-request state here (features, predictions) is the policy's, written on
 the scheduler's thread; the predictor's model, by its refit thread.
@@ -24,7 +28,7 @@ the scheduler's thread; the predictor's model, by its refit thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,8 +50,12 @@ class SchedulingPolicy:
     name = "fcfs"
     preempts_for_waiting = False
 
-    def start_step(self, now: float) -> None:
-        """The scheduler's clock at the start of a step, before it orders its queues."""
+    def start_step(self, now: float, queued: Iterable[SequenceGroup]) -> None:
+        """The scheduler's clock at the start of a step, before it orders its queues, and
+        the groups that waited (or were swapped) since the last step was scheduled."""
+
+    def step_scheduled(self, running: Sequence[SequenceGroup]) -> None:
+        """The groups that run in the step just scheduled."""
 
     def rank(self, group: SequenceGroup) -> Rank:
         """Order of running and swapped groups: lower runs first, the last is preempted first."""
@@ -107,6 +115,7 @@ class _Prediction:
     tokens: float | None = None  # expected output tokens, whole request
     version: int = -1  # the predictor's version `tokens` came from
     at_admission: float | None = None  # for the error gauge
+    overtaken_s: float = 0.0  # seconds queued while a later arrival ran
 
 
 class ShortestJobFirstPolicy(SchedulingPolicy):
@@ -128,23 +137,36 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
         self.predictor = predictor or OutputLengthPredictor()
         self._projection: HiddenProjection | None = None
         self._requests: dict[str, _Prediction] = {}
-        self._now = 0.0
+        self._last_step: float | None = None
+        self._latest_running_arrival: float | None = None  # in the last step scheduled
 
-    def start_step(self, now: float) -> None:
-        self._now = now
+    def start_step(self, now: float, queued: Iterable[SequenceGroup]) -> None:
+        last, self._last_step = self._last_step, now
+        latest = self._latest_running_arrival
+        if last is None or latest is None:
+            return
+        for group in queued:
+            if group.arrival_time < latest:
+                entry = self._requests.get(group.request_id)
+                if entry is not None:
+                    entry.overtaken_s += min(now - last, now - group.arrival_time)
+
+    def step_scheduled(self, running: Sequence[SequenceGroup]) -> None:
+        self._latest_running_arrival = max((g.arrival_time for g in running), default=None)
 
     def rank(self, group: SequenceGroup) -> Rank:
-        aging = max(0.0, 1.0 - (self._now - group.arrival_time) / self.max_wait_s)
-        return ((self._remaining(group) or 0.0) * aging, group.arrival_time)
+        entry = self._requests.get(group.request_id)
+        if entry is None or entry.tokens is None:
+            return (0.0, group.arrival_time)  # nothing predicted: arrival order
+        generated = max(seq.num_output_tokens for seq in group.seqs)
+        remaining = max(1.0, entry.tokens - generated)
+        aging = max(0.0, 1.0 - entry.overtaken_s / self.max_wait_s)
+        return (remaining * aging, group.arrival_time)
 
     def order(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
         groups = list(groups)
         self._refresh(groups)
         return sorted(groups, key=self.rank)
-
-    def order_waiting(self, waiting: Iterable[SequenceGroup], now: float) -> list[SequenceGroup]:
-        self._now = now
-        return self.order(waiting)
 
     def yields_to(self, running: SequenceGroup, waiting: SequenceGroup) -> bool:
         self._refresh([running, waiting])
@@ -194,13 +216,6 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
 
     def close(self) -> None:
         self.predictor.close()
-
-    def _remaining(self, group: SequenceGroup) -> float | None:
-        entry = self._requests.get(group.request_id)
-        if entry is None or entry.tokens is None:
-            return None
-        generated = max(seq.num_output_tokens for seq in group.seqs)
-        return max(1.0, entry.tokens - generated)
 
     def _refresh(self, groups: list[SequenceGroup]) -> None:
         """Predict, in one batch, for the groups whose prediction predates the model."""

@@ -63,6 +63,7 @@ block tables and ref counts by the block manager; what the workers hold by `Work
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from collections import deque
@@ -285,7 +286,7 @@ class Scheduler:
         preempted: list[SequenceGroup] = []
         cannot_fit: list[SequenceGroup] = []
         now = self.clock()
-        self.policy.start_step(now)
+        self.policy.start_step(now, itertools.chain(self.waiting, self.swapped))
         self.running = self.policy.order(self.running)
         self.swapped = self.policy.order(self.swapped)
         # Yielding to a waiting request of higher rank is not thrashing: unlike `preempted`,
@@ -340,6 +341,7 @@ class Scheduler:
         for group in cannot_fit:
             self._ended.append(self._end_cannot_fit(group))
         out.preempted_request_ids = [g.request_id for g in yielded + preempted]
+        self.policy.step_scheduled(self.running)
         self.worker_sync.flush(out)
         return out
 
@@ -357,6 +359,7 @@ class Scheduler:
         self.waiting = deque(self.policy.order_waiting(self.waiting, self.clock()))
         seats = self._free_seats()
         self._admit_waiting(out, seats, cannot_fit=None)
+        self.policy.step_scheduled(self.running)
         # The mirrors' other news since `out` was flushed waits for the next step.
 
     def _admit_waiting(
