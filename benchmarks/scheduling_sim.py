@@ -14,12 +14,19 @@ meets `--goal`.
 Policies, one decode step (`--tpot-s`) at a time:
 - fcfs: arrival order, never preempted.
 - sjf: serve's rank (serve/scheduler/policy.py): predicted remaining tokens, shrinking
-  linearly with age to 0 at `--max-wait-s`; a waiting request whose rank is under
-  `yield_ratio` of the running one's takes the seat; each preemption costs
-  `--preempt-cost-s` more service. The prediction is the mean length of the request's
-  length class (length_predictor.py's buckets), as a well-trained predictor gives, or
-  its `max_tokens` where that is less (the mix forces each length with `max_tokens`).
+  linearly with the time a request has waited while a later arrival held the seat, to 0
+  at `--max-wait-s`; a waiting request whose rank is under `yield_ratio` of the running
+  one's takes the seat; each preemption costs `--preempt-cost-s` more service. The
+  prediction is the mean length of the request's length class (length_predictor.py's
+  buckets), as a well-trained predictor gives, or its `max_tokens` where that is less
+  (the mix forces each length with `max_tokens`).
+- sjf-age: the same, aging with the time since arrival instead (serve's rule before
+  2026-11-26), for comparison.
 - srpt: exact remaining service, free preemption, no bound on waiting: the ideal.
+
+Besides each policy's mean E2E against fcfs's, it prints the tail the bound trades for
+it: the p99 of the wait for the seat, against fcfs's, and the longest any request was
+passed over (waited while a later arrival held the seat).
 """
 
 from __future__ import annotations
@@ -74,11 +81,20 @@ def service_s(num_tokens: int, args: argparse.Namespace) -> float:
     return args.prefill_s + num_tokens * args.tpot_s
 
 
-def simulate(jobs: list[Job], policy: str, args: argparse.Namespace) -> list[float]:
-    """Each job's E2E seconds on one seat, one decode step at a time."""
+@dataclass
+class Outcome:
+    e2e_s: list[float]
+    first_wait_s: list[float]  # arrival to first holding the seat
+    passed_over_s: list[float]  # waiting while a later arrival held the seat
+
+
+def simulate(jobs: list[Job], policy: str, args: argparse.Namespace) -> Outcome:
+    """Each job's latencies on one seat, one decode step at a time."""
     n = len(jobs)
     left = [j.service_s for j in jobs]
-    done: list[float] = [0.0] * n
+    done = [0.0] * n
+    first_wait: list[float | None] = [None] * n
+    passed_over = [0.0] * n
     waiting: list[int] = []
     running: int | None = None
     now, arrived = 0.0, 0
@@ -91,8 +107,8 @@ def simulate(jobs: list[Job], policy: str, args: argparse.Namespace) -> list[flo
             return (left[i], job.arrival_s)
         generated = (job.service_s - left[i] - args.prefill_s) / args.tpot_s
         remaining = max(1.0, job.predicted_tokens - max(0.0, generated))
-        aging = max(0.0, 1.0 - (now - job.arrival_s) / args.max_wait_s)
-        return (remaining * aging, job.arrival_s)
+        waited = passed_over[i] if policy == "sjf" else now - job.arrival_s
+        return (remaining * max(0.0, 1.0 - waited / args.max_wait_s), job.arrival_s)
 
     while arrived < n or waiting or running is not None:
         while arrived < n and jobs[arrived].arrival_s <= now:
@@ -108,18 +124,27 @@ def simulate(jobs: list[Job], policy: str, args: argparse.Namespace) -> list[flo
             best = min(waiting, key=rank)
             ratio = 1.0 if policy == "srpt" else ShortestJobFirstPolicy.yield_ratio
             if rank(best)[0] < ratio * rank(running)[0]:
-                if policy == "sjf":
+                if policy != "srpt":
                     left[running] += args.preempt_cost_s
                 waiting.append(running)
                 waiting.remove(best)
                 running = best
+        if first_wait[running] is None:
+            first_wait[running] = now - jobs[running].arrival_s
         step = min(args.tpot_s, left[running])
         now += step
         left[running] -= step
+        for i in waiting:
+            if i < running:  # jobs are in arrival order
+                passed_over[i] += step
         if left[running] <= 1e-9:
             done[running] = now - jobs[running].arrival_s
             running = None
-    return done
+    return Outcome(done, [w or 0.0 for w in first_wait], passed_over)
+
+
+def p99(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]
 
 
 def parse_args() -> argparse.Namespace:
@@ -141,22 +166,32 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    ratios: dict[str, list[float]] = {"sjf": [], "srpt": []}
-    print(f"{'seed':>4} {'fcfs E2E s':>11} {'sjf/fcfs':>9} {'srpt/fcfs':>10}")
+    policies = ("sjf", "sjf-age", "srpt")
+    ratios: dict[str, list[float]] = {p: [] for p in policies}
+    tails: dict[str, list[float]] = {p: [] for p in policies}
+    passed_over: dict[str, float] = dict.fromkeys(policies, 0.0)
+    print(f"{'seed':>4} {'fcfs E2E s':>11}" + "".join(f" {p + '/fcfs':>12}" for p in policies))
     for seed in range(args.seeds):
         jobs = make_jobs(args, seed)
-        fcfs = statistics.mean(simulate(jobs, "fcfs", args))
+        fcfs = simulate(jobs, "fcfs", args)
         row = []
-        for policy in ratios:
-            ratio = statistics.mean(simulate(jobs, policy, args)) / fcfs
-            ratios[policy].append(ratio)
-            row.append(ratio)
-        print(f"{seed:>4} {fcfs:>11.1f} {row[0]:>9.3f} {row[1]:>10.3f}")
-    for policy, values in ratios.items():
+        for policy in policies:
+            outcome = simulate(jobs, policy, args)
+            ratios[policy].append(statistics.mean(outcome.e2e_s) / statistics.mean(fcfs.e2e_s))
+            tails[policy].append(p99(outcome.first_wait_s) / p99(fcfs.first_wait_s))
+            passed_over[policy] = max(passed_over[policy], max(outcome.passed_over_s))
+            row.append(ratios[policy][-1])
+        print(
+            f"{seed:>4} {statistics.mean(fcfs.e2e_s):>11.1f}" + "".join(f" {r:>12.3f}" for r in row)
+        )
+    for policy in policies:
+        values = ratios[policy]
         met = sum(r <= args.goal for r in values)
         print(
-            f"{policy}: mean {statistics.mean(values):.3f}, range {min(values):.3f}-"
-            f"{max(values):.3f}; {met} of {len(values)} seeds at or under {args.goal:.3f}"
+            f"{policy}: mean E2E / fcfs's {statistics.mean(values):.3f}, range "
+            f"{min(values):.3f}-{max(values):.3f}; {met} of {len(values)} seeds at or under "
+            f"{args.goal:.3f}; p99 wait for the seat / fcfs's {statistics.mean(tails[policy]):.2f}"
+            f" (mean over seeds); longest passed over {passed_over[policy]:.1f} s"
         )
 
 
