@@ -195,6 +195,9 @@ class EngineStats:
     # --scheduling-policy sjf: the output-length predictor's mean absolute error in tokens
     # (None until it predicts).
     sjf_predictor_mae_tokens: float | None = None
+    # --scheduling-policy sjf: the longest any request has waited while later arrivals ran,
+    # which --sjf-max-wait-s bounds (None under other policies).
+    sjf_longest_passed_over_s: float | None = None
     spec_decode: SpecDecodeStats | None = None  # None: no --speculative-config
 
     @property

@@ -90,6 +90,13 @@ class _EngineCollector(Collector):
                 "the last 256 requests when they were admitted.",
                 value=e.sjf_predictor_mae_tokens,
             )
+        if e.sjf_longest_passed_over_s is not None:
+            yield GaugeMetricFamily(
+                "serve_sjf_longest_passed_over_seconds",
+                "sjf: the longest any request has waited while requests that arrived after "
+                "it ran, since start (--sjf-max-wait-s bounds it).",
+                value=e.sjf_longest_passed_over_s,
+            )
         phases = CounterMetricFamily(
             "serve_engine_step_seconds",
             "Seconds spent in each phase of the engine's steps.",

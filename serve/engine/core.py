@@ -235,6 +235,7 @@ class EngineCore:
             num_cpu_blocks_total=bm.cpu_pool.num_blocks,
             queue_times=sched.queue_times.copy(),
             sjf_predictor_mae_tokens=sched.policy.predictor_error,
+            sjf_longest_passed_over_s=sched.policy.longest_passed_over_s,
             spec_decode=None if sched.spec_decode is None else sched.spec_decode.copy(),
         )
 

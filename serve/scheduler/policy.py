@@ -95,6 +95,11 @@ class SchedulingPolicy:
         """sjf: the predictor's mean absolute error in tokens, once it predicts."""
         return None
 
+    @property
+    def longest_passed_over_s(self) -> float | None:
+        """sjf: the longest any request has waited while later arrivals ran (its bound)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -115,7 +120,7 @@ class _Prediction:
     tokens: float | None = None  # expected output tokens, whole request
     version: int = -1  # the predictor's version `tokens` came from
     at_admission: float | None = None  # for the error gauge
-    overtaken_s: float = 0.0  # seconds queued while a later arrival ran
+    passed_over_s: float = 0.0  # seconds queued while a later arrival ran
 
 
 class ShortestJobFirstPolicy(SchedulingPolicy):
@@ -139,6 +144,7 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
         self._requests: dict[str, _Prediction] = {}
         self._last_step: float | None = None
         self._latest_running_arrival: float | None = None  # in the last step scheduled
+        self._longest_passed_over_s = 0.0
 
     def start_step(self, now: float, queued: Iterable[SequenceGroup]) -> None:
         last, self._last_step = self._last_step, now
@@ -149,7 +155,10 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
             if group.arrival_time < latest:
                 entry = self._requests.get(group.request_id)
                 if entry is not None:
-                    entry.overtaken_s += min(now - last, now - group.arrival_time)
+                    entry.passed_over_s += min(now - last, now - group.arrival_time)
+                    self._longest_passed_over_s = max(
+                        self._longest_passed_over_s, entry.passed_over_s
+                    )
 
     def step_scheduled(self, running: Sequence[SequenceGroup]) -> None:
         self._latest_running_arrival = max((g.arrival_time for g in running), default=None)
@@ -160,7 +169,7 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
             return (0.0, group.arrival_time)  # nothing predicted: arrival order
         generated = max(seq.num_output_tokens for seq in group.seqs)
         remaining = max(1.0, entry.tokens - generated)
-        aging = max(0.0, 1.0 - entry.overtaken_s / self.max_wait_s)
+        aging = max(0.0, 1.0 - entry.passed_over_s / self.max_wait_s)
         return (remaining * aging, group.arrival_time)
 
     def order(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
@@ -213,6 +222,10 @@ class ShortestJobFirstPolicy(SchedulingPolicy):
     @property
     def predictor_error(self) -> float | None:
         return self.predictor.mean_absolute_error if self.predictor.is_active else None
+
+    @property
+    def longest_passed_over_s(self) -> float | None:
+        return self._longest_passed_over_s
 
     def close(self) -> None:
         self.predictor.close()

@@ -241,6 +241,7 @@ def test_a_request_that_always_loses_on_rank_is_passed_over_no_longer_than_the_b
     # Shorter jobs went first; it was passed over for the bound, plus at most the rest of
     # a short job's run (2 steps: its prompt, then its last token) that began before.
     assert max_wait_s <= passed_over <= max_wait_s + 2.0
+    assert sched.policy.longest_passed_over_s == passed_over  # what /metrics shows
     # Then no short job preempted it: it ran every step to its end.
     assert len(ran) == LONG and ran == list(range(ran[0], ran[0] + LONG))
     assert long.is_finished
@@ -260,6 +261,7 @@ def test_sjf_time_behind_earlier_arrivals_does_not_count_toward_the_bound() -> N
             sched.add(second)
         assert _ran(run_step(sched), first)
         now[0] += 1.0
+    assert sched.policy.longest_passed_over_s == 0.0
     short = job(2, short_prompt(2), SHORT, now[0])
     sched.add(short)
     out = run_step(sched)
