@@ -1,8 +1,8 @@
 """Who runs first: the order of the scheduler's queues under each --scheduling-policy.
 
-The scheduler keeps its queues in the policy's order: `running` and `swapped` by `rank`
-(the last running group is the first preempted), `waiting` as `order_waiting` returns it
-each step. Everything else about a step (budgets, decodes before prefill chunks, block
+The scheduler keeps its queues in the policy's order, each sorted by `rank` every step
+(the last running group is the first preempted, the first waiting one the first
+admitted). Everything else about a step (budgets, decodes before prefill chunks, block
 accounting, chunking, prefix hits, swap) is the scheduler's and the same for all.
 
 - fcfs: arrival order.
@@ -58,16 +58,12 @@ class SchedulingPolicy:
         """The groups that run in the step just scheduled."""
 
     def rank(self, group: SequenceGroup) -> Rank:
-        """Order of running and swapped groups: lower runs first, the last is preempted first."""
+        """Lower runs first; the last running is preempted first."""
         return (group.arrival_time,)
 
     def order(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
-        """Running or swapped groups, in `rank` order."""
+        """A queue (running, swapped or waiting), in `rank` order."""
         return sorted(groups, key=self.rank)
-
-    def order_waiting(self, waiting: Iterable[SequenceGroup], now: float) -> list[SequenceGroup]:
-        """The waiting queue, first to be admitted first."""
-        return self.order(waiting)
 
     def yields_to(self, running: SequenceGroup, waiting: SequenceGroup) -> bool:
         """With `preempts_for_waiting`: whether `running` gives up its seat or blocks when

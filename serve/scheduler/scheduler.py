@@ -292,7 +292,7 @@ class Scheduler:
         # Yielding to a waiting request of higher rank is not thrashing: unlike `preempted`,
         # it does not hold admissions back (they are what it is for).
         yielded = self._preempt_for_waiting(out) if self.policy.preempts_for_waiting else []
-        self.waiting = deque(self.policy.order_waiting(self.waiting, now))
+        self.waiting = deque(self.policy.order(self.waiting))
         plans, spec_slots = self._plan_running()
         # Blocks in rank order, so that preemption takes the worst-ranked: those after `i`,
         # which have allocated nothing yet this step.
@@ -356,7 +356,7 @@ class Scheduler:
             return
         if any(s.seq_id not in self._seqs for s in out.scheduled):
             return
-        self.waiting = deque(self.policy.order_waiting(self.waiting, self.clock()))
+        self.waiting = deque(self.policy.order(self.waiting))
         seats = self._free_seats()
         self._admit_waiting(out, seats, cannot_fit=None)
         self.policy.step_scheduled(self.running)
