@@ -87,6 +87,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=240, help="measured, per policy")
     p.add_argument("--num-warmup", type=int, default=64, help="sent first, not measured")
     p.add_argument("--num-calibration", type=int, default=64)
+    p.add_argument(
+        "--capacity",
+        type=float,
+        default=None,
+        help="requests/s, instead of calibrating: the measured capacity varies ~10%% run to "
+        "run, and with it the load sent, so pass one to compare runs of a seed",
+    )
     p.add_argument("--load", type=float, default=0.8, help="arrival rate / capacity")
     p.add_argument("--short", type=int, nargs=2, default=(2, 8), help="output token range")
     p.add_argument("--long", type=int, nargs=2, default=(150, 250), help="output token range")
@@ -208,6 +215,25 @@ async def measure(url: str, mix, rate: float, args, seed: int) -> tuple[dict, st
     return summarize(results, duration), metrics
 
 
+def calibrate(args: argparse.Namespace, flags: list[str], log_dir: Path) -> float:
+    """Requests/s a fcfs server completes with a calibration mix sent all at once."""
+    process, url, _ = start_server(
+        args.model, [*flags, "--scheduling-policy", "fcfs"], log_dir, "calibrate"
+    )
+    calibration = make_mix(args.num_calibration, args, seed=args.seed + 200)
+
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+            model = (await client.get("/v1/models")).json()["data"][0]["id"]
+            results, duration = await run_mix(client, model, calibration, float("inf"), 0, args)
+        return sum(r.error is None for _, r in results) / duration
+
+    try:
+        return asyncio.run(run())
+    finally:
+        stop_server(process)
+
+
 def main() -> None:
     args = parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-scheduling-"))
@@ -217,21 +243,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
     }
 
-    process, url, _ = start_server(
-        args.model, [*flags, "--scheduling-policy", "fcfs"], log_dir, "calibrate"
-    )
-    try:
-        calibration = make_mix(args.num_calibration, args, seed=args.seed + 200)
-
-        async def calibrate() -> float:
-            async with httpx.AsyncClient(base_url=url, timeout=None) as client:
-                model = (await client.get("/v1/models")).json()["data"][0]["id"]
-                results, duration = await run_mix(client, model, calibration, float("inf"), 0, args)
-            return sum(r.error is None for _, r in results) / duration
-
-        capacity = asyncio.run(calibrate())
-    finally:
-        stop_server(process)
+    capacity = args.capacity or calibrate(args, flags, log_dir)
     rate = args.load * capacity
     report.update(capacity_requests_per_s=capacity, rate_requests_per_s=rate)
     print(f"capacity {capacity:.2f} req/s; sending {rate:.2f} req/s", flush=True)
