@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import scheduling
 
+from serve.bench.report import latency_stats
 from serve.scheduler.length_predictor import BUCKET_EDGES
 from serve.scheduler.policy import ShortestJobFirstPolicy
 
@@ -143,10 +144,6 @@ def simulate(jobs: list[Job], policy: str, args: argparse.Namespace) -> Outcome:
     return Outcome(done, [w or 0.0 for w in first_wait], passed_over)
 
 
-def p99(values: list[float]) -> float:
-    return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, default=20, help="seeds 0 .. N-1")
@@ -174,11 +171,13 @@ def main() -> None:
     for seed in range(args.seeds):
         jobs = make_jobs(args, seed)
         fcfs = simulate(jobs, "fcfs", args)
+        fcfs_first_wait_p99 = latency_stats(fcfs.first_wait_s)["p99"]
         row = []
         for policy in policies:
             outcome = simulate(jobs, policy, args)
             ratios[policy].append(statistics.mean(outcome.e2e_s) / statistics.mean(fcfs.e2e_s))
-            tails[policy].append(p99(outcome.first_wait_s) / p99(fcfs.first_wait_s))
+            p99 = latency_stats(outcome.first_wait_s)["p99"] / fcfs_first_wait_p99
+            tails[policy].append(p99)
             passed_over[policy] = max(passed_over[policy], max(outcome.passed_over_s))
             row.append(ratios[policy][-1])
         print(
