@@ -34,6 +34,15 @@ Levers (name: the A and B configurations):
              (THP_MEM_ALLOC_ENABLE=1: blocks of 2 MiB and more, the weights, their oneDNN
              copies and the KV cache among them, advised MADV_HUGEPAGE)
 
+`--decode-attention` times decode attention alone at the default model's shapes (64
+sequences of 400 keys, 9/3 heads of 64, 30 layers' caches in a pool the size of a 4 GiB
+cache, each sequence's blocks one run), on one thread and on all, as GB/s of K/V read,
+beside a plain sum's read bandwidth.
+
+`--baseline-tree DIR` adds the lever `tree`: A imports serve from the checkout DIR (say
+`git worktree add /tmp/base HEAD~1`), B from this one, so a kernel change is measured
+against the commit before it, each side with its own native build.
+
 `--rounds N` runs each lever's A and B N times, alternating, and prints every round: on a
 shared machine the speed moves between minutes, and only side-by-side pairs compare.
 """
@@ -48,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 LEVERS = {
     "native": (("torch", {"SERVE_CPU_KERNELS": "0"}, {}), ("native", {}, {})),
@@ -72,13 +82,19 @@ LEVERS = {
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: serve's default model")
-    p.add_argument("--levers", default=",".join(LEVERS), help=f"of {', '.join(LEVERS)}")
+    p.add_argument(
+        "--levers",
+        default=None,
+        help=f"of {', '.join(LEVERS)} (default: all; `tree` alone with --baseline-tree)",
+    )
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=1, help="A/B pairs per lever, alternating")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--attention-crossover", action="store_true", help="see above")
+    p.add_argument("--decode-attention", action="store_true", help="see above")
+    p.add_argument("--baseline-tree", default=None, help="see above (lever `tree`)")
     p.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # child: one config
     return p.parse_args()
 
@@ -198,6 +214,57 @@ def attention_crossover() -> None:
             )
 
 
+def decode_attention() -> None:
+    import torch
+
+    from serve.kernels.cpu import native
+
+    if not native.available():
+        sys.exit("the native CPU kernels are not built here")
+    num_seqs, context, layers, block_size = 64, 400, 30, 16
+    num_blocks = 5825  # a 4 GiB cache of the default model: 737 KB a block over 30 layers
+    per_seq = -(-context // block_size)
+    gap = num_blocks // num_seqs
+    gen = torch.Generator().manual_seed(0)
+    caches = [  # heads-first, as the CPU cache stores it
+        tuple(
+            torch.randn(3, num_blocks, block_size, 64, generator=gen).permute(1, 2, 0, 3)
+            for _ in range(2)
+        )
+        for _ in range(layers)
+    ]
+    tables = torch.stack([torch.arange(i * gap, i * gap + per_seq) for i in range(num_seqs)])
+    seq_lens = context - torch.randint(0, block_size, (num_seqs,), generator=gen)
+    starts = torch.arange(num_seqs + 1)
+    query = torch.randn(num_seqs, 9, 64, generator=gen)
+    out = torch.empty_like(query)
+    kv_bytes = int(seq_lens.sum()) * 3 * 64 * 4 * 2 * layers
+
+    def step() -> None:
+        for k_cache, v_cache in caches:
+            torch.ops.serve_cpu.paged_attention(
+                out, query, k_cache, v_cache, tables, seq_lens, starts, 0.125, None, 0, 0.0
+            )
+
+    threads = torch.get_num_threads()
+    print(f"decode attention, {num_seqs} sequences x ~{context} keys, {layers} layers:")
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        step()
+        times = []
+        for _ in range(15):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        best, median = min(times), statistics.median(times)
+        print(
+            f"  {n} thread(s): median {1000 * median:.1f} ms, best {1000 * best:.1f} ms "
+            f"({kv_bytes / best / 1e9:.1f} GB/s of K/V); "
+            f"plain sum {read_bandwidth_gbs():.1f} GB/s"
+        )
+    torch.set_num_threads(threads)
+
+
 def run_config(args: argparse.Namespace, env: dict, settings: dict) -> dict:
     cmd = [sys.executable, __file__, "--measure", json.dumps(settings)]
     cmd += ["--batch-sizes", args.batch_sizes, "--prompt-len", str(args.prompt_len)]
@@ -219,11 +286,19 @@ def main() -> None:
     if args.attention_crossover:
         attention_crossover()
         return
+    if args.decode_attention:
+        decode_attention()
+        return
+    levers = dict(LEVERS)
+    if args.baseline_tree:
+        tree = str(Path(args.baseline_tree).resolve())
+        levers["tree"] = (("base", {"PYTHONPATH": tree}, {}), ("this", {}, {}))
+    chosen = args.levers or ("tree" if args.baseline_tree else ",".join(LEVERS))
     bandwidth = read_bandwidth_gbs()
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s (best of 5 sums over 512 MiB)")
     report = {"bandwidth_gbs": bandwidth, "levers": {}}
-    for lever in args.levers.split(","):
-        (name_a, env_a, set_a), (name_b, env_b, set_b) = LEVERS[lever]
+    for lever in chosen.split(","):
+        (name_a, env_a, set_a), (name_b, env_b, set_b) = levers[lever]
         report["levers"][lever] = []
         for round_ in range(args.rounds):
             a, b = run_config(args, env_a, set_a), run_config(args, env_b, set_b)
