@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -101,6 +102,11 @@ def local_ray():
         paths = [repo, os.path.join(repo, "tests"), os.environ.get("PYTHONPATH", "")]
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
         patch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        # Engines earlier tests left to the collector still map their CPU swap space (4 GiB
+        # each by default, never touched). The kernel merges adjacent mappings into one, and
+        # once that passes RAM + swap, a fork (Ray starts its processes with a preexec_fn,
+        # so no vfork) fails with ENOMEM under Linux's default overcommit heuristic.
+        gc.collect()
         ray.init(num_cpus=2, include_dashboard=False)
         try:
             assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
