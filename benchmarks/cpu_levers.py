@@ -294,6 +294,12 @@ def main() -> None:
         tree = str(Path(args.baseline_tree).resolve())
         levers["tree"] = (("base", {"PYTHONPATH": tree}, {}), ("this", {}, {}))
     chosen = args.levers or ("tree" if args.baseline_tree else ",".join(LEVERS))
+    unknown = [lever for lever in chosen.split(",") if lever not in levers]
+    if unknown:
+        sys.exit(
+            f"unknown lever(s) {', '.join(unknown)}: of {', '.join(levers)}"
+            + ("" if args.baseline_tree else " (`tree` needs --baseline-tree)")
+        )
     bandwidth = read_bandwidth_gbs()
     print(f"memory read bandwidth: {bandwidth:.1f} GB/s (best of 5 sums over 512 MiB)")
     report = {"bandwidth_gbs": bandwidth, "levers": {}}
