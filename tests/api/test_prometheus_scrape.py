@@ -69,9 +69,12 @@ def prometheus(server, prometheus_dir: Path):
 def _query(url: str, promql: str) -> float | None:
     """The single value of an instant query, None while it has none."""
     try:
-        reply = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=5).json()
+        response = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=5)
     except httpx.TransportError:
         return None
+    if response.status_code == 503:  # "Service Unavailable": still opening its storage
+        return None
+    reply = response.json()
     assert reply["status"] == "success", reply
     result = reply["data"]["result"]
     return float(result[0]["value"][1]) if result else None
