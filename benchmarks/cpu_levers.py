@@ -161,6 +161,17 @@ def measure(args: argparse.Namespace, settings: dict) -> dict:
     return results
 
 
+def call_times_s(fn, *fn_args, repeats: int = 10) -> list[float]:
+    """Seconds each of `repeats` calls of `fn(*fn_args)` took, after one warm-up call."""
+    fn(*fn_args)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*fn_args)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def attention_crossover() -> None:
     import torch
 
@@ -170,15 +181,6 @@ def attention_crossover() -> None:
 
     if not native.available():
         sys.exit("the native CPU kernels are not built here")
-
-    def best_ms(fn, *fn_args, repeats: int = 10) -> float:
-        fn(*fn_args)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn(*fn_args)
-            times.append(time.perf_counter() - start)
-        return 1000 * min(times)
 
     num_seqs, block_size, gen = 8, 16, torch.Generator().manual_seed(0)
     print(f"{'context':>7} {'queries':>7} {'native ms':>10} {'gather+fused ms':>16} {'ratio':>6}")
@@ -202,11 +204,22 @@ def attention_crossover() -> None:
             query = torch.randn(num_seqs * queries, 9, 64, generator=gen)
             out = torch.empty_like(query)
             args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, None, 0, 0.0)
-            native_ms = best_ms(
-                torch.ops.serve_cpu.paged_attention, out, query, k_cache, v_cache, *args
+            native_ms = 1000 * min(
+                call_times_s(
+                    torch.ops.serve_cpu.paged_attention, out, query, k_cache, v_cache, *args
+                )
             )
-            torch_ms = best_ms(
-                reference.attend_chunks, out, query, k_cache, v_cache, meta, range(num_seqs), 0.125
+            torch_ms = 1000 * min(
+                call_times_s(
+                    reference.attend_chunks,
+                    out,
+                    query,
+                    k_cache,
+                    v_cache,
+                    meta,
+                    range(num_seqs),
+                    0.125,
+                )
             )
             print(
                 f"{context:7d} {queries:7d} {native_ms:10.2f} {torch_ms:16.2f} "
@@ -250,12 +263,7 @@ def decode_attention() -> None:
     print(f"decode attention, {num_seqs} sequences x ~{context} keys, {layers} layers:")
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
-        step()
-        times = []
-        for _ in range(15):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        times = call_times_s(step, repeats=15)
         best, median = min(times), statistics.median(times)
         print(
             f"  {n} thread(s): median {1000 * median:.1f} ms, best {1000 * best:.1f} ms "
