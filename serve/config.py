@@ -16,6 +16,7 @@ import difflib
 import functools
 import importlib.util
 import json
+import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from serve.pooling_params import POOLING_TYPES
+
+logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
@@ -506,6 +509,9 @@ class EngineConfig:
         "Nothing to capture on CPU",
     )
 
+    def __post_init__(self) -> None:
+        _check_swap_space(self.cache.swap_space, self.parallel.tensor_parallel_size)
+
     @classmethod
     def create(cls, model: str | None = None, **settings: Any) -> EngineConfig:
         """The config from flat keywords, each a setting's field name (`block_size=32`,
@@ -521,6 +527,42 @@ class EngineConfig:
         own = values.pop(None, {})
         owners = {s.section: s.owner for s in by_name.values()}
         return cls(**{name: owners[name](**kwargs) for name, kwargs in values.items()}, **own)
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+# Above this share of RAM, swap space that preemption fills could leave too little for the
+# rest (the CPU KV cache, the weights, other processes).
+SWAP_SPACE_WARN_FRACTION = 0.7
+
+
+def _check_swap_space(swap_space_gib: float, ranks: int) -> None:
+    """Each rank maps `swap_space` GiB of CPU memory (counted as if every rank ran on this
+    machine, as they do unless Ray spreads them). More than the machine's RAM could never
+    be backed: refused. Most of it: a warning, as vLLM gives."""
+    total = physical_memory_bytes()
+    wanted = swap_space_gib * GiB * ranks
+    if not total or not wanted:
+        return
+    per_rank = f"{swap_space_gib:g} GiB" + (f" for each of {ranks} ranks" if ranks > 1 else "")
+    if wanted > total:
+        raise InvalidSettingError(
+            "swap_space", f"must fit in this machine's {total / GiB:.1f} GiB of RAM; got {per_rank}."
+        )
+    if wanted > SWAP_SPACE_WARN_FRACTION * total:
+        logger.warning(
+            "--swap-space %s is %.0f%% of this machine's %.1f GiB of RAM: swapping that much "
+            "KV out may leave too little memory for the rest.",
+            per_rank,
+            100 * wanted / total,
+            total / GiB,
+        )
 
 
 @dataclass(frozen=True)

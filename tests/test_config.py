@@ -113,3 +113,20 @@ def test_ray_backend_with_ray_installed_is_accepted(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", ray)
     config = EngineConfig.create(tensor_parallel_size=2, distributed_executor_backend="ray")
     assert config.parallel.executor_backend == "ray"
+
+
+def test_swap_space_beyond_ram_is_refused_and_most_of_it_warned(monkeypatch, caplog):
+    monkeypatch.setattr("serve.config.physical_memory_bytes", lambda: 16 * GiB)
+    with pytest.raises(InvalidSettingError) as info:
+        EngineConfig.create(swap_space=17)
+    assert info.value.name == "swap_space"
+    assert "must fit in this machine's 16.0 GiB of RAM; got 17 GiB." in str(info.value)
+    # every rank maps its own swap space
+    with pytest.raises(InvalidSettingError, match="got 6 GiB for each of 3 ranks"):
+        EngineConfig.create(swap_space=6, tensor_parallel_size=3)
+
+    with caplog.at_level("WARNING", logger="serve.config"):
+        EngineConfig.create(swap_space=8)  # half: quiet
+        assert not caplog.records
+        EngineConfig.create(swap_space=12)
+    assert "--swap-space 12 GiB is 75% of this machine's 16.0 GiB of RAM" in caplog.text

@@ -3,7 +3,15 @@ same in CPU memory as the swap space that preemption by swapping moves blocks in
 
 from __future__ import annotations
 
+import math
+import mmap
+import sys
+
 import torch
+
+# Linux's flag (0x4000 on every architecture serve runs on); Python's mmap module names it
+# from 3.13 on.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 def kv_bytes_per_block(
@@ -33,15 +41,15 @@ class CacheEngine:
             for _ in range(num_layers)
         ]
         # Uninitialised: a swapped-in block is always one that was swapped out. Pinned on
-        # CUDA so the copies are asynchronous DMA; on CPU, untouched pages cost nothing.
+        # CUDA so the copies are asynchronous DMA.
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
-        pin = device.type == "cuda"
+        swap_tensor = (
+            (lambda: torch.empty(cpu_shape, dtype=dtype, pin_memory=True))
+            if device.type == "cuda"
+            else (lambda: unreserved_empty(cpu_shape, dtype))
+        )
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
-                torch.empty(cpu_shape, dtype=dtype, pin_memory=pin),
-            )
-            for _ in range(num_layers if num_cpu_blocks else 0)
+            (swap_tensor(), swap_tensor()) for _ in range(num_layers if num_cpu_blocks else 0)
         ]
 
     @staticmethod
@@ -60,3 +68,22 @@ class CacheEngine:
         )
         stored = torch.zeros([shape[i] for i in order], dtype=dtype, device=device)
         return stored.permute(inverse)
+
+
+def unreserved_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose untouched pages are not charged against the
+    machine's memory commit (an anonymous MAP_NORESERVE mapping), where Linux allows it.
+
+    The CPU swap space is gigabytes that stay untouched until preemption swaps into them.
+    Mapped as plain `torch.empty` memory, those gigabytes count in full whenever the process
+    forks: Linux's default overcommit heuristic refuses a fork whose private mappings exceed
+    RAM + swap, so an engine with a large --swap-space (or a few engines alive in one
+    process) left it unable to start a subprocess through fork (Ray's worker start-up is
+    one). Pages written later are backed as they are touched, like any other memory.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not MAP_NORESERVE:
+        return torch.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | MAP_NORESERVE)
+    # The tensor holds a reference to the mapping, which is unmapped with the last view.
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
