@@ -553,7 +553,8 @@ def _check_swap_space(swap_space_gib: float, ranks: int) -> None:
     per_rank = f"{swap_space_gib:g} GiB" + (f" for each of {ranks} ranks" if ranks > 1 else "")
     if wanted > total:
         raise InvalidSettingError(
-            "swap_space", f"must fit in this machine's {total / GiB:.1f} GiB of RAM; got {per_rank}."
+            "swap_space",
+            f"must fit in this machine's {total / GiB:.1f} GiB of RAM; got {per_rank}.",
         )
     if wanted > SWAP_SPACE_WARN_FRACTION * total:
         logger.warning(
