@@ -33,6 +33,7 @@ EXAMPLES = {
     "num_gpu_blocks_override": Example(("--num-gpu-blocks-override", "100"), 100),
     "swap_space": Example(("--swap-space", "2.5"), 2.5),
     "enable_prefix_caching": Example(("--no-enable-prefix-caching",), False),
+    "kv_cache_dtype": Example(("--kv-cache-dtype", "bfloat16"), "bfloat16"),
     "max_num_seqs": Example(("--max-num-seqs", "8"), 8),
     "max_num_batched_tokens": Example(("--max-num-batched-tokens", "1024"), 1024),
     "preemption_mode": Example(("--preemption-mode", "recompute"), "recompute"),

@@ -43,9 +43,9 @@ def test_settings_are_the_config_fields_in_order():
 
 def test_unknown_keyword_is_named_with_a_suggestion_and_the_valid_ones():
     with pytest.raises(TypeError) as info:
-        EngineConfig.create("m", kv_cache_size="4GiB")
+        EngineConfig.create("m", kv_cache_memroy="4GiB")
     message = str(info.value)
-    assert "'kv_cache_size' (did you mean 'kv_cache_memory'?)" in message
+    assert "'kv_cache_memroy' (did you mean 'kv_cache_memory'?)" in message
     assert all(s.name in message for s in engine_settings())
     # Server flags are not engine settings.
     with pytest.raises(TypeError, match="Unknown engine setting 'port'"):

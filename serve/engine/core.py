@@ -124,13 +124,16 @@ class EngineCore:
             max_workers=1, thread_name_prefix="engine-helper"
         )
         logger.info(
-            "Model %s (%s) on %s, tensor parallel size %d (%s); KV cache: %d blocks x %d "
-            "tokens = %d tokens, swap space %d blocks; prefix caching %s; max_model_len %d",
+            "Model %s (%s) on %s, tensor parallel size %d (%s); KV cache (%s): %d blocks x "
+            "%d tokens = %d tokens, swap space %d blocks; prefix caching %s; max_model_len %d",
             self.model_path,
             ",".join(getattr(hf_config, "architectures", None) or ["?"]),
             device_type,
             tp_size,
             config.parallel.executor_backend,
+            "the model's dtype"
+            if config.cache.kv_cache_dtype == "auto"
+            else config.cache.kv_cache_dtype,
             num_blocks,
             block_size,
             num_blocks * block_size,

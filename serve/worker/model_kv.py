@@ -20,9 +20,12 @@ class ModelKV:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> ModelKV:
+    def of(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> ModelKV:
+        """The cache `model`'s attention layers need, stored in `kv_cache_dtype`
+        (--kv-cache-dtype; auto: the model's dtype)."""
         attn = attention_layers(model)
-        dtype = next(model.parameters()).dtype
+        model_dtype = next(model.parameters()).dtype
+        dtype = cache_dtype(model_dtype, kv_cache_dtype)
         return cls(len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype)
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -52,3 +55,19 @@ class ModelKV:
         for layer, kv_cache in zip(attention_layers(model), cache.kv_caches):
             layer.kv_cache = kv_cache
         return cache
+
+
+def cache_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
+    """The KV cache's dtype: the model's, or a 16-bit one under a float32 model. Attention
+    widens the rows it reads back to the model's float32; a cache wider than the model, or
+    one 16-bit format under the other, would only round twice, and is refused."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    dtype = getattr(torch, kv_cache_dtype)
+    if dtype != model_dtype and model_dtype != torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} needs a float32 model, and this one runs in "
+            f"{str(model_dtype).removeprefix('torch.')}: leave it at auto to store K/V in "
+            "the model's dtype, or add --dtype float32."
+        )
+    return dtype

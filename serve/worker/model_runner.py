@@ -61,7 +61,7 @@ class ModelRunner:
         engine = config.engine
         self.block_size = engine.cache.block_size
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
-        self.kv = ModelKV.of(self.model)
+        self.kv = ModelKV.of(self.model, engine.cache.kv_cache_dtype)
         self.cache_engine: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None  # on CUDA, once the cache is bound
         self.mirror = SequenceMirror()

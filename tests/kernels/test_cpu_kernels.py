@@ -8,6 +8,7 @@ reading a wrong block or past a context's end poisons the answer instead of addi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 
@@ -143,6 +144,36 @@ def test_half_precision_caches(dtype):
         0.125,
     )
     assert rel_err(out, expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["mixed", "prefill"])
+def test_float32_queries_over_a_narrower_cache(case, cache_dtype, head_dim):
+    """--kv-cache-dtype: a float32 model's K/V stored in bfloat16 or float16. Decode and
+    prompt tiles widen each row as they read it and compute in float32, so the output is
+    float32 attention over the rounded K/V, as the reference computes it."""
+    wide = case_inputs(case, (9, 3), head_dim, 16)
+    narrow = dataclasses.replace(
+        wide, key_cache=wide.key_cache.to(cache_dtype), value_cache=wide.value_cache.to(cache_dtype)
+    )
+    out = native_attention(narrow, 0.125)
+    assert out.dtype == torch.float32
+    expected = reference.paged_attention(
+        wide.query, narrow.key_cache.float(), narrow.value_cache.float(), wide.meta, 0.125
+    )
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+    # and the rounding is the cache's: the float32 cache's answer is further away
+    assert rel_err(out, native_attention(wide, 0.125)) > TOLERANCE[torch.float32]
+
+
+def test_a_cache_wider_than_the_query_is_refused():
+    inputs = case_inputs("decode", (4, 2), 32, 4, dtype=torch.bfloat16)
+    wide = dataclasses.replace(
+        inputs, key_cache=inputs.key_cache.float(), value_cache=inputs.value_cache.float()
+    )
+    with pytest.raises(RuntimeError, match="the cache's dtype must be the query's"):
+        native_attention(wide, 0.125)
 
 
 def test_long_contexts_and_large_scores_stay_exact():
@@ -428,6 +459,28 @@ def test_reshape_and_cache_writes_the_slots_torch_writes(dtype):
     flat_k = ours[0].flatten(0, 1)
     assert torch.equal(flat_k[slots[0]], key[0])
     assert not torch.equal(ours[0], fresh_caches()[0])  # it wrote something
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_reshape_and_cache_rounds_float32_rows_into_a_narrower_cache(cache_dtype):
+    """--kv-cache-dtype: each float32 K/V row rounded to nearest (as `Tensor.to` rounds)
+    into its slot; skipped and untouched slots stay as they were."""
+    gen = seeded("cache-narrow", cache_dtype)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 5, 4, 2, 24, 7
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=gen) * 3
+    key = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[2] = -1
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    fill = torch.randn(shape, generator=gen).to(cache_dtype)
+    ours = [fill.clone().permute(1, 2, 0, 3) for _ in range(2)]
+    theirs = [fill.clone().permute(1, 2, 0, 3) for _ in range(2)]
+    cpu.reshape_and_cache(key, value, *ours, slots)
+    reference.reshape_and_cache(key, value, *theirs, slots)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    assert torch.equal(ours[1].flatten(0, 1)[slots[0]], value[0].to(cache_dtype))
+    assert not torch.equal(ours[1].flatten(0, 1)[slots[0]].float(), value[0])  # it rounded
 
 
 def test_reshape_and_cache_rejects_a_slot_past_the_cache():

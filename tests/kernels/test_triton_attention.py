@@ -7,6 +7,7 @@ block or an unmasked block tail gives a wrong answer instead of a lucky zero.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -118,6 +119,20 @@ def test_half_precision(triton_ops, device, dtype, block_size):
     lens = [(block_size + 1, 1), (3, 1), (2 * block_size, 2 * block_size), (50, 9)]
     inputs = make_attention_inputs(lens, 2, (9, 3), 64, block_size, gen, dtype=dtype, device=device)
     check_against_reference(triton_ops, inputs, 64**-0.5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_float32_queries_over_a_narrower_cache(triton_ops, device, cache_dtype):
+    """--kv-cache-dtype: a float32 model's K/V stored in 16 bits, widened as they load."""
+    gen = seeded("narrow-cache", cache_dtype)
+    lens = [(17, 1), (3, 1), (32, 32), (50, 9)]
+    inputs = make_attention_inputs(lens, 2, (9, 3), 64, 16, gen, device=device)
+    narrow = dataclasses.replace(
+        inputs,
+        key_cache=inputs.key_cache.to(cache_dtype),
+        value_cache=inputs.value_cache.to(cache_dtype),
+    )
+    check_against_reference(triton_ops, narrow, 64**-0.5)
 
 
 def test_unwritten_cache_slots_are_never_read(triton_ops, device):

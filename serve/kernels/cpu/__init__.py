@@ -35,6 +35,9 @@ __all__ = [
 
 # The dtypes the native kernels other than attention take (attention also takes float16).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+# The caches' dtypes a float32 model's K/V may be stored in (--kv-cache-dtype); attention
+# widens them as it reads.
+NARROW_CACHE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _native_rows(x: torch.Tensor) -> bool:
@@ -107,7 +110,12 @@ def reshape_and_cache(
     """A row copy per (token, head) into its slot; the torch version masks, checks the mask
     (a sync on the result) and runs two index_copy_ calls."""
     fits = (
-        key.dtype == value.dtype == key_cache.dtype == value_cache.dtype
+        key.dtype == value.dtype
+        and key_cache.dtype == value_cache.dtype
+        and (
+            key.dtype == key_cache.dtype
+            or (key.dtype == torch.float32 and key_cache.dtype in NARROW_CACHE_DTYPES)
+        )
         and key.dim() == 3
         and key.stride(2) == 1
         and value.stride(2) == 1

@@ -53,11 +53,12 @@ inline float16v tanh16(float16v x) {
 // Options structs). With the head size known at compile time (HD > 0), a key element's
 // offset in a [G][HD] group is a constant, so the keys are broadcast from their rows as
 // they lie: a float32 group that fills one block's run of slots is read straight from the
-// cache, with no copy at all. Otherwise (HD = 0) the group is transposed into [D][G].
-template <typename scalar_t, int HD, typename CacheView, typename Options>
+// cache, with no copy at all. Otherwise (HD = 0) the group is transposed into [D][G]. A cache
+// narrower than the query (cache_t: --kv-cache-dtype) is widened into the copy.
+template <typename scalar_t, typename cache_t, int HD, typename CacheView, typename Options>
 void attend_tile_wide(
     const scalar_t* query, int64_t q_stride_token, int64_t q_stride_head,
-    const scalar_t* key_cache, const scalar_t* value_cache, const CacheView& cache,
+    const cache_t* key_cache, const cache_t* value_cache, const CacheView& cache,
     const int64_t* block_table, int64_t kv_head, int64_t heads_per_kv, int64_t head_dim,
     int64_t first_query_pos, int64_t tile_tokens, int64_t first_token, const Options& opt,
     scalar_t* out, int64_t out_stride_token, int64_t out_stride_head) {
@@ -112,7 +113,7 @@ void attend_tile_wide(
     const float* keys = key_copy;
     const float* values = value_copy;
     bool in_place = false;
-    if constexpr (HD > 0 && std::is_same_v<scalar_t, float>) {
+    if constexpr (HD > 0 && std::is_same_v<cache_t, float>) {
       // A short group is copied: its slots past the context may hold anything, NaN too.
       in_place = n == G && block_size % G == 0 && cache.stride_slot == HD;
       if (in_place) {
@@ -123,8 +124,8 @@ void attend_tile_wide(
     if (!in_place) {
       for (int64_t i = 0; i < n; ++i) {
         const int64_t at = row_at(k0 + i);
-        const scalar_t* k = key_cache + at;
-        const scalar_t* v = value_cache + at;
+        const cache_t* k = key_cache + at;
+        const cache_t* v = value_cache + at;
         for (int64_t d = 0; d < D; ++d)
           key_copy[HD > 0 ? i * D + d : d * G + i] = static_cast<float>(k[d]);
         for (int64_t d = 0; d < D; ++d) value_copy[i * D + d] = static_cast<float>(v[d]);
@@ -138,7 +139,7 @@ void attend_tile_wide(
       const int64_t next = std::min<int64_t>(G, last_query_pos + 1 - (k0 + G));
       for (int64_t i = 0; i < next; ++i) {
         const int64_t at = row_at(k0 + G + i);
-        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(scalar_t)); b += 64) {
+        for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(cache_t)); b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(key_cache + at) + b);
           __builtin_prefetch(reinterpret_cast<const char*>(value_cache + at) + b);
         }

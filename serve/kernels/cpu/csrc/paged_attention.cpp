@@ -47,22 +47,30 @@ constexpr int64_t kMaxBlockSize = 256;
 // each other on 2 cores; 2 was the best).
 constexpr int64_t kPrefetchBlocks = 2;
 
+// 16 elements of a cache row as floats: float32 rows as they are, bfloat16 rows widened in
+// the register (a shift), so a bfloat16 cache is read at half the bytes with no copy.
+inline float16v load_row16(const float* p) { return load16(p); }
+inline float16v load_row16(const at::BFloat16* p) {
+  return load16_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
 // acc[d0 : d0 + 16 * S] += sum_i p[i] * v[i][d0 : d0 + 16 * S], the S slices in registers
 // across the keys: S independent chains of adds, where one slice at a time waits on each.
-template <int S>
-inline void accumulate_slices(float* acc, const float* const* v, const float* p, int64_t n,
+template <int S, typename row_t>
+inline void accumulate_slices(float* acc, const row_t* const* v, const float* p, int64_t n,
                               int64_t d0) {
   float16v slice[S];
   for (int j = 0; j < S; ++j) slice[j] = load16(acc + d0 + 16 * j);
   for (int64_t i = 0; i < n; ++i) {
     const float w = p[i];
-    for (int j = 0; j < S; ++j) slice[j] += w * load16(v[i] + d0 + 16 * j);
+    for (int j = 0; j < S; ++j) slice[j] += w * load_row16(v[i] + d0 + 16 * j);
   }
   for (int j = 0; j < S; ++j) store16(acc + d0 + 16 * j, slice[j]);
 }
 
 // acc[0 : head_dim] += sum_i p[i] * v[i] over a block's n value rows.
-inline void accumulate_values(float* acc, const float* const* v, const float* p, int64_t n,
+template <typename row_t>
+inline void accumulate_values(float* acc, const row_t* const* v, const float* p, int64_t n,
                               int64_t head_dim) {
   int64_t d = 0;
   for (; d + 64 <= head_dim; d += 64) accumulate_slices<4>(acc, v, p, n, d);
@@ -73,7 +81,7 @@ inline void accumulate_values(float* acc, const float* const* v, const float* p,
     default: break;
   }
   for (d += (head_dim - d) / 16 * 16; d < head_dim; ++d) {
-    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * v[i][d];
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * static_cast<float>(v[i][d]);
   }
 }
 
@@ -81,17 +89,17 @@ inline void accumulate_values(float* acc, const float* const* v, const float* p,
 // The query stays in registers; each key's products stay a vector (two chains, so one
 // key's adds do not wait on each other) until one transposing reduction sums all 16 keys
 // at once: a horizontal sum per key costs more than the key's products.
-template <int SL>
-inline void score_keys(const float* q, const float* const* k, int64_t m, float* s) {
+template <int SL, typename row_t>
+inline void score_keys(const float* q, const row_t* const* k, int64_t m, float* s) {
   float16v qv[SL];
   for (int j = 0; j < SL; ++j) qv[j] = load16(q + 16 * j);
   float16v part[16];
   for (int64_t i = 0; i < m; ++i) {
-    float16v even = qv[0] * load16(k[i]);
+    float16v even = qv[0] * load_row16(k[i]);
     float16v odd = {};
     for (int j = 1; j < SL; j += 2) {
-      odd += qv[j] * load16(k[i] + 16 * j);
-      if (j + 1 < SL) even += qv[j + 1] * load16(k[i] + 16 * (j + 1));
+      odd += qv[j] * load_row16(k[i] + 16 * j);
+      if (j + 1 < SL) even += qv[j + 1] * load_row16(k[i] + 16 * (j + 1));
     }
     part[i] = even + odd;
   }
@@ -100,16 +108,30 @@ inline void score_keys(const float* q, const float* const* k, int64_t m, float* 
 }
 
 // The same for any head_dim: a dot product per key.
-inline void score_keys_any(const float* q, const float* const* k, int64_t m, int64_t head_dim,
+template <typename row_t>
+inline void score_keys_any(const float* q, const row_t* const* k, int64_t m, int64_t head_dim,
                            float* s) {
-  for (int64_t i = 0; i < m; ++i) s[i] = dot(q, k[i], head_dim);
+  for (int64_t i = 0; i < m; ++i) {
+    float16v acc = {};
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) acc += load16(q + d) * load_row16(k[i] + d);
+    float tail = 0.0f;
+    for (; d < head_dim; ++d) tail += q[d] * static_cast<float>(k[i][d]);
+    s[i] = horizontal_sum(acc) + tail;
+  }
   for (int64_t i = m; i < 16; ++i) s[i] = 0.0f;
 }
 
-// A cache row as float32: the row itself, or its conversion into `scratch`.
-template <typename scalar_t>
-inline const float* as_float(const scalar_t* row, float* scratch, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
+// How the decode tile reads a cache row: float32 and bfloat16 rows where they lie
+// (`load_row16` widens bfloat16 as it loads); others (float16, float64) converted into a
+// float32 copy.
+template <typename cache_t>
+using row_type = std::conditional_t<
+    std::is_same_v<cache_t, float> || std::is_same_v<cache_t, at::BFloat16>, cache_t, float>;
+
+template <typename cache_t>
+inline const row_type<cache_t>* as_row(const cache_t* row, float* scratch, int64_t n) {
+  if constexpr (std::is_same_v<row_type<cache_t>, cache_t>) {
     return row;
   } else {
     for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(row[i]);
@@ -137,10 +159,12 @@ inline void prefetch_rows(const void* first_row, int64_t rows, int64_t row_strid
   }
 }
 
-template <typename scalar_t>
+// scalar_t: the query's and the output's dtype; cache_t: the KV cache's (the same, or a
+// narrower one under --kv-cache-dtype). Scores and sums are float32 either way.
+template <typename scalar_t, typename cache_t>
 void attend_tile(
     const scalar_t* query, int64_t q_stride_token, int64_t q_stride_head,
-    const scalar_t* key_cache, const scalar_t* value_cache, const CacheView& cache,
+    const cache_t* key_cache, const cache_t* value_cache, const CacheView& cache,
     const int64_t* block_table, int64_t kv_head, int64_t heads_per_kv, int64_t head_dim,
     int64_t first_query_pos, int64_t tile_tokens, int64_t first_token, const Options& opt,
     scalar_t* out, int64_t out_stride_token, int64_t out_stride_head) {
@@ -173,8 +197,8 @@ void attend_tile(
   // max and sum per row; the accumulator rescaled when the max grows), so each block's K
   // and V rows are read from memory once and reused by every row of the tile from L1.
   const int64_t last_block = last_query_pos / block_size;
-  const int64_t slot_bytes = cache.stride_slot * static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t slot_bytes = cache.stride_slot * static_cast<int64_t>(sizeof(cache_t));
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
   const auto prefetch_block = [&](int64_t blk) {
     const int64_t at = block_table[blk] * cache.stride_block + kv_head * cache.stride_head;
     prefetch_rows(key_cache + at, block_size, slot_bytes, row_bytes);
@@ -190,12 +214,12 @@ void attend_tile(
     const int64_t key_end = std::min(last_query_pos + 1, (blk + 1) * block_size);
     const int64_t n = key_end - key_begin;
     const int64_t slot0 = key_begin - blk * block_size;
-    const float* k[kMaxBlockSize];
-    const float* v[kMaxBlockSize];
+    const row_type<cache_t>* k[kMaxBlockSize];
+    const row_type<cache_t>* v[kMaxBlockSize];
     for (int64_t i = 0; i < n; ++i) {
       const int64_t at = base + (slot0 + i) * cache.stride_slot;
-      k[i] = as_float(key_cache + at, k_rows.data() + i * head_dim, head_dim);
-      v[i] = as_float(value_cache + at, v_rows.data() + i * head_dim, head_dim);
+      k[i] = as_row(key_cache + at, k_rows.data() + i * head_dim, head_dim);
+      v[i] = as_row(value_cache + at, v_rows.data() + i * head_dim, head_dim);
     }
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t query_pos = first_query_pos + row / heads_per_kv;
@@ -273,7 +297,11 @@ void paged_attention(
   TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "head_dim must be the innermost, unit-stride dimension");
   TORCH_CHECK(key_cache.strides() == value_cache.strides(), "K and V caches share one layout");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "K and V caches share a dtype");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() ||
+                  (query.scalar_type() == at::kFloat &&
+                   (key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf)),
+              "the cache's dtype must be the query's, or bfloat16 or float16 under a float32 query");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
               "block_tables: contiguous int64");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
@@ -321,10 +349,14 @@ void paged_attention(
   const bool wide_fits = head_dim % 16 == 0;
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+  // Every (query, cache) dtype pair the check above admits: the cache's own dtype, or a
+  // float32 query over a bfloat16 or float16 cache.
+  const auto run = [&](auto query_tag, auto cache_tag) {
+    using scalar_t = decltype(query_tag);
+    using cache_t = decltype(cache_tag);
     const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* k = key_cache.data_ptr<scalar_t>();
-    const scalar_t* v = value_cache.data_ptr<scalar_t>();
+    const cache_t* k = key_cache.data_ptr<cache_t>();
+    const cache_t* v = value_cache.data_ptr<cache_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
     const int64_t max_blocks = block_tables.size(1);
@@ -337,18 +369,27 @@ void paged_attention(
         const int64_t query_len = starts_p[b + 1] - starts_p[b];
         const int64_t tile_tokens = std::min(kQueryTile, starts_p[b + 1] - token);
         const int64_t first_query_pos = lens_p[b] - query_len + (token - starts_p[b]);
-        auto attend = &attend_tile<scalar_t>;
+        auto attend = &attend_tile<scalar_t, cache_t>;
         if (wide_fits && query_len >= kWideMinQueries) {
-          attend = head_dim == 64    ? &attend_tile_wide<scalar_t, 64, CacheView, Options>
-                   : head_dim == 128 ? &attend_tile_wide<scalar_t, 128, CacheView, Options>
-                                     : &attend_tile_wide<scalar_t, 0, CacheView, Options>;
+          attend = head_dim == 64    ? &attend_tile_wide<scalar_t, cache_t, 64, CacheView, Options>
+                   : head_dim == 128 ? &attend_tile_wide<scalar_t, cache_t, 128, CacheView, Options>
+                                     : &attend_tile_wide<scalar_t, cache_t, 0, CacheView, Options>;
         }
         attend(q, query.stride(0), query.stride(1), k, v, cache, tables + b * max_blocks,
                kv_head, heads_per_kv, head_dim, first_query_pos, tile_tokens, token, opt, o,
                out.stride(0), out.stride(1));
       }
     });
-  });
+  };
+  const auto cache_dtype = key_cache.scalar_type();
+  if (query.scalar_type() == at::kFloat && cache_dtype == at::kBFloat16) {
+    run(float{}, at::BFloat16{});
+  } else if (query.scalar_type() == at::kFloat && cache_dtype == at::kHalf) {
+    run(float{}, at::Half{});
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention",
+                                    [&] { run(scalar_t{}, scalar_t{}); });
+  }
 }
 
 
@@ -365,9 +406,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
               "key rows must match the cache's heads and head_dim");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && key_cache.stride(3) == 1,
               "unit stride along head_dim");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-                  value.scalar_type() == key_cache.scalar_type() &&
-                  value_cache.scalar_type() == key_cache.scalar_type(), "one dtype for K/V and caches");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(), "one dtype for K/V, one for the caches");
+  const bool narrowing = key.scalar_type() != key_cache.scalar_type();
+  TORCH_CHECK(!narrowing || (key.scalar_type() == at::kFloat &&
+                             (key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf)),
+              "the caches' dtype must be K/V's, or bfloat16 or float16 under float32 K/V");
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == key.size(0), "one slot per token");
   const int64_t tokens = key.size(0), heads = key.size(1);
@@ -376,6 +420,34 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot_p[t] < num_slots, "slot ", slot_p[t], " past the cache's ", num_slots);
+  if (narrowing) {  // float32 rows rounded (to nearest even) into the cache's dtype
+    const auto store = [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      const int64_t D = key.size(2);
+      cache_t* kc = key_cache.data_ptr<cache_t>();
+      cache_t* vc = value_cache.data_ptr<cache_t>();
+      const float* k = key.data_ptr<float>();
+      const float* v = value.data_ptr<float>();
+      at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t slot = slot_p[t];
+          if (slot < 0) continue;
+          const int64_t at_slot = (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
+          for (int64_t h = 0; h < heads; ++h) {
+            cache_t* kd = kc + at_slot + h * key_cache.stride(2);
+            cache_t* vd = vc + at_slot + h * key_cache.stride(2);
+            const float* ks = k + t * key.stride(0) + h * key.stride(1);
+            const float* vs = v + t * value.stride(0) + h * value.stride(1);
+            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<cache_t>(ks[d]);
+            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<cache_t>(vs[d]);
+          }
+        }
+      });
+    };
+    if (key_cache.scalar_type() == at::kBFloat16) store(at::BFloat16{});
+    else store(at::Half{});
+    return;
+  }
   const int64_t es = key.element_size(), row_bytes = key.size(2) * es;
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
