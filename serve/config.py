@@ -189,8 +189,8 @@ class CacheConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "dtype the KV cache stores: auto = the model's; bfloat16 or float16 under a float32 "
-        "model halve the cache's bytes (twice the tokens in the same memory, less to read "
-        "each step) at the cost of rounding K and V; attention still computes in float32",
+        "model halve the cache's bytes (twice the tokens in the same memory) at the cost of "
+        "rounding K and V; attention still computes in float32",
         choices=KV_CACHE_DTYPES,
     )
 
