@@ -87,7 +87,9 @@ def _check_choices(config: Any) -> None:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16")
+# vLLM's names: fp8 is fp8_e4m3 (3 mantissa bits, to +-448), fp8_e5m2 keeps range (to
+# +-57344) with 2 bits.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
 MODEL_IMPLS = ("auto", "native", "transformers")
 
@@ -189,8 +191,9 @@ class CacheConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "dtype the KV cache stores: auto = the model's; bfloat16 or float16 under a float32 "
-        "model halve the cache's bytes (twice the tokens in the same memory) at the cost of "
-        "rounding K and V; attention still computes in float32",
+        "model, or fp8 (= fp8_e4m3) or fp8_e5m2 under any, take fewer bytes a token (more "
+        "tokens in the same memory) at the cost of rounding K and V (fp8: saturating at its "
+        "largest value, unscaled); attention computes in the model's dtype or float32",
         choices=KV_CACHE_DTYPES,
     )
 

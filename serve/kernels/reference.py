@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from serve.kernels.cache_dtypes import as_bytes, narrowed
 from serve.kernels.metadata import AttentionMetadata
 
 
@@ -25,14 +26,15 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 = skip this token
 ) -> None:
-    """Store each new token's K/V at its flat slot (`block_id * block_size + offset`)."""
+    """Store each new token's K/V at its flat slot (`block_id * block_size + offset`), in
+    the cache's dtype (cache_dtypes.py: rounded, fp8 saturated)."""
     flat_k = key_cache.flatten(0, 1)  # [num_slots, num_kv_heads, head_dim], a view
     flat_v = value_cache.flatten(0, 1)
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
-    flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+    as_bytes(flat_k).index_copy_(0, slot_mapping, as_bytes(narrowed(key, flat_k.dtype)))
+    as_bytes(flat_v).index_copy_(0, slot_mapping, as_bytes(narrowed(value, flat_v.dtype)))
 
 
 def copy_blocks(
@@ -42,8 +44,8 @@ def copy_blocks(
 ) -> None:
     """Copy-on-write: in every layer, block `dst[i]` becomes a copy of block `src[i]`."""
     for key_cache, value_cache in kv_caches:
-        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+        for cache in map(as_bytes, (key_cache, value_cache)):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
 def swap_blocks(
@@ -58,6 +60,8 @@ def swap_blocks(
     """
     # Asynchronous only towards a GPU: a copy to the CPU must land before index_copy_ reads it.
     to_gpu = dst_cache.device.type == "cuda"
+    if src_cache.dtype == dst_cache.dtype:  # as they are (fp8 blocks as bytes)
+        src_cache, dst_cache = as_bytes(src_cache), as_bytes(dst_cache)
     staged = src_cache.index_select(0, src_ids).to(dst_cache.device, non_blocking=to_gpu)
     dst_cache.index_copy_(0, dst_ids, staged.to(dst_cache.dtype))
 

@@ -24,8 +24,17 @@ class ModelKV:
         """The cache `model`'s attention layers need, stored in `kv_cache_dtype`
         (--kv-cache-dtype; auto: the model's dtype)."""
         attn = attention_layers(model)
-        model_dtype = next(model.parameters()).dtype
-        dtype = cache_dtype(model_dtype, kv_cache_dtype)
+        weight = next(model.parameters())
+        dtype = cache_dtype(weight.dtype, kv_cache_dtype)
+        if dtype == torch.float8_e4m3fn and weight.device.type == "cuda":
+            # Triton's e4m3 (fp8e4nv) is the hardware's: Ada and Hopper have it, Ampere not.
+            capability = torch.cuda.get_device_capability(weight.device)
+            if capability < (8, 9):
+                raise ValueError(
+                    f"--kv-cache-dtype {kv_cache_dtype} (fp8 e4m3) needs a GPU of compute "
+                    "capability 8.9 or newer (Ada, Hopper); this one is "
+                    f"{capability[0]}.{capability[1]}: use fp8_e5m2 or bfloat16."
+                )
         return cls(len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype)
 
     def bytes_per_block(self, block_size: int) -> int:
@@ -57,17 +66,28 @@ class ModelKV:
         return cache
 
 
+# --kv-cache-dtype's names and the torch dtypes they store.
+KV_CACHE_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
 def cache_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
-    """The KV cache's dtype: the model's, or a 16-bit one under a float32 model. Attention
-    widens the rows it reads back to the model's float32; a cache wider than the model, or
-    one 16-bit format under the other, would only round twice, and is refused."""
+    """The KV cache's dtype: the model's, or a narrower one. Attention widens the rows it
+    reads back to the model's dtype (or float32); a cache as wide as the model in another
+    format (float16 under bfloat16) or wider would only round twice, and is refused."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    dtype = getattr(torch, kv_cache_dtype)
-    if dtype != model_dtype and model_dtype != torch.float32:
+    dtype = KV_CACHE_TORCH_DTYPES[kv_cache_dtype]
+    if dtype != model_dtype and dtype.itemsize >= model_dtype.itemsize:
+        model_name = str(model_dtype).removeprefix("torch.")
         raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype} needs a float32 model, and this one runs in "
-            f"{str(model_dtype).removeprefix('torch.')}: leave it at auto to store K/V in "
-            "the model's dtype, or add --dtype float32."
+            f"--kv-cache-dtype {kv_cache_dtype} is no narrower than the model's {model_name}: "
+            "leave it at auto to store K/V in the model's dtype, add --dtype float32, or "
+            "choose fp8."
         )
     return dtype

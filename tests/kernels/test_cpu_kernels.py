@@ -146,25 +146,42 @@ def test_half_precision_caches(dtype):
     assert rel_err(out, expected) < TOLERANCE[dtype]
 
 
+NARROW_CACHES = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float32, torch.float8_e4m3fn),
+    (torch.float32, torch.float8_e5m2),
+    (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.float16, torch.float8_e5m2),
+]
+
+
 @pytest.mark.parametrize("head_dim", [64, 40])
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), NARROW_CACHES, ids=str)
 @pytest.mark.parametrize("case", ["mixed", "prefill"])
-def test_float32_queries_over_a_narrower_cache(case, cache_dtype, head_dim):
-    """--kv-cache-dtype: a float32 model's K/V stored in bfloat16 or float16. Decode and
-    prompt tiles widen each row as they read it and compute in float32, so the output is
-    float32 attention over the rounded K/V, as the reference computes it."""
+def test_queries_over_a_narrower_cache(case, dtype, cache_dtype, head_dim):
+    """--kv-cache-dtype: K/V stored narrower than the model computes (16 bits under float32,
+    fp8 under any). Decode and prompt tiles widen each row as they read it and compute in
+    float32, so the output is attention over the rounded K/V, as the reference computes it."""
     wide = case_inputs(case, (9, 3), head_dim, 16)
     narrow = dataclasses.replace(
-        wide, key_cache=wide.key_cache.to(cache_dtype), value_cache=wide.value_cache.to(cache_dtype)
+        wide,
+        query=wide.query.to(dtype),
+        key_cache=wide.key_cache.to(cache_dtype),
+        value_cache=wide.value_cache.to(cache_dtype),
     )
     out = native_attention(narrow, 0.125)
-    assert out.dtype == torch.float32
+    assert out.dtype == dtype
     expected = reference.paged_attention(
-        wide.query, narrow.key_cache.float(), narrow.value_cache.float(), wide.meta, 0.125
+        narrow.query.float(),
+        narrow.key_cache.float(),
+        narrow.value_cache.float(),
+        wide.meta,
+        0.125,
     )
-    assert rel_err(out, expected) < TOLERANCE[torch.float32]
-    # and the rounding is the cache's: the float32 cache's answer is further away
-    assert rel_err(out, native_attention(wide, 0.125)) > TOLERANCE[torch.float32]
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    # and the rounding is the cache's: float32 K/V give a measurably different answer
+    assert rel_err(out.float(), native_attention(wide, 0.125)) > TOLERANCE[torch.float32]
 
 
 def test_a_cache_wider_than_the_query_is_refused():
@@ -461,13 +478,16 @@ def test_reshape_and_cache_writes_the_slots_torch_writes(dtype):
     assert not torch.equal(ours[0], fresh_caches()[0])  # it wrote something
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
-def test_reshape_and_cache_rounds_float32_rows_into_a_narrower_cache(cache_dtype):
-    """--kv-cache-dtype: each float32 K/V row rounded to nearest (as `Tensor.to` rounds)
-    into its slot; skipped and untouched slots stay as they were."""
-    gen = seeded("cache-narrow", cache_dtype)
+@pytest.mark.parametrize(("dtype", "cache_dtype"), NARROW_CACHES, ids=str)
+def test_reshape_and_cache_rounds_rows_into_a_narrower_cache(dtype, cache_dtype):
+    """--kv-cache-dtype: each K/V row rounded to nearest (as `Tensor.to` rounds) into its
+    slot, fp8 saturating at its largest finite value (e4m3fn would otherwise make NaN of
+    anything past 448); skipped and untouched slots stay as they were."""
+    gen = seeded("cache-narrow", dtype, cache_dtype)
     num_blocks, block_size, kv_heads, head_dim, tokens = 5, 4, 2, 24, 7
     kv = torch.randn(tokens, 2 * kv_heads * head_dim, generator=gen) * 3
+    kv[0, :2] = torch.tensor([6e4, -6e4])  # past e4m3fn and e5m2 (57,344), within float16
+    kv = kv.to(dtype)
     key = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
     value = kv[:, kv_heads * head_dim :].view(tokens, kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
@@ -478,9 +498,17 @@ def test_reshape_and_cache_rounds_float32_rows_into_a_narrower_cache(cache_dtype
     theirs = [fill.clone().permute(1, 2, 0, 3) for _ in range(2)]
     cpu.reshape_and_cache(key, value, *ours, slots)
     reference.reshape_and_cache(key, value, *theirs, slots)
-    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
-    assert torch.equal(ours[1].flatten(0, 1)[slots[0]], value[0].to(cache_dtype))
-    assert not torch.equal(ours[1].flatten(0, 1)[slots[0]].float(), value[0])  # it rounded
+    for a, b in zip(ours, theirs):  # bit for bit, as bytes: NaN == NaN
+        assert torch.equal(
+            a.view(torch.uint8 if a.itemsize == 1 else torch.int16),
+            b.view(torch.uint8 if b.itemsize == 1 else torch.int16),
+        )
+    first = ours[0].flatten(0, 1)[slots[0], 0, :2].float()
+    if cache_dtype.itemsize == 1:
+        limit = torch.finfo(cache_dtype).max
+        assert first.tolist() == [limit, -limit]  # saturated, not NaN
+    assert torch.equal(ours[1].flatten(0, 1)[slots[1]].float(), value[1].to(cache_dtype).float())
+    assert not torch.equal(ours[1].flatten(0, 1)[slots[1]].float(), value[1].float())  # rounded
 
 
 def test_reshape_and_cache_rejects_a_slot_past_the_cache():

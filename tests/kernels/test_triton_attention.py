@@ -121,14 +121,25 @@ def test_half_precision(triton_ops, device, dtype, block_size):
     check_against_reference(triton_ops, inputs, 64**-0.5)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_float32_queries_over_a_narrower_cache(triton_ops, device, cache_dtype):
-    """--kv-cache-dtype: a float32 model's K/V stored in 16 bits, widened as they load."""
-    gen = seeded("narrow-cache", cache_dtype)
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype"),
+    [
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e4m3fn),
+        (torch.bfloat16, torch.float8_e5m2),
+    ],
+    ids=str,
+)
+def test_queries_over_a_narrower_cache(triton_ops, device, dtype, cache_dtype):
+    """--kv-cache-dtype: K/V stored narrower than the model computes, widened as they load."""
+    gen = seeded("narrow-cache", dtype, cache_dtype)
     lens = [(17, 1), (3, 1), (32, 32), (50, 9)]
     inputs = make_attention_inputs(lens, 2, (9, 3), 64, 16, gen, device=device)
     narrow = dataclasses.replace(
         inputs,
+        query=inputs.query.to(dtype),
         key_cache=inputs.key_cache.to(cache_dtype),
         value_cache=inputs.value_cache.to(cache_dtype),
     )

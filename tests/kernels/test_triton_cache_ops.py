@@ -72,6 +72,31 @@ def test_reshape_and_cache_casts_to_the_cache_dtype(triton_ops, device):
             torch.testing.assert_close(actual, expected, rtol=2**-7, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_reshape_and_cache_saturates_into_fp8(triton_ops, device, cache_dtype):
+    """--kv-cache-dtype fp8: values past the format's range are stored as its largest
+    finite value (e4m3fn has no infinity, so a plain cast would make NaN)."""
+    gen = torch.Generator().manual_seed(8)
+    key, value = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    key[0, 0, :2] = torch.tensor([6e4, -6e4])
+    slots = torch.tensor([5, -1, 2])
+    caches = [torch.zeros(2, 4, 2, 16, dtype=cache_dtype, device=device) for _ in range(2)]
+    expected = [torch.zeros(2, 4, 2, 16, dtype=cache_dtype) for _ in range(2)]
+
+    triton_ops.reshape_and_cache(key.to(device), value.to(device), *caches, slots.to(device))
+
+    reference.reshape_and_cache(key, value, *expected, slots)
+    limit = torch.finfo(cache_dtype).max
+    assert caches[0].flatten(0, 1)[5, 0, :2].float().tolist() == [limit, -limit]
+    if device.type == "cuda":
+        for actual, wanted in zip(caches, expected):
+            assert torch.equal(actual.cpu().view(torch.uint8), wanted.view(torch.uint8))
+    # The interpreter's fp32 -> fp8 conversion drops the carry of a rounded-up mantissa
+    # (1.98 -> 1.0 in e4m3), so off a GPU only the saturation and the slots are checked.
+    written = caches[1].flatten(0, 1).float().abs().sum(dim=(1, 2)).cpu()
+    assert written.nonzero().flatten().tolist() == [2, 5]
+
+
 def test_reshape_and_cache_all_skipped_writes_nothing(triton_ops, device):
     key_cache = torch.full((2, 16, 1, 16), float("nan"), device=device)
     value_cache = torch.full((2, 16, 1, 16), float("nan"), device=device)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from serve.kernels import reference
+from serve.kernels.cache_dtypes import cache_fits
 from serve.kernels.cpu import native
 from serve.kernels.metadata import AttentionMetadata
 from serve.kernels.reference import copy_blocks, moe_experts, swap_blocks
@@ -35,9 +36,6 @@ __all__ = [
 
 # The dtypes the native kernels other than attention take (attention also takes float16).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-# The caches' dtypes a float32 model's K/V may be stored in (--kv-cache-dtype); attention
-# widens them as it reads.
-NARROW_CACHE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _native_rows(x: torch.Tensor) -> bool:
@@ -112,10 +110,7 @@ def reshape_and_cache(
     fits = (
         key.dtype == value.dtype
         and key_cache.dtype == value_cache.dtype
-        and (
-            key.dtype == key_cache.dtype
-            or (key.dtype == torch.float32 and key_cache.dtype in NARROW_CACHE_DTYPES)
-        )
+        and cache_fits(key.dtype, key_cache.dtype)
         and key.dim() == 3
         and key.stride(2) == 1
         and value.stride(2) == 1

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from serve.kernels.cache_dtypes import as_bytes, fp8_max
 from serve.kernels.triton.runtime import can_launch, check_cache_pair
 
 
@@ -35,6 +36,7 @@ def _reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SATURATE_AT: tl.constexpr,  # an fp8 cache's largest finite value; 0: no saturation
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
@@ -53,6 +55,15 @@ def _reshape_and_cache_kernel(
     value_offset = token * stride_v_token + offs_h * stride_v_head + offs_d * stride_v_dim
     key = tl.load(key_ptr + key_offset, mask=mask)
     value = tl.load(value_ptr + value_offset, mask=mask)
+    if SATURATE_AT > 0:  # comparisons leave NaN as it is
+        key = key.to(tl.float32)
+        key = tl.where(
+            key > SATURATE_AT, SATURATE_AT, tl.where(key < -SATURATE_AT, -SATURATE_AT, key)
+        )
+        value = value.to(tl.float32)
+        value = tl.where(
+            value > SATURATE_AT, SATURATE_AT, tl.where(value < -SATURATE_AT, -SATURATE_AT, value)
+        )
     tl.store(key_cache_ptr + cache_offset, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache_offset, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -91,6 +102,7 @@ def reshape_and_cache(
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE_AT=fp8_max(key_cache.dtype),
         num_warps=4,
     )
 
@@ -144,6 +156,7 @@ def copy_block_rows(
     num_copies = src_ids.shape[0]
     if num_copies == 0:
         return
+    src, dst = as_bytes(src), as_bytes(dst)  # fp8 rows move as bytes
     _, block_size, num_kv_heads, head_dim = src.shape
     _copy_block_rows_kernel[(num_copies, block_size)](
         src,
@@ -208,11 +221,11 @@ def swap_blocks(
     if can_launch(src_cache):
         staged = gather_blocks(src_cache, src_ids)
     else:
-        staged = src_cache.index_select(0, src_ids)
+        staged = as_bytes(src_cache).index_select(0, src_ids).view(src_cache.dtype)
     # Asynchronous only towards a GPU: a device-to-host copy with non_blocking may still be in
     # flight when the CPU reads the buffer below.
     staged = staged.to(dst_cache.device, dst_cache.dtype, non_blocking=dst_cache.is_cuda)
     if can_launch(dst_cache):
         scatter_blocks(staged, dst_cache, dst_ids)
     else:
-        dst_cache.index_copy_(0, dst_ids, staged)
+        as_bytes(dst_cache).index_copy_(0, dst_ids, as_bytes(staged))

@@ -123,8 +123,8 @@ inline void score_keys_any(const float* q, const row_t* const* k, int64_t m, int
 }
 
 // How the decode tile reads a cache row: float32 and bfloat16 rows where they lie
-// (`load_row16` widens bfloat16 as it loads); others (float16, float64) converted into a
-// float32 copy.
+// (`load_row16` widens bfloat16 as it loads); others (float16, fp8, float64) converted
+// into a float32 copy.
 template <typename cache_t>
 using row_type = std::conditional_t<
     std::is_same_v<cache_t, float> || std::is_same_v<cache_t, at::BFloat16>, cache_t, float>;
@@ -288,6 +288,13 @@ void attend_tile(
   }
 }
 
+// The caches' dtype under K/V (or queries) of `dtype`: the same, a 16-bit one under float32
+// (--kv-cache-dtype bfloat16 / float16), or fp8 under any (--kv-cache-dtype fp8*).
+bool narrower_cache_fits(at::ScalarType dtype, at::ScalarType cache) {
+  if (cache == dtype || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2) return dtype != at::kDouble || cache == dtype;
+  return dtype == at::kFloat && (cache == at::kBFloat16 || cache == at::kHalf);
+}
+
 void paged_attention(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -298,10 +305,9 @@ void paged_attention(
               "head_dim must be the innermost, unit-stride dimension");
   TORCH_CHECK(key_cache.strides() == value_cache.strides(), "K and V caches share one layout");
   TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "K and V caches share a dtype");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() ||
-                  (query.scalar_type() == at::kFloat &&
-                   (key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf)),
-              "the cache's dtype must be the query's, or bfloat16 or float16 under a float32 query");
+  TORCH_CHECK(narrower_cache_fits(query.scalar_type(), key_cache.scalar_type()),
+              "the cache's dtype must be the query's, bfloat16 or float16 under a float32 query, "
+              "or fp8 (e4m3fn, e5m2)");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(),
               "block_tables: contiguous int64");
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
@@ -382,14 +388,19 @@ void paged_attention(
     });
   };
   const auto cache_dtype = key_cache.scalar_type();
-  if (query.scalar_type() == at::kFloat && cache_dtype == at::kBFloat16) {
-    run(float{}, at::BFloat16{});
-  } else if (query.scalar_type() == at::kFloat && cache_dtype == at::kHalf) {
-    run(float{}, at::Half{});
-  } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention",
-                                    [&] { run(scalar_t{}, scalar_t{}); });
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    if (cache_dtype == at::kFloat8_e4m3fn) {
+      if constexpr (!std::is_same_v<scalar_t, double>) run(scalar_t{}, at::Float8_e4m3fn{});
+    } else if (cache_dtype == at::kFloat8_e5m2) {
+      if constexpr (!std::is_same_v<scalar_t, double>) run(scalar_t{}, at::Float8_e5m2{});
+    } else if constexpr (std::is_same_v<scalar_t, float>) {
+      if (cache_dtype == at::kBFloat16) run(float{}, at::BFloat16{});
+      else if (cache_dtype == at::kHalf) run(float{}, at::Half{});
+      else run(float{}, float{});
+    } else {
+      run(scalar_t{}, scalar_t{});
+    }
+  });
 }
 
 
@@ -409,9 +420,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(key.scalar_type() == value.scalar_type() &&
                   value_cache.scalar_type() == key_cache.scalar_type(), "one dtype for K/V, one for the caches");
   const bool narrowing = key.scalar_type() != key_cache.scalar_type();
-  TORCH_CHECK(!narrowing || (key.scalar_type() == at::kFloat &&
-                             (key_cache.scalar_type() == at::kBFloat16 || key_cache.scalar_type() == at::kHalf)),
-              "the caches' dtype must be K/V's, or bfloat16 or float16 under float32 K/V");
+  TORCH_CHECK(narrower_cache_fits(key.scalar_type(), key_cache.scalar_type()),
+              "the caches' dtype must be K/V's, bfloat16 or float16 under float32 K/V, or fp8");
   const auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == key.size(0), "one slot per token");
   const int64_t tokens = key.size(0), heads = key.size(1);
@@ -420,14 +430,23 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot_p[t] < num_slots, "slot ", slot_p[t], " past the cache's ", num_slots);
-  if (narrowing) {  // float32 rows rounded (to nearest even) into the cache's dtype
-    const auto store = [&](auto cache_tag) {
+  if (narrowing) {  // rows rounded (to nearest even) into the cache's dtype; fp8 saturates
+    const auto store = [&](auto src_tag, auto cache_tag) {
+      using src_t = decltype(src_tag);
       using cache_t = decltype(cache_tag);
+      // fp8 e4m3fn has no infinity (out of range is NaN), so fp8 writes saturate at the
+      // largest finite value, as vLLM's fp8 cache writes do (NaN stays NaN); 16-bit ones
+      // round as `Tensor.to` does.
+      constexpr bool fp8 = sizeof(cache_t) == 1;
+      const float limit = static_cast<float>(std::numeric_limits<cache_t>::max());
+      const auto narrow = [limit](float x) {
+        return static_cast<cache_t>(fp8 && !std::isnan(x) ? std::clamp(x, -limit, limit) : x);
+      };
       const int64_t D = key.size(2);
       cache_t* kc = key_cache.data_ptr<cache_t>();
       cache_t* vc = value_cache.data_ptr<cache_t>();
-      const float* k = key.data_ptr<float>();
-      const float* v = value.data_ptr<float>();
+      const src_t* k = key.data_ptr<src_t>();
+      const src_t* v = value.data_ptr<src_t>();
       at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const int64_t slot = slot_p[t];
@@ -436,16 +455,24 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
           for (int64_t h = 0; h < heads; ++h) {
             cache_t* kd = kc + at_slot + h * key_cache.stride(2);
             cache_t* vd = vc + at_slot + h * key_cache.stride(2);
-            const float* ks = k + t * key.stride(0) + h * key.stride(1);
-            const float* vs = v + t * value.stride(0) + h * value.stride(1);
-            for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<cache_t>(ks[d]);
-            for (int64_t d = 0; d < D; ++d) vd[d] = static_cast<cache_t>(vs[d]);
+            const src_t* ks = k + t * key.stride(0) + h * key.stride(1);
+            const src_t* vs = v + t * value.stride(0) + h * value.stride(1);
+            for (int64_t d = 0; d < D; ++d) kd[d] = narrow(static_cast<float>(ks[d]));
+            for (int64_t d = 0; d < D; ++d) vd[d] = narrow(static_cast<float>(vs[d]));
           }
         }
       });
     };
-    if (key_cache.scalar_type() == at::kBFloat16) store(at::BFloat16{});
-    else store(at::Half{});
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
+      if constexpr (!std::is_same_v<scalar_t, double>) {
+        switch (key_cache.scalar_type()) {
+          case at::kBFloat16: store(scalar_t{}, at::BFloat16{}); break;
+          case at::kHalf: store(scalar_t{}, at::Half{}); break;
+          case at::kFloat8_e4m3fn: store(scalar_t{}, at::Float8_e4m3fn{}); break;
+          default: store(scalar_t{}, at::Float8_e5m2{}); break;
+        }
+      }
+    });
     return;
   }
   const int64_t es = key.element_size(), row_bytes = key.size(2) * es;
