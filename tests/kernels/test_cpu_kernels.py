@@ -184,6 +184,35 @@ def test_queries_over_a_narrower_cache(case, dtype, cache_dtype, head_dim):
     assert rel_err(out.float(), native_attention(wide, 0.125)) > TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_every_value_of_a_narrow_cache_reads_as_torch_widens_it(cache_dtype):
+    """Each bit pattern of the format (subnormals, infinities, NaN included) as one value
+    element: a sequence of a single key attends to it with weight 1, so the output is the
+    value row as the kernel widened it, to compare with torch's own conversion."""
+    bits = torch.arange(1 << (8 * cache_dtype.itemsize), dtype=torch.int32)
+    as_int = torch.int16 if cache_dtype.itemsize == 2 else torch.uint8
+    values = bits.to(as_int).view(cache_dtype).view(-1, 1, 1, 256)  # [seqs, 1 slot, 1 head, D]
+    num_seqs = values.shape[0]
+    keys = torch.zeros(values.shape, dtype=cache_dtype)
+    out = torch.full((num_seqs, 1, 256), float("nan"))
+    torch.ops.serve_cpu.paged_attention(
+        out,
+        torch.randn(num_seqs, 1, 256),
+        keys,
+        values,
+        torch.arange(num_seqs).view(-1, 1),  # sequence i: block i
+        torch.ones(num_seqs, dtype=torch.int64),
+        torch.arange(num_seqs + 1),
+        1.0,
+        None,
+        0,
+        0.0,
+    )
+    torch.testing.assert_close(
+        out, values.view(num_seqs, 1, 256).float(), rtol=0, atol=0, equal_nan=True
+    )
+
+
 def test_a_cache_wider_than_the_query_is_refused():
     inputs = case_inputs("decode", (4, 2), 32, 4, dtype=torch.bfloat16)
     wide = dataclasses.replace(

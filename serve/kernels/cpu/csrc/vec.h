@@ -60,6 +60,63 @@ inline float16v load16_bf16(const uint16_t* p) {
   return (float16v)(__builtin_convertvector(h, int16v) << 16);
 }
 
+typedef uint8_t uint8x16 __attribute__((vector_size(16)));
+
+// A narrow float format (kExp exponent bits of bias kBias, kMant mantissa bits) widened to
+// float32 in integer lanes, for any -march. A normal value is its exponent and mantissa
+// shifted into float32's places with the exponent rebiased by an integer add; a subnormal
+// one (exponent 0) is its mantissa converted and scaled, so no float32 subnormal is ever an
+// input (CPUs take microcode assists on those). An all-ones exponent is infinity (mantissa
+// 0) or NaN where the format has infinities (kHasInf); e4m3fn has none, and only its
+// all-ones exponent and mantissa is NaN.
+template <int kExp, int kMant, int kBias, bool kHasInf>
+inline float16v widen_narrow_float(int16v bits) {
+  constexpr int kEmMask = (1 << (kExp + kMant)) - 1;
+  constexpr int kExpAllOnes = (1 << kExp) - 1;
+  const int16v em = bits & kEmMask;
+  const int16v exponent = em >> kMant;
+  const int16v mantissa = em & ((1 << kMant) - 1);
+  const float16v normal = (float16v)((em << (23 - kMant)) + ((127 - kBias) << 23));
+  const float16v subnormal =
+      __builtin_convertvector(mantissa, float16v) * __builtin_ldexpf(1.0f, 1 - kBias - kMant);
+  float16v x = exponent == 0 ? subnormal : normal;
+  const float16v inf = (float16v)(int16v{} + 0x7F800000);
+  const float16v nan = (float16v)(int16v{} + 0x7FC00000);
+  if constexpr (kHasInf) {
+    x = exponent == kExpAllOnes ? (mantissa == 0 ? inf : nan) : x;
+  } else {
+    x = em == kEmMask ? nan : x;
+  }
+  return (float16v)((int16v)x | ((bits >> (kExp + kMant)) << 31));
+}
+
+// 16 float16 values (their bits) to float.
+inline float16v load16_f16(const uint16_t* p) {
+  uint16x16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return widen_narrow_float<5, 10, 15, true>(__builtin_convertvector(h, int16v));
+}
+
+// Bytes zero-extended to int32 lanes through 16-bit ones: GCC turns the direct conversion
+// into a scalar loop, these two steps into vector zero-extensions.
+inline int16v bytes_to_lanes(uint8x16 b) {
+  return __builtin_convertvector(__builtin_convertvector(b, uint16x16), int16v);
+}
+
+// 16 fp8 e5m2 values: float16's layout cut to its top byte.
+inline float16v load16_e5m2(const uint8_t* p) {
+  uint8x16 b;
+  __builtin_memcpy(&b, p, sizeof(b));
+  return widen_narrow_float<5, 2, 15, true>(bytes_to_lanes(b));
+}
+
+// 16 fp8 e4m3fn values.
+inline float16v load16_e4m3fn(const uint8_t* p) {
+  uint8x16 b;
+  __builtin_memcpy(&b, p, sizeof(b));
+  return widen_narrow_float<4, 3, 7, false>(bytes_to_lanes(b));
+}
+
 // The lanes' sum as a tree of halves: a reduction loop ends in 15 dependent scalar adds.
 inline float horizontal_sum(float16v v) {
   const float8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
