@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         "when a request gives tools): hermes (Qwen, Hermes: <tool_call> blocks) or "
         "llama3_json (Llama 3.x JSON calls); without it such requests get a 400",
     )
+    model.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='vLLM\'s switch for tool_choice "auto", accepted so vLLM command lines run: '
+        "here --tool-call-parser alone turns it on, and this flag needs one",
+    )
 
     server = p.add_argument_group("server")
     server.add_argument(
@@ -110,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=60.0,
         help="seconds to compile a request's JSON schema, regex or grammar; past them the "
         "request gets a 400",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted so vLLM command lines run: serve never logs requests' contents",
     )
     server.add_argument(
         "--disable-frontend-multiprocessing",
@@ -253,6 +264,11 @@ def _load(args: argparse.Namespace):
 
     # The command line's own mistakes first, before the seconds that importing torch takes.
     config = engine_config_from_args(args)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError(
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
+            'the parser is what reads tool calls out of tool_choice "auto" output.'
+        )
     keys = api_keys(args.api_key, os.environ.get("SERVE_API_KEY"))
     chat_template = None
     if args.chat_template:

@@ -84,6 +84,19 @@ def test_spellings_users_know():
     assert config_from([]).scheduler.max_num_batched_tokens is None
 
 
+def test_vllm_command_lines_parse(run_serve):
+    """`vllm serve`'s spellings for what serve does anyway are accepted; auto tool choice
+    still needs the parser that makes it work, as in vLLM."""
+    args = build_parser().parse_args(
+        ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--disable-log-requests"]
+    )
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    assert args.disable_log_requests
+    code, _, err = run_serve("--enable-auto-tool-choice")
+    assert code == 1
+    assert "serve: error: --enable-auto-tool-choice needs --tool-call-parser" in err
+
+
 def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
     monkeypatch.delenv("SERVE_HOST", raising=False)
     assert build_parser().parse_args([]).host == "127.0.0.1"
