@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from serve.host_memory import physical_memory_bytes
 from serve.pooling_params import POOLING_TYPES
 
 logger = logging.getLogger(__name__)
@@ -539,14 +540,6 @@ class EngineConfig:
         own = values.pop(None, {})
         owners = {s.section: s.owner for s in by_name.values()}
         return cls(**{name: owners[name](**kwargs) for name, kwargs in values.items()}, **own)
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's RAM, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 # Above this share of RAM, swap space that preemption fills could leave too little for the

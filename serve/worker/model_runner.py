@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from serve.config import DEFAULT_CPU_KV_CACHE_BYTES
+from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, GiB
+from serve.host_memory import available_memory_bytes
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kernels.cpu import ONEDNN_MIN_ROWS
 from serve.kv_cache.cache_engine import CacheEngine
@@ -53,6 +54,26 @@ MAX_CAPTURED_BATCH = 512
 # 32 MiB. A model with no position limit may have a context as long as the whole cache;
 # past this width (262k tokens at 512 rows of 16-token blocks) its steps run eagerly.
 MAX_CAPTURED_TABLE_ENTRIES = 4 << 20
+
+
+def check_cpu_cache_fits(cache_bytes: int) -> None:
+    """The CPU KV cache is zero-filled at start, so all of it is taken at once: more than
+    the memory available now (the weights already loaded) would swap or bring the OOM
+    killer, which ends the engine without a word. Refused with the numbers instead."""
+    available = available_memory_bytes()
+    if available is None or cache_bytes <= available:
+        return
+
+    def size(n: float) -> str:
+        return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
+
+    suggestion = int(0.8 * available)
+    suggestion = f"{suggestion >> 30}GiB" if suggestion >= GiB else f"{suggestion >> 20}MiB"
+    raise ValueError(
+        f"--kv-cache-memory {size(cache_bytes)} does not fit in the {size(available)} of "
+        f"memory available now (the model's weights loaded): lower it, e.g. "
+        f"--kv-cache-memory {suggestion}."
+    )
 
 
 class ModelRunner:
@@ -105,6 +126,7 @@ class ModelRunner:
             # Fewer rows run on the native kernel, which needs no reorder.
             self._dummy_forward(ONEDNN_MIN_ROWS)
             total = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            check_cpu_cache_fits(total)
             budget = total / self.config.world_size
         num_blocks = int(budget // self.bytes_per_block)
         if num_blocks < 1:
