@@ -11,6 +11,7 @@ import types
 import pytest
 from setting_examples import EXAMPLES, config_fields
 
+from serve import config as serve_config
 from serve.config import EngineConfig, GiB, InvalidSettingError, engine_settings
 
 
@@ -130,3 +131,46 @@ def test_swap_space_beyond_ram_is_refused_and_most_of_it_warned(monkeypatch, cap
         assert not caplog.records
         EngineConfig.create(swap_space=12)
     assert "--swap-space 12 GiB is 75% of this machine's 16.0 GiB of RAM" in caplog.text
+
+
+# This machine's memory: the kernel's MemAvailable, capped by a container's cgroup limit.
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A fake /proc/meminfo and cgroup v2 files; returns a function that writes them."""
+    meminfo = tmp_path / "meminfo"
+    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
+    monkeypatch.setattr(serve_config, "_MEMINFO", meminfo)
+    monkeypatch.setattr(serve_config, "_CGROUP_LIMITS", ((limit, usage),))
+
+    def write(available_kib: int, cgroup_limit: str | None, cgroup_usage: int = 0) -> None:
+        meminfo.write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available_kib} kB\n")
+        if cgroup_limit is not None:
+            limit.write_text(cgroup_limit + "\n")
+            usage.write_text(f"{cgroup_usage}\n")
+
+    return write
+
+
+def test_mem_available_without_a_cgroup_limit(machine):
+    machine(10 * (GiB >> 10), None)
+    assert serve_config.available_memory_bytes() == 10 * GiB
+    machine(10 * (GiB >> 10), "max", 5 * GiB)  # a cgroup without a limit
+    assert serve_config.available_memory_bytes() == 10 * GiB
+
+
+def test_a_containers_limit_caps_it(machine):
+    machine(10 * (GiB >> 10), str(4 * GiB), 1 * GiB)
+    assert serve_config.available_memory_bytes() == 3 * GiB
+    machine(2 * (GiB >> 10), str(4 * GiB), 1 * GiB)  # the host has less left than the limit
+    assert serve_config.available_memory_bytes() == 2 * GiB
+    machine(10 * (GiB >> 10), str(4 * GiB), 5 * GiB)  # over its limit (reclaimable cache)
+    assert serve_config.available_memory_bytes() == 0
+
+
+def test_this_machine_has_some():
+    total, available = serve_config.physical_memory_bytes(), serve_config.available_memory_bytes()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    assert total and 0 < available <= total

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, GiB
-from serve.host_memory import available_memory_bytes
+from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, GiB, available_memory_bytes
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kernels.cpu import ONEDNN_MIN_ROWS
 from serve.kv_cache.cache_engine import CacheEngine

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve.host_memory import physical_memory_bytes
+from serve.config import physical_memory_bytes
 from serve.kv_cache.cache_engine import CacheEngine
 
 OVERCOMMIT = Path("/proc/sys/vm/overcommit_memory")
