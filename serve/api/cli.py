@@ -13,6 +13,7 @@ from serve.api.limits import RequestLimits
 from serve.api.metrics import METRIC_PREFIXES
 from serve.api.tool_parsers import TOOL_PARSERS
 from serve.config import InvalidSettingError
+from serve.engine.protocol import EngineStartError
 
 logger = logging.getLogger("serve")
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
             app, settings = _load(args)
         except InvalidSettingError as e:
             parser.error(flag_error(e))  # exit 2, as for a value argparse itself rejects
-        except (FileNotFoundError, ValueError, OSError) as e:
+        except (FileNotFoundError, ValueError, OSError, EngineStartError) as e:
             print(f"serve: error: {e}", file=sys.stderr)
             sys.exit(1)
 

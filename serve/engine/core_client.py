@@ -39,7 +39,7 @@ from serve.engine.messages import (
     decode_reply,
 )
 from serve.engine.output_streams import EngineFrontEnd
-from serve.engine.protocol import EngineDeadError, RequestError
+from serve.engine.protocol import EngineDeadError, EngineStartError, RequestError
 from serve.engine.validation import check_params, check_token_ids
 from serve.models.tokenizer import load_tokenizer
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -156,10 +156,10 @@ class EngineCoreClient(EngineFrontEnd):
             kind = _STARTUP_ERRORS.get(message.error_type)
             if kind is not None:
                 raise kind(message.message)
-            raise RuntimeError(
+            raise EngineStartError(
                 f"The engine core failed to start: {message.error_type}: {message.message}"
             )
-        raise RuntimeError(
+        raise EngineStartError(
             f"The engine core process exited while starting ({_exit_cause(self._process)})."
         )
 
@@ -209,6 +209,11 @@ def _exit_cause(process: multiprocessing.process.BaseProcess) -> str:
     code = process.exitcode
     if code is None:
         return "its output pipe closed"
+    if code == -signal.SIGKILL:
+        return (
+            "killed by SIGKILL: most often the kernel's OOM killer, with the machine out of "
+            "memory (dmesg says); a smaller model, --kv-cache-memory or --max-num-seqs needs less"
+        )
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"

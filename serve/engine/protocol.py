@@ -29,7 +29,18 @@ class RequestTimeoutError(RuntimeError):
     """A request ran past its deadline (`--request-timeout`): it was aborted."""
 
 
-__all__ = ["EngineClient", "EngineDeadError", "RequestError", "request_error_message"]
+class EngineStartError(RuntimeError):
+    """The engine core could not start for a reason other than a bad setting or model (those
+    raise ValueError, OSError and the like): it crashed, or the system killed it."""
+
+
+__all__ = [
+    "EngineClient",
+    "EngineDeadError",
+    "EngineStartError",
+    "RequestError",
+    "request_error_message",
+]
 
 
 class EngineClient(Protocol):

@@ -14,6 +14,7 @@ from setting_examples import EXAMPLES, config_fields
 from serve.api.cli import build_parser, main
 from serve.api.engine_flags import engine_config_from_args
 from serve.config import EngineConfig, GiB, engine_settings
+from serve.engine.protocol import EngineStartError
 
 
 def config_from(argv: list[str]) -> EngineConfig:
@@ -95,6 +96,16 @@ def test_vllm_command_lines_parse(run_serve):
     code, _, err = run_serve("--enable-auto-tool-choice")
     assert code == 1
     assert "serve: error: --enable-auto-tool-choice needs --tool-call-parser" in err
+
+
+def test_an_engine_that_dies_starting_is_one_error_line_not_a_traceback(run_serve, monkeypatch):
+    def dies(args):
+        raise EngineStartError("The engine core process exited while starting (killed by X).")
+
+    monkeypatch.setattr("serve.api.cli._load", dies)
+    code, _, err = run_serve()
+    assert code == 1
+    assert err == "serve: error: The engine core process exited while starting (killed by X).\n"
 
 
 def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):

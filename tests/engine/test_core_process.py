@@ -23,7 +23,7 @@ from tiny_models import hf_greedy, random_prompts
 from serve import LLM, SamplingParams
 from serve.config import EngineConfig
 from serve.engine.core_client import EngineCoreClient
-from serve.engine.protocol import EngineDeadError
+from serve.engine.protocol import EngineDeadError, EngineStartError
 from serve.engine.validation import check_params
 from serve.sampling_params import StructuredOutputsParams
 
@@ -214,6 +214,20 @@ def test_start_up_errors_are_raised_in_the_parent(tiny_llama, overrides, error, 
     with pytest.raises(error, match=message):
         EngineCoreClient(_config(model, **overrides))
     assert set(_core_processes()) == before  # the failed core has exited and been reaped
+
+
+def test_a_core_killed_while_starting_is_reported_with_the_likely_cause(tiny_llama, monkeypatch):
+    """A SIGKILL during start-up is most often the OOM killer: the error says so and where
+    to look, as one line the CLI prints (an EngineStartError, not a bare RuntimeError)."""
+    monkeypatch.setattr(
+        "serve.engine.core_client.EngineCoreClient._next_message",
+        lambda self: os.kill(self._process.pid, signal.SIGKILL) or self._process.join(),
+    )
+    with pytest.raises(EngineStartError) as info:
+        EngineCoreClient(_config(tiny_llama))
+    assert "exited while starting (killed by SIGKILL: most often the kernel's OOM killer" in str(
+        info.value
+    )
 
 
 def _core_processes() -> list[psutil.Process]:
