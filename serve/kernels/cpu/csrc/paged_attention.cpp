@@ -445,6 +445,18 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot_p[t] < num_slots, "slot ", slot_p[t], " past the cache's ", num_slots);
+  // write(t, h, at): token t's head h into the caches' element offset `at`, for every
+  // token with a slot.
+  const auto each_row = [&](auto&& write) {
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slot_p[t];
+        if (slot < 0) continue;
+        const int64_t at_slot = (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
+        for (int64_t h = 0; h < heads; ++h) write(t, h, at_slot + h * key_cache.stride(2));
+      }
+    });
+  };
   if (narrowing) {  // rows rounded (to nearest even) into the cache's dtype; fp8 saturates
     const auto store = [&](auto src_tag, auto cache_tag) {
       using src_t = decltype(src_tag);
@@ -462,20 +474,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       cache_t* vc = value_cache.data_ptr<cache_t>();
       const src_t* k = key.data_ptr<src_t>();
       const src_t* v = value.data_ptr<src_t>();
-      at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          const int64_t slot = slot_p[t];
-          if (slot < 0) continue;
-          const int64_t at_slot = (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
-          for (int64_t h = 0; h < heads; ++h) {
-            cache_t* kd = kc + at_slot + h * key_cache.stride(2);
-            cache_t* vd = vc + at_slot + h * key_cache.stride(2);
-            const src_t* ks = k + t * key.stride(0) + h * key.stride(1);
-            const src_t* vs = v + t * value.stride(0) + h * value.stride(1);
-            for (int64_t d = 0; d < D; ++d) kd[d] = narrow(static_cast<float>(ks[d]));
-            for (int64_t d = 0; d < D; ++d) vd[d] = narrow(static_cast<float>(vs[d]));
-          }
-        }
+      each_row([&](int64_t t, int64_t h, int64_t at) {
+        const src_t* ks = k + t * key.stride(0) + h * key.stride(1);
+        const src_t* vs = v + t * value.stride(0) + h * value.stride(1);
+        for (int64_t d = 0; d < D; ++d) kc[at + d] = narrow(static_cast<float>(ks[d]));
+        for (int64_t d = 0; d < D; ++d) vc[at + d] = narrow(static_cast<float>(vs[d]));
       });
     };
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "reshape_and_cache", [&] {
@@ -495,17 +498,9 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   char* vc = static_cast<char*>(value_cache.data_ptr());
   const char* k = static_cast<const char*>(key.data_ptr());
   const char* v = static_cast<const char*>(value.data_ptr());
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slot_p[t];
-      if (slot < 0) continue;
-      const int64_t at_slot = (slot / block_size) * key_cache.stride(0) + (slot % block_size) * key_cache.stride(1);
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t dst = (at_slot + h * key_cache.stride(2)) * es;
-        std::memcpy(kc + dst, k + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
-        std::memcpy(vc + dst, v + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
-      }
-    }
+  each_row([&](int64_t t, int64_t h, int64_t at) {
+    std::memcpy(kc + at * es, k + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+    std::memcpy(vc + at * es, v + (t * value.stride(0) + h * value.stride(1)) * es, row_bytes);
   });
 }
 
