@@ -72,6 +72,7 @@ class DraftModelProposer:
         target_hf_config: Any,
         block_size: int,
         device: torch.device,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         assert method.model is not None
         try:
@@ -88,7 +89,7 @@ class DraftModelProposer:
             )
         self.block_size, self.device = block_size, device
         self.model = load_model(model_config, path, hf_config, device)
-        self.kv = ModelKV.of(self.model)
+        self.kv = ModelKV.of(self.model, kv_cache_dtype)
         self.cache_engine: CacheEngine | None = None
         self.draft_computed: dict[int, int] = {}  # seq id -> positions with draft KV
 

@@ -86,7 +86,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # on CUDA, once the cache is bound
         self.mirror = SequenceMirror()
         self.proposer = make_proposer(
-            engine.speculative.method, engine.model, hf_config, self.block_size, device
+            engine.speculative.method,
+            engine.model,
+            hf_config,
+            self.block_size,
+            device,
+            engine.cache.kv_cache_dtype,
         )
         # A draft model has a KV cache of its own, addressed by the same block ids.
         self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None

@@ -84,8 +84,10 @@ def make_proposer(
     target_hf_config: Any,
     block_size: int,
     device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> NgramProposer | DraftModelProposer | None:
-    """The method's proposer; a draft model is loaded here (draft_model.py)."""
+    """The method's proposer; a draft model is loaded here (draft_model.py), its KV cache in
+    `kv_cache_dtype` as the target's."""
     if method is None:
         return None
     if method.method == "ngram":
@@ -93,7 +95,9 @@ def make_proposer(
     if method.method == "draft_model":
         from serve.worker.draft_model import DraftModelProposer
 
-        return DraftModelProposer(method, model_config, target_hf_config, block_size, device)
+        return DraftModelProposer(
+            method, model_config, target_hf_config, block_size, device, kv_cache_dtype
+        )
     raise ValueError(f"No proposer for speculative method {method.method!r}.")
 
 

@@ -8,6 +8,7 @@ bad drafts are refused at start-up."""
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
@@ -68,6 +69,27 @@ def test_draft_equal_to_target_has_every_proposal_accepted(tiny_llama, prompts, 
     assert spec is not None and spec.num_draft_tokens > 0
     # Swapped sequences came back with their draft KV: still all accepted.
     assert max_swapped > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
+    _assert_all_blocks_free(llm)
+
+
+def test_the_draft_keeps_its_kv_in_the_targets_cache_dtype(tiny_llama, prompts):
+    """--kv-cache-dtype covers the draft's cache too: a draft equal to the target rounds
+    its K/V as the target does, so every proposal is still accepted."""
+    llm = LLM(
+        model=str(tiny_llama),
+        speculative_config=_spec(tiny_llama),
+        kv_cache_dtype="fp8",
+        kv_cache_memory="8MiB",
+        swap_space=0.002,
+        **SMALL,
+    )
+    _generate(llm, prompts)
+    runner = llm.engine.executor.worker.model_runner
+    key_cache, value_cache = runner.draft.cache_engine.kv_caches[0]
+    assert key_cache.dtype == value_cache.dtype == torch.float8_e4m3fn
+    spec = llm.stats().spec_decode
+    assert spec is not None and spec.num_draft_tokens > 0
     assert spec.num_accepted_tokens == spec.num_draft_tokens
     _assert_all_blocks_free(llm)
 
