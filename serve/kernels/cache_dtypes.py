@@ -14,6 +14,14 @@ import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SIXTEEN_BIT_DTYPES = (torch.bfloat16, torch.float16)
+# --kv-cache-dtype's names (serve/config.py KV_CACHE_DTYPES, auto aside) and what they store.
+KV_CACHE_TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def cache_fits(dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serve.kernels.cache_dtypes import KV_CACHE_TORCH_DTYPES, cache_fits
 from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
 from serve.models.layers.attention import attention_layers
 
@@ -66,24 +67,15 @@ class ModelKV:
         return cache
 
 
-# --kv-cache-dtype's names and the torch dtypes they store.
-KV_CACHE_TORCH_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
-
-
 def cache_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
-    """The KV cache's dtype: the model's, or a narrower one. Attention widens the rows it
-    reads back to the model's dtype (or float32); a cache as wide as the model in another
-    format (float16 under bfloat16) or wider would only round twice, and is refused."""
+    """The KV cache's dtype: the model's, or a narrower one (cache_dtypes.py's rules).
+    Attention widens the rows it reads back to the model's dtype (or float32); a cache as
+    wide as the model in another format (float16 under bfloat16) or wider would only round
+    twice, and is refused."""
     if kv_cache_dtype == "auto":
         return model_dtype
     dtype = KV_CACHE_TORCH_DTYPES[kv_cache_dtype]
-    if dtype != model_dtype and dtype.itemsize >= model_dtype.itemsize:
+    if not cache_fits(model_dtype, dtype):
         model_name = str(model_dtype).removeprefix("torch.")
         raise ValueError(
             f"--kv-cache-dtype {kv_cache_dtype} is no narrower than the model's {model_name}: "

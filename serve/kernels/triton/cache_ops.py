@@ -15,6 +15,12 @@ from serve.kernels.triton.runtime import can_launch, check_cache_pair
 
 
 @triton.jit
+def _saturate(x, limit: tl.constexpr):
+    """x clipped to [-limit, limit]; comparisons leave NaN as it is."""
+    return tl.where(x > limit, limit, tl.where(x < -limit, -limit, x))
+
+
+@triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,
@@ -55,15 +61,9 @@ def _reshape_and_cache_kernel(
     value_offset = token * stride_v_token + offs_h * stride_v_head + offs_d * stride_v_dim
     key = tl.load(key_ptr + key_offset, mask=mask)
     value = tl.load(value_ptr + value_offset, mask=mask)
-    if SATURATE_AT > 0:  # comparisons leave NaN as it is
-        key = key.to(tl.float32)
-        key = tl.where(
-            key > SATURATE_AT, SATURATE_AT, tl.where(key < -SATURATE_AT, -SATURATE_AT, key)
-        )
-        value = value.to(tl.float32)
-        value = tl.where(
-            value > SATURATE_AT, SATURATE_AT, tl.where(value < -SATURATE_AT, -SATURATE_AT, value)
-        )
+    if SATURATE_AT > 0:
+        key = _saturate(key.to(tl.float32), SATURATE_AT)
+        value = _saturate(value.to(tl.float32), SATURATE_AT)
     tl.store(key_cache_ptr + cache_offset, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + cache_offset, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -304,9 +304,11 @@ void attend_tile(
 }
 
 // The caches' dtype under K/V (or queries) of `dtype`: the same, a 16-bit one under float32
-// (--kv-cache-dtype bfloat16 / float16), or fp8 under any (--kv-cache-dtype fp8*).
+// (--kv-cache-dtype bfloat16 / float16), or fp8 under any but float64 (--kv-cache-dtype
+// fp8*); serve/kernels/cache_dtypes.py `cache_fits` is the same rule in Python.
 bool narrower_cache_fits(at::ScalarType dtype, at::ScalarType cache) {
-  if (cache == dtype || cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2) return dtype != at::kDouble || cache == dtype;
+  if (cache == dtype) return true;
+  if (cache == at::kFloat8_e4m3fn || cache == at::kFloat8_e5m2) return dtype != at::kDouble;
   return dtype == at::kFloat && (cache == at::kBFloat16 || cache == at::kHalf);
 }
 
@@ -370,8 +372,8 @@ void paged_attention(
   const bool wide_fits = head_dim % 16 == 0;
   const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
 
-  // Every (query, cache) dtype pair the check above admits: the cache's own dtype, or a
-  // float32 query over a bfloat16 or float16 cache.
+  // Every (query, cache) dtype pair the check above admits: the cache's own dtype, a
+  // float32 query over a bfloat16 or float16 cache, or any but float64 over fp8.
   const auto run = [&](auto query_tag, auto cache_tag) {
     using scalar_t = decltype(query_tag);
     using cache_t = decltype(cache_tag);

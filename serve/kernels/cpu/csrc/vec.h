@@ -169,13 +169,4 @@ inline float16v transpose_sum16(const float16v* v) {
   return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float16v acc = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return horizontal_sum(acc) + tail;
-}
-
 }  // namespace serve_cpu
