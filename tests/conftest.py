@@ -102,10 +102,11 @@ def local_ray():
         paths = [repo, os.path.join(repo, "tests"), os.environ.get("PYTHONPATH", "")]
         patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
         patch.setenv("GLOO_SOCKET_IFNAME", "lo")
-        # Engines earlier tests left to the collector still map their CPU swap space (4 GiB
-        # each by default, never touched). The kernel merges adjacent mappings into one, and
-        # once that passes RAM + swap, a fork (Ray starts its processes with a preexec_fn,
-        # so no vfork) fails with ENOMEM under Linux's default overcommit heuristic.
+        # Engines earlier tests left to the collector still hold their KV caches (a default
+        # CPU engine's is 4 GiB, zero-filled). Their swap space no longer counts (it is
+        # mapped MAP_NORESERVE), but the caches do: a fork (Ray starts its processes with a
+        # preexec_fn, so no vfork) is refused with ENOMEM under Linux's default overcommit
+        # heuristic once the private mappings pass RAM + swap. Free them first.
         gc.collect()
         ray.init(num_cpus=2, include_dashboard=False)
         try:
