@@ -42,6 +42,7 @@ from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
 from serve.scheduler.scheduler import Scheduler
 from serve.step import ModelRunnerOutput, SchedulerOutput
+from serve.worker.model_runner import check_cpu_memory_before_loading
 from serve.worker.structured_output import LazyStructuredOutput, StructuredOutputManager
 from serve.worker.worker import WorkerConfig, resolve_device
 
@@ -76,6 +77,8 @@ class EngineCore:
             import torch
 
             check_gpu_count(tp_size, torch.cuda.device_count())
+        if device_type == "cpu":
+            check_cpu_memory_before_loading(config, self.model_path, hf_config)
         worker_config = WorkerConfig(
             config, str(self.model_path), tuple(sorted(self.eos_token_ids)), world_size=tp_size
         )

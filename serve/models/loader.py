@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -102,13 +103,16 @@ def cpu_has_native_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def resolve_dtype(dtype: str, hf_config: Any, device: torch.device | None = None) -> torch.dtype:
+def resolve_dtype(
+    dtype: str, hf_config: Any, device: torch.device | None = None, *, log: bool = True
+) -> torch.dtype:
     """The weights' dtype: `dtype` as asked; for "auto" the checkpoint's, except that a CPU
-    runs a half-precision checkpoint in float32 unless it has bf16 in hardware (then bf16)."""
+    runs a half-precision checkpoint in float32 unless it has bf16 in hardware (then bf16).
+    `log`: say so (the loader does; a check before it asks quietly)."""
     on_cpu = device is not None and device.type == "cpu"
     if dtype != "auto":
         chosen = _DTYPES[dtype]
-        if on_cpu and chosen != torch.float32 and not cpu_has_native_bf16():
+        if log and on_cpu and chosen != torch.float32 and not cpu_has_native_bf16():
             logger.warning(
                 "--dtype %s on a CPU without AVX512_BF16 or AMX: every product converts "
                 "through float32, so it runs slower than --dtype float32.",
@@ -122,12 +126,13 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device | None = None
     if on_cpu and chosen != torch.float32:
         native = cpu_has_native_bf16()
         cpu_dtype = torch.bfloat16 if native else torch.float32
-        logger.info(
-            "The checkpoint is %s; on this CPU (%s) serve runs it in %s. --dtype overrides.",
-            str(chosen).removeprefix("torch."),
-            "bf16 in hardware" if native else "no AVX512_BF16 or AMX",
-            str(cpu_dtype).removeprefix("torch."),
-        )
+        if log:
+            logger.info(
+                "The checkpoint is %s; on this CPU (%s) serve runs it in %s. --dtype overrides.",
+                str(chosen).removeprefix("torch."),
+                "bf16 in hardware" if native else "no AVX512_BF16 or AMX",
+                str(cpu_dtype).removeprefix("torch."),
+            )
         chosen = cpu_dtype
     return chosen
 
@@ -168,6 +173,33 @@ def _weight_files(path: Path, load_format: str, allow_pickle: bool) -> tuple[lis
             "loaded. Convert them to safetensors, or pass --allow-pickle-weights if you trust them."
         )
     return pickles, False
+
+
+# safetensors' names for floating-point tensors, which load as the model's dtype.
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def weights_bytes(path: Path, load_format: str, dtype: torch.dtype) -> int | None:
+    """The checkpoint's tensors' size once loaded: floating-point ones at `dtype`'s width,
+    the rest as stored. Read from the safetensors headers alone (no tensor is read); None
+    for pickled checkpoints, whose sizes only unpickling would tell."""
+    files, is_safetensors = _weight_files(path, load_format, allow_pickle=True)
+    if not is_safetensors:
+        return None
+    width = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            if entry["dtype"] in _FLOAT_CODES:
+                total += math.prod(entry["shape"]) * width
+            else:
+                start, end = entry["data_offsets"]
+                total += end - start
+    return total
 
 
 def iterate_checkpoint(

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, GiB, available_memory_bytes
+from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, GiB, available_memory_bytes
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
-from serve.kernels.cpu import ONEDNN_MIN_ROWS
+from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
-from serve.models.loader import load_model, model_max_len
+from serve.models.loader import load_model, model_max_len, resolve_dtype, weights_bytes
 from serve.models.registry import get_arch_config
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
@@ -55,23 +55,75 @@ MAX_CAPTURED_BATCH = 512
 MAX_CAPTURED_TABLE_ENTRIES = 4 << 20
 
 
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
+
+
+def _kv_cache_memory_flag(n: int) -> str:
+    """A --kv-cache-memory of about 80% of `n` bytes, as a user would write it."""
+    n = int(0.8 * n)
+    return f"--kv-cache-memory {n >> 30}GiB" if n >= GiB else f"--kv-cache-memory {n >> 20}MiB"
+
+
+# Memory the weights must leave free for a KV cache to be worth suggesting.
+_LEAST_CACHE_ROOM = 256 << 20
+
+
+def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_config: Any) -> None:
+    """Memory past what is free brings the OOM killer, which ends the engine without a
+    word, after minutes of loading a large model. So before any weight is read: the
+    weights (at the dtype they will load as, twice over where oneDNN keeps a packed copy of
+    each linear's) and the KV cache (zero-filled at start) against the memory available,
+    refused with the numbers and what would fit. Every rank of a CPU engine runs on this
+    host, so the weights are the whole checkpoint's."""
+    dtype = resolve_dtype(engine.model.dtype, hf_config, torch.device("cpu"), log=False)
+    weights = weights_bytes(model_path, engine.model.load_format, dtype)
+    cache = engine.cache
+    cache_bytes = 0  # a block count forced by hand: its bytes are known only once loaded
+    if cache.num_gpu_blocks_override is None:
+        cache_bytes = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    _check_memory_for(weights, cache_bytes, dtype, weights_packed(dtype))
+
+
+def _check_memory_for(
+    weights: int | None, cache_bytes: int, dtype: torch.dtype, packed: bool
+) -> None:
+    available = available_memory_bytes()
+    if weights is None or available is None:
+        return
+    in_memory = weights * (2 if packed else 1)
+    if in_memory + cache_bytes <= available:
+        return
+    dtype_name = str(dtype).removeprefix("torch.")
+    held = f"{_size(weights)} in {dtype_name}"
+    if packed:
+        held += ", twice that with oneDNN's packed copy of each linear's"
+    if in_memory + _LEAST_CACHE_ROOM <= available:
+        fix = f"lower the cache, e.g. {_kv_cache_memory_flag(available - in_memory)}"
+    else:
+        fixes = ["--dtype bfloat16 (half the bytes)"] if dtype == torch.float32 else []
+        if packed:
+            fixes.append(f"{PREPACK_ENV_VAR}=0 (no packed copies; slower linears)")
+        fixes.append("a smaller model, or a machine with more memory")
+        fix = "the weights alone do not fit; try " + ", or ".join(fixes)
+    raise ValueError(
+        f"The model needs {_size(in_memory + cache_bytes)} of memory (its weights {held}; "
+        f"the KV cache {_size(cache_bytes)}) and {_size(available)} is available: {fix}."
+    )
+
+
 def check_cpu_cache_fits(cache_bytes: int) -> None:
     """The CPU KV cache is zero-filled at start, so all of it is taken at once: more than
     the memory available now (the weights already loaded) would swap or bring the OOM
-    killer, which ends the engine without a word. Refused with the numbers instead."""
+    killer. Refused with the numbers instead. (The check before loading estimated the
+    weights; this one sees them.)"""
     available = available_memory_bytes()
     if available is None or cache_bytes <= available:
         return
-
-    def size(n: float) -> str:
-        return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / (1 << 20):.0f} MiB"
-
-    suggestion = int(0.8 * available)
-    suggestion = f"{suggestion >> 30}GiB" if suggestion >= GiB else f"{suggestion >> 20}MiB"
     raise ValueError(
-        f"--kv-cache-memory {size(cache_bytes)} does not fit in the {size(available)} of "
+        f"--kv-cache-memory {_size(cache_bytes)} does not fit in the {_size(available)} of "
         f"memory available now (the model's weights loaded): lower it, e.g. "
-        f"--kv-cache-memory {suggestion}."
+        f"{_kv_cache_memory_flag(available)}."
     )
 
 

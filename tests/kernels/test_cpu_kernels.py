@@ -370,7 +370,7 @@ def test_prepacked_weight_follows_in_place_writes():
 
 def test_prepacking_turned_off_runs_torch(monkeypatch):
     monkeypatch.setenv(cpu.PREPACK_ENV_VAR, "0")
-    cpu._prepack_enabled.cache_clear()
+    cpu.prepack_enabled.cache_clear()
     try:
         gen = seeded("no-prepack")
         x, weight = torch.randn(5, 40, generator=gen), torch.randn(24, 40, generator=gen)
@@ -378,7 +378,7 @@ def test_prepacking_turned_off_runs_torch(monkeypatch):
         assert not hasattr(weight, "_serve_onednn")
         assert torch.allclose(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
     finally:
-        cpu._prepack_enabled.cache_clear()
+        cpu.prepack_enabled.cache_clear()
 
 
 def test_linear_few_rows_in_bfloat16_rounds_once():

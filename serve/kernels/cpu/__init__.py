@@ -168,7 +168,7 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
-def _prepack_enabled() -> bool:
+def prepack_enabled() -> bool:
     if os.environ.get(PREPACK_ENV_VAR, "1") == "0":
         logger.info("oneDNN weight prepacking off (%s=0): MKL runs the linears.", PREPACK_ENV_VAR)
         return False
@@ -176,6 +176,11 @@ def _prepack_enabled() -> bool:
         logger.warning("This torch has no oneDNN: MKL runs the linears.")
         return False
     return True
+
+
+def weights_packed(dtype: torch.dtype) -> bool:
+    """Whether linear weights of `dtype` get a packed copy beside them (twice the memory)."""
+    return dtype in _PACKABLE and prepack_enabled()
 
 
 def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -186,7 +191,7 @@ def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     entry = getattr(weight, "_serve_onednn", None)
     if entry is not None and entry[1] == weight._version:
         return entry[0]
-    if weight.dtype not in _PACKABLE or not weight.is_contiguous() or not _prepack_enabled():
+    if weight.dtype not in _PACKABLE or not weight.is_contiguous() or not prepack_enabled():
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
     weight._serve_onednn = (packed, weight._version)
