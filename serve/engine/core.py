@@ -32,7 +32,7 @@ from serve.engine.validation import (
 )
 from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
-from serve.models.loader import load_hf_config, model_max_len, resolve_model_path
+from serve.models.loader import load_hf_config, model_max_len, resolve_dtype, resolve_model_path
 from serve.models.partition import check_tensor_parallel
 from serve.models.pooling_config import model_pooling
 from serve.models.registry import get_arch_config
@@ -126,17 +126,19 @@ class EngineCore:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-helper"
         )
+        device = resolve_device(config.device)
+        model_dtype = str(resolve_dtype(config.model.dtype, hf_config, device, log=False))
+        model_dtype = model_dtype.removeprefix("torch.")
         logger.info(
-            "Model %s (%s) on %s, tensor parallel size %d (%s); KV cache (%s): %d blocks x "
+            "Model %s (%s) in %s on %s, tensor parallel size %d (%s); KV cache (%s): %d blocks x "
             "%d tokens = %d tokens, swap space %d blocks; prefix caching %s; max_model_len %d",
             self.model_path,
             ",".join(getattr(hf_config, "architectures", None) or ["?"]),
+            model_dtype,
             device_type,
             tp_size,
             config.parallel.executor_backend,
-            "the model's dtype"
-            if config.cache.kv_cache_dtype == "auto"
-            else config.cache.kv_cache_dtype,
+            model_dtype if config.cache.kv_cache_dtype == "auto" else config.cache.kv_cache_dtype,
             num_blocks,
             block_size,
             num_blocks * block_size,

@@ -123,6 +123,14 @@ def resolve_dtype(
     if isinstance(config_dtype, str):
         config_dtype = _DTYPES.get(config_dtype)
     chosen = config_dtype if config_dtype in _DTYPES.values() else torch.float32
+    if log and config_dtype == torch.float32 and _bf16_in_hardware(device):
+        logger.info(
+            "The checkpoint is float32, and serve runs it so (token for token what "
+            "transformers computes). This %s has bfloat16 in hardware: --dtype bfloat16 "
+            "serves it faster%s, and is what vLLM's auto picks for float32 checkpoints.",
+            "GPU" if device is not None and device.type == "cuda" else "CPU",
+            " (1.5-1.7x the throughput on a 2-core EPYC)" if on_cpu else "",
+        )
     if on_cpu and chosen != torch.float32:
         native = cpu_has_native_bf16()
         cpu_dtype = torch.bfloat16 if native else torch.float32
@@ -135,6 +143,14 @@ def resolve_dtype(
             )
         chosen = cpu_dtype
     return chosen
+
+
+def _bf16_in_hardware(device: torch.device | None) -> bool:
+    if device is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_native_bf16()
 
 
 def model_max_len(arch: ArchConfig) -> int:

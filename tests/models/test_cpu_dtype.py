@@ -41,3 +41,10 @@ def test_an_explicit_dtype_wins_with_a_warning_where_it_is_slow(native_bf16, cap
             torch.bfloat16
         )
     assert ("runs slower" in caplog.text) is not native_bf16
+
+
+def test_a_float32_checkpoint_where_bf16_is_in_hardware_gets_a_hint(native_bf16, caplog):
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        dtype = loader.resolve_dtype("auto", SimpleNamespace(dtype="float32"), CPU)
+    assert dtype == torch.float32  # kept: token for token what transformers computes
+    assert ("--dtype bfloat16 serves it faster" in caplog.text) is native_bf16
