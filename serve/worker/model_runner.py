@@ -15,6 +15,7 @@ forward pass, and (on the driver) the step's sampled tokens.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,6 +113,28 @@ def _check_memory_for(
     )
 
 
+def check_gpu_weights_fit(
+    weights: int | None, world_size: int, free: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """A rank's share of the weights against its GPU's free memory, before any loads: past
+    it, torch's out-of-memory error names neither the model nor the fix."""
+    if weights is None or weights / world_size <= free:
+        return
+    # The fewest GPUs (a power of two, as head counts divide) whose shares leave a tenth
+    # of the free memory to the activations and the KV cache.
+    ranks = 1 << max(0, math.ceil(math.log2(weights / (0.9 * max(free, 1)))))
+    fixes = [f"--tensor-parallel-size {ranks} ({_size(weights / ranks)} a GPU)"]
+    if dtype == torch.float32:
+        fixes.append("--dtype bfloat16 (half the bytes)")
+    fixes.append("a smaller model")
+    dtype_name = str(dtype).removeprefix("torch.")
+    raise ValueError(
+        f"The model's weights take {_size(weights)} in {dtype_name}, "
+        f"{_size(weights / world_size)} on each of {world_size} GPU(s), and {device} has "
+        f"{_size(free)} free: try " + ", or ".join(fixes) + "."
+    )
+
+
 def check_cpu_cache_fits(cache_bytes: int) -> None:
     """The CPU KV cache is zero-filled at start, so all of it is taken at once: more than
     the memory available now (the weights already loaded) would swap or bring the OOM
@@ -132,6 +155,11 @@ class ModelRunner:
         self.config, self.device, self.hf_config = config, device, hf_config
         engine = config.engine
         self.block_size = engine.cache.block_size
+        if device.type == "cuda":
+            dtype = resolve_dtype(engine.model.dtype, hf_config, device, log=False)
+            weights = weights_bytes(Path(config.model_path), engine.model.load_format, dtype)
+            free, _ = torch.cuda.mem_get_info(device)
+            check_gpu_weights_fit(weights, config.world_size, free, dtype, device)
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
         self.kv = ModelKV.of(self.model, engine.cache.kv_cache_dtype)
         self.cache_engine: CacheEngine | None = None

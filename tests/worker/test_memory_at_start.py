@@ -1,7 +1,7 @@
-"""CPU memory at start: the weights (with oneDNN's packed copies) and the zero-filled KV
+"""Memory at start. On CPU the weights (with oneDNN's packed copies) and the zero-filled KV
 cache are checked against the memory available before any weight is read, and the cache
-again once the weights are in. Past what is free, the OOM killer used to end the engine
-without a word."""
+again once the weights are in: past what is free, the OOM killer used to end the engine
+without a word. On a GPU, a rank's share of the weights against its free memory."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import transformers
 from serve import LLM
 from serve.kernels import cpu
 from serve.models.loader import weights_bytes
+from serve.worker.model_runner import check_gpu_weights_fit
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def _refuse_loading(*args, **kwargs):
@@ -96,3 +98,20 @@ def test_a_cache_larger_than_the_memory_left_once_loaded_is_refused(tiny_llama, 
     llm = LLM(model=str(tiny_llama), kv_cache_memory="4MiB", swap_space=0.001)  # fits
     assert llm.stats().num_blocks_total > 0
     llm.shutdown()
+
+
+def test_gpu_weights_past_the_free_memory_are_refused_with_the_gpus_that_would_hold_them():
+    cuda = torch.device("cuda", 0)
+    check_gpu_weights_fit(30 * GiB, 1, 31 * GiB, torch.bfloat16, cuda)  # fits
+    check_gpu_weights_fit(60 * GiB, 2, 31 * GiB, torch.bfloat16, cuda)  # fits, shared out
+    message = (
+        "The model's weights take 140.0 GiB in bfloat16, 140.0 GiB on each of 1 GPU(s), and "
+        "cuda:0 has 78.0 GiB free: try --tensor-parallel-size 2 (70.0 GiB a GPU), or a "
+        "smaller model."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_gpu_weights_fit(140 * GiB, 1, 78 * GiB, torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match=re.escape("--tensor-parallel-size 4 (70.0 GiB a GPU)")):
+        check_gpu_weights_fit(280 * GiB, 2, 78 * GiB, torch.float32, cuda)  # 140 a GPU
+    with pytest.raises(ValueError, match=re.escape("or --dtype bfloat16 (half the bytes)")):
+        check_gpu_weights_fit(280 * GiB, 2, 78 * GiB, torch.float32, cuda)
