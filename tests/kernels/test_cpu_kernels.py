@@ -86,10 +86,13 @@ def test_native_kernel_matches_dense_attention(case, heads, block_size, layout):
     assert_matches_dense(inputs, native_attention(inputs, 0.3), 0.3)
 
 
-@pytest.mark.parametrize("head_dim", [16, 40, 64, 72, 128])
-def test_head_sizes_with_and_without_a_tail_slice(head_dim):
-    """head_dim in 16-float slices (64: one group of four; 40 and 72: scalar tails)."""
-    inputs = case_inputs("mixed", (6, 2), head_dim, 16, stale="nan")
+@pytest.mark.parametrize("heads", GQA_LAYOUTS.values(), ids=GQA_LAYOUTS.keys())
+@pytest.mark.parametrize("head_dim", [16, 32, 40, 64, 72, 80, 96, 128])
+def test_head_sizes_with_and_without_a_tail_slice(head_dim, heads):
+    """head_dim in 16-float slices (64: one group of four; 40 and 72: scalar tails), with
+    the query heads of a KV head attended together in groups of up to four (32, 64), three
+    (80) or two (96, 128): a KV head's 1, 3, 4, 7 or 8 heads fill groups whole or not."""
+    inputs = case_inputs("mixed", heads, head_dim, 16, stale="nan")
     scale = head_dim**-0.5
     assert_matches_dense(inputs, native_attention(inputs, scale), scale)
 

@@ -6,7 +6,10 @@
 // Here one work item is (sequence, KV head, tile of queries): the query heads that share
 // the KV head and the tile's tokens are scored against each key row straight from its
 // block, block by block, with an online softmax (a running max and sum per row), and the
-// value rows of the same block are accumulated at once. A sequence with many queries (a
+// value rows of the same block are accumulated at once. The query heads of one token are
+// scored and accumulated together (up to four), so each key and value row is loaded and
+// widened once for all of them: 1.2x decode attention at the default model's 3 heads per
+// KV head (benchmarks/RESULTS.md, "Session 27"). A sequence with many queries (a
 // prompt or a chunk of one) runs its tiles through `attend_tile_wide` (attention_wide.h)
 // instead, one query per vector lane. Items run in parallel on torch's intra-op threads.
 //
@@ -46,6 +49,8 @@ constexpr int64_t kMaxBlockSize = 256;
 // next one coming: it is requested this many blocks ahead (1 to 4 measure within 3% of
 // each other on 2 cores; 2 was the best).
 constexpr int64_t kPrefetchBlocks = 2;
+// The most query heads of one KV head attended together (`score_keys_heads`).
+constexpr int kMaxGroup = 4;
 
 // 16 elements of a cache row as floats: float32 rows as they are, narrower ones widened in
 // the register (vec.h), so a narrow cache is read at its own bytes with no copy.
@@ -61,37 +66,6 @@ inline float16v load_row16(const at::Float8_e5m2* p) {
 }
 inline float16v load_row16(const at::Float8_e4m3fn* p) {
   return load16_e4m3fn(reinterpret_cast<const uint8_t*>(p));
-}
-
-// acc[d0 : d0 + 16 * S] += sum_i p[i] * v[i][d0 : d0 + 16 * S], the S slices in registers
-// across the keys: S independent chains of adds, where one slice at a time waits on each.
-template <int S, typename row_t>
-inline void accumulate_slices(float* acc, const row_t* const* v, const float* p, int64_t n,
-                              int64_t d0) {
-  float16v slice[S];
-  for (int j = 0; j < S; ++j) slice[j] = load16(acc + d0 + 16 * j);
-  for (int64_t i = 0; i < n; ++i) {
-    const float w = p[i];
-    for (int j = 0; j < S; ++j) slice[j] += w * load_row16(v[i] + d0 + 16 * j);
-  }
-  for (int j = 0; j < S; ++j) store16(acc + d0 + 16 * j, slice[j]);
-}
-
-// acc[0 : head_dim] += sum_i p[i] * v[i] over a block's n value rows.
-template <typename row_t>
-inline void accumulate_values(float* acc, const row_t* const* v, const float* p, int64_t n,
-                              int64_t head_dim) {
-  int64_t d = 0;
-  for (; d + 64 <= head_dim; d += 64) accumulate_slices<4>(acc, v, p, n, d);
-  switch ((head_dim - d) / 16) {
-    case 3: accumulate_slices<3>(acc, v, p, n, d); break;
-    case 2: accumulate_slices<2>(acc, v, p, n, d); break;
-    case 1: accumulate_slices<1>(acc, v, p, n, d); break;
-    default: break;
-  }
-  for (d += (head_dim - d) / 16 * 16; d < head_dim; ++d) {
-    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * static_cast<float>(v[i][d]);
-  }
 }
 
 // s[0:16] = q . k[i] for a group of m <= 16 keys (lanes past m: 0), head_dim = 16 * SL.
@@ -129,6 +103,79 @@ inline void score_keys_any(const float* q, const row_t* const* k, int64_t m, int
     s[i] = horizontal_sum(acc) + tail;
   }
   for (int64_t i = m; i < 16; ++i) s[i] = 0.0f;
+}
+
+// The query heads that share a KV head, scored and accumulated together: each key and
+// value row is loaded (and widened) once for all of them, where one head at a time loads
+// it once per head. Each head's products and sums run in the same order as above, so the
+// results are the same to the bit. R heads at most (R * SL query vectors in registers).
+template <int SL>
+constexpr int kFusedHeads = SL <= 4 ? kMaxGroup : 16 / SL;
+
+// s[r][0:16] = q[r] . k[i] for r < g <= R.
+template <int SL, int R, typename row_t>
+inline void score_keys_heads(const float* const* q, int64_t g, const row_t* const* k, int64_t m,
+                             float* const* s) {
+  float16v qv[R][SL];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < SL; ++j) qv[r][j] = r < g ? load16(q[r] + 16 * j) : float16v{};
+  float16v part[R][16];
+  for (int64_t i = 0; i < m; ++i) {
+    float16v kv[SL];
+    for (int j = 0; j < SL; ++j) kv[j] = load_row16(k[i] + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      if (r >= g) break;
+      float16v even = qv[r][0] * kv[0];
+      float16v odd = {};
+      for (int j = 1; j < SL; j += 2) {
+        odd += qv[r][j] * kv[j];
+        if (j + 1 < SL) even += qv[r][j + 1] * kv[j + 1];
+      }
+      part[r][i] = even + odd;
+    }
+  }
+  for (int r = 0; r < g; ++r) {
+    for (int64_t i = m; i < 16; ++i) part[r][i] = float16v{};
+    store16(s[r], transpose_sum16(part[r]));
+  }
+}
+
+// acc[r][d0 : d0 + 16 * S] += sum_i p[r][i] * v[i][d0 : d0 + 16 * S] for r < g <= R, the
+// slices in registers across the keys: S * g independent chains of adds.
+template <int S, int R, typename row_t>
+inline void accumulate_slices_heads(float* const* acc, int64_t g, const row_t* const* v,
+                                    const float* const* p, int64_t n, int64_t d0) {
+  float16v slice[R][S];
+  for (int r = 0; r < g; ++r)
+    for (int j = 0; j < S; ++j) slice[r][j] = load16(acc[r] + d0 + 16 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    float16v vv[S];
+    for (int j = 0; j < S; ++j) vv[j] = load_row16(v[i] + d0 + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      if (r >= g) break;
+      const float w = p[r][i];
+      for (int j = 0; j < S; ++j) slice[r][j] += w * vv[j];
+    }
+  }
+  for (int r = 0; r < g; ++r)
+    for (int j = 0; j < S; ++j) store16(acc[r] + d0 + 16 * j, slice[r][j]);
+}
+
+template <int R, typename row_t>
+inline void accumulate_values_heads(float* const* acc, int64_t g, const row_t* const* v,
+                                    const float* const* p, int64_t n, int64_t head_dim) {
+  int64_t d = 0;
+  for (; d + 64 <= head_dim; d += 64) accumulate_slices_heads<4, R>(acc, g, v, p, n, d);
+  switch ((head_dim - d) / 16) {
+    case 3: accumulate_slices_heads<3, R>(acc, g, v, p, n, d); break;
+    case 2: accumulate_slices_heads<2, R>(acc, g, v, p, n, d); break;
+    case 1: accumulate_slices_heads<1, R>(acc, g, v, p, n, d); break;
+    default: break;
+  }
+  for (d += (head_dim - d) / 16 * 16; d < head_dim; ++d) {
+    for (int r = 0; r < g; ++r)
+      for (int64_t i = 0; i < n; ++i) acc[r][d] += p[r][i] * static_cast<float>(v[i][d]);
+  }
 }
 
 // How the decode tile reads a cache row: float32 and bfloat16 rows where they lie
@@ -189,6 +236,12 @@ void attend_tile(
       opt.window > 0 ? std::max<int64_t>(0, first_query_pos - opt.window + 1) : 0;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t block_size = cache.block_size;
+  // Rows scored together: as many heads as keep their query vectors in registers.
+  const int64_t group = head_dim == 64 || head_dim == 32 ? 4
+                        : head_dim == 80                 ? kFusedHeads<5>
+                        : head_dim == 96                 ? kFusedHeads<6>
+                        : head_dim == 128                ? kFusedHeads<8>
+                                                         : 1;
 
   // Per-thread scratch, reused item after item.
   thread_local std::vector<float> q, acc, row_max, row_sum, scores, k_rows, v_rows;
@@ -196,7 +249,8 @@ void attend_tile(
   acc.assign(rows * head_dim, 0.0f);
   row_max.assign(rows, neg_inf);
   row_sum.assign(rows, 0.0f);
-  scores.resize((block_size + 15) / 16 * 16);
+  const int64_t padded = (block_size + 15) / 16 * 16;
+  scores.resize(kMaxGroup * padded);
   k_rows.resize(block_size * head_dim);
   v_rows.resize(block_size * head_dim);
   for (int64_t t = 0; t < tile_tokens; ++t) {
@@ -236,58 +290,80 @@ void attend_tile(
       k[i] = as_row(key_cache + at, k_rows.data() + i * head_dim, head_dim);
       v[i] = as_row(value_cache + at, v_rows.data() + i * head_dim, head_dim);
     }
-    for (int64_t row = 0; row < rows; ++row) {
-      const int64_t query_pos = first_query_pos + row / heads_per_kv;
-      const int64_t head = kv_head * heads_per_kv + row % heads_per_kv;
-      const float* qr = q.data() + row * head_dim;
-      float block_max = neg_inf;
-      for (int64_t g = 0; g < n; g += 16) {  // keys in groups of 16, one vector of scores each
-        const int64_t m = std::min<int64_t>(16, n - g);
-        float* s = scores.data() + g;
+    // Rows in groups of the heads of one query token (they share its position), scored
+    // and accumulated together, each key and value row loaded once for the group.
+    for (int64_t row0 = 0, g; row0 < rows; row0 += g) {
+      const int64_t token_end = (row0 / heads_per_kv + 1) * heads_per_kv;
+      g = std::min<int64_t>(group, token_end - row0);
+      const int64_t query_pos = first_query_pos + row0 / heads_per_kv;
+      const float* qs[kMaxGroup];
+      float* ss[kMaxGroup];
+      float* as[kMaxGroup];
+      for (int64_t r = 0; r < g; ++r) {
+        qs[r] = q.data() + (row0 + r) * head_dim;
+        ss[r] = scores.data() + r * padded;
+        as[r] = acc.data() + (row0 + r) * head_dim;
+      }
+      for (int64_t gk = 0; gk < n; gk += 16) {  // keys in groups of 16, a vector of scores each
+        const int64_t m = std::min<int64_t>(16, n - gk);
+        float* sg[kMaxGroup];
+        for (int r = 0; r < g; ++r) sg[r] = ss[r] + gk;
         switch (head_dim) {
-          case 64: score_keys<4>(qr, k + g, m, s); break;
-          case 128: score_keys<8>(qr, k + g, m, s); break;
-          case 32: score_keys<2>(qr, k + g, m, s); break;
-          case 80: score_keys<5>(qr, k + g, m, s); break;
-          case 96: score_keys<6>(qr, k + g, m, s); break;
-          case 256: score_keys<16>(qr, k + g, m, s); break;
-          default: score_keys_any(qr, k + g, m, head_dim, s); break;
+          case 64: score_keys_heads<4, kFusedHeads<4>>(qs, g, k + gk, m, sg); break;
+          case 128: score_keys_heads<8, kFusedHeads<8>>(qs, g, k + gk, m, sg); break;
+          case 32: score_keys_heads<2, kFusedHeads<2>>(qs, g, k + gk, m, sg); break;
+          case 80: score_keys_heads<5, kFusedHeads<5>>(qs, g, k + gk, m, sg); break;
+          case 96: score_keys_heads<6, kFusedHeads<6>>(qs, g, k + gk, m, sg); break;
+          case 256: score_keys<16>(qs[0], k + gk, m, sg[0]); break;
+          default: score_keys_any(qs[0], k + gk, m, head_dim, sg[0]); break;
         }
-        const int64_t first = key_begin + g;
-        const bool plain = m == 16 && first + 15 <= query_pos &&
-                           (opt.window == 0 || query_pos - first < opt.window) &&
-                           opt.softcap == 0.0f && opt.alibi_slopes == nullptr;
-        if (!plain) {  // lanes past the block, masked keys (-inf: exp gives 0), the options
-          for (int64_t i = 0; i < 16; ++i) {
-            const int64_t key = first + i;
-            if (i >= m || key > query_pos || (opt.window > 0 && query_pos - key >= opt.window)) {
-              s[i] = neg_inf;
-              continue;
+      }
+      for (int r = 0; r < g; ++r) {
+        const int64_t row = row0 + r;
+        const int64_t head = kv_head * heads_per_kv + row % heads_per_kv;
+        float block_max = neg_inf;
+        for (int64_t gk = 0; gk < n; gk += 16) {
+          const int64_t m = std::min<int64_t>(16, n - gk);
+          float* s = ss[r] + gk;
+          const int64_t first = key_begin + gk;
+          const bool plain = m == 16 && first + 15 <= query_pos &&
+                             (opt.window == 0 || query_pos - first < opt.window) &&
+                             opt.softcap == 0.0f && opt.alibi_slopes == nullptr;
+          if (!plain) {  // lanes past the block, masked keys (-inf: exp gives 0), the options
+            for (int64_t i = 0; i < 16; ++i) {
+              const int64_t key = first + i;
+              if (i >= m || key > query_pos || (opt.window > 0 && query_pos - key >= opt.window)) {
+                s[i] = neg_inf;
+                continue;
+              }
+              if (opt.softcap > 0.0f) s[i] = opt.softcap * std::tanh(s[i] / opt.softcap);
+              if (opt.alibi_slopes != nullptr)
+                s[i] += opt.alibi_slopes[head] * static_cast<float>(key - query_pos);
             }
-            if (opt.softcap > 0.0f) s[i] = opt.softcap * std::tanh(s[i] / opt.softcap);
-            if (opt.alibi_slopes != nullptr)
-              s[i] += opt.alibi_slopes[head] * static_cast<float>(key - query_pos);
           }
+          block_max = std::max(block_max, horizontal_max(load16(s)));
         }
-        block_max = std::max(block_max, horizontal_max(load16(s)));
+        if (block_max == neg_inf) {  // every key of this block is masked for the row: it
+          std::fill(ss[r], ss[r] + padded, 0.0f);  // adds nothing (its values weigh 0)
+          continue;
+        }
+        float* a = as[r];
+        const float new_max = std::max(row_max[row], block_max);
+        if (new_max > row_max[row]) {
+          const float correction = std::exp(row_max[row] - new_max);  // 0 for the first block
+          row_sum[row] *= correction;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+          row_max[row] = new_max;
+        }
+        float16v sum = {};
+        for (int64_t i = 0; i < n; i += 16) {
+          const float16v e = exp_nonpositive(load16(ss[r] + i) - new_max);
+          store16(ss[r] + i, e);
+          sum += e;
+        }
+        row_sum[row] += horizontal_sum(sum);
       }
-      if (block_max == neg_inf) continue;  // every key of this block is masked for the row
-      float* a = acc.data() + row * head_dim;
-      const float new_max = std::max(row_max[row], block_max);
-      if (new_max > row_max[row]) {
-        const float correction = std::exp(row_max[row] - new_max);  // 0 for the first block
-        row_sum[row] *= correction;
-        for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-        row_max[row] = new_max;
-      }
-      float16v sum = {};
-      for (int64_t i = 0; i < n; i += 16) {
-        const float16v e = exp_nonpositive(load16(scores.data() + i) - new_max);
-        store16(scores.data() + i, e);
-        sum += e;
-      }
-      row_sum[row] += horizontal_sum(sum);
-      accumulate_values(a, v, scores.data(), n, head_dim);
+      accumulate_values_heads<kMaxGroup>(as, g, v, ss, n, head_dim);
     }
   }
 
