@@ -72,7 +72,8 @@ class EngineCore:
             config.model.pooling_type,
             config.model.pooling_normalize,
         )
-        device_type = resolve_device(config.device).type
+        device = resolve_device(config.device)
+        device_type = device.type
         if device_type == "cuda" and config.parallel.executor_backend != "ray":
             import torch
 
@@ -126,7 +127,6 @@ class EngineCore:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-helper"
         )
-        device = resolve_device(config.device)
         model_dtype = str(resolve_dtype(config.model.dtype, hf_config, device, log=False))
         model_dtype = model_dtype.removeprefix("torch.")
         logger.info(
