@@ -236,12 +236,14 @@ void attend_tile(
       opt.window > 0 ? std::max<int64_t>(0, first_query_pos - opt.window + 1) : 0;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t block_size = cache.block_size;
-  // Rows scored together: as many heads as keep their query vectors in registers.
-  const int64_t group = head_dim == 64 || head_dim == 32 ? 4
-                        : head_dim == 80                 ? kFusedHeads<5>
-                        : head_dim == 96                 ? kFusedHeads<6>
-                        : head_dim == 128                ? kFusedHeads<8>
-                                                         : 1;
+  // Rows scored together: as many heads as keep their query vectors in registers, by the
+  // head sizes `score_keys_heads` is dispatched for below; one at a time for the rest.
+  const int64_t group = head_dim == 32    ? kFusedHeads<2>
+                        : head_dim == 64  ? kFusedHeads<4>
+                        : head_dim == 80  ? kFusedHeads<5>
+                        : head_dim == 96  ? kFusedHeads<6>
+                        : head_dim == 128 ? kFusedHeads<8>
+                                          : 1;
 
   // Per-thread scratch, reused item after item.
   thread_local std::vector<float> q, acc, row_max, row_sum, scores, k_rows, v_rows;
