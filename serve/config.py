@@ -232,6 +232,11 @@ class CacheConfig:
         return parse_memory_size(self.kv_cache_memory)
 
     @property
+    def cpu_kv_cache_bytes(self) -> int:
+        """The CPU KV cache's size: `kv_cache_memory`, else DEFAULT_CPU_KV_CACHE_BYTES."""
+        return self.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+
+    @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * GiB)
 

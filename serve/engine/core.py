@@ -32,7 +32,13 @@ from serve.engine.validation import (
 )
 from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
-from serve.models.loader import load_hf_config, model_max_len, resolve_dtype, resolve_model_path
+from serve.models.loader import (
+    dtype_name,
+    load_hf_config,
+    model_max_len,
+    resolve_dtype,
+    resolve_model_path,
+)
 from serve.models.partition import check_tensor_parallel
 from serve.models.pooling_config import model_pooling
 from serve.models.registry import get_arch_config
@@ -127,8 +133,7 @@ class EngineCore:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-helper"
         )
-        model_dtype = str(resolve_dtype(config.model.dtype, hf_config, device, log=False))
-        model_dtype = model_dtype.removeprefix("torch.")
+        model_dtype = dtype_name(resolve_dtype(config.model.dtype, hf_config, device, log=False))
         logger.info(
             "Model %s (%s) in %s on %s, tensor parallel size %d (%s); KV cache (%s): %d blocks x "
             "%d tokens = %d tokens, swap space %d blocks; prefix caching %s; max_model_len %d",

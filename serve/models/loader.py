@@ -137,12 +137,17 @@ def resolve_dtype(
         if log:
             logger.info(
                 "The checkpoint is %s; on this CPU (%s) serve runs it in %s. --dtype overrides.",
-                str(chosen).removeprefix("torch."),
+                dtype_name(chosen),
                 "bf16 in hardware" if native else "no AVX512_BF16 or AMX",
-                str(cpu_dtype).removeprefix("torch."),
+                dtype_name(cpu_dtype),
             )
         chosen = cpu_dtype
     return chosen
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16', as the --dtype flag spells it."""
+    return str(dtype).removeprefix("torch.")
 
 
 def _bf16_in_hardware(device: torch.device | None) -> bool:
@@ -202,7 +207,7 @@ def weights_bytes(path: Path, load_format: str, dtype: torch.dtype) -> int | Non
     files, is_safetensors = _weight_files(path, load_format, allow_pickle=True)
     if not is_safetensors:
         return None
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize
     total = 0
     for file in files:
         with open(file, "rb") as f:

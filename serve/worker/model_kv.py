@@ -11,6 +11,7 @@ import torch
 from serve.kernels.cache_dtypes import KV_CACHE_TORCH_DTYPES, cache_fits
 from serve.kv_cache.cache_engine import CacheEngine, kv_bytes_per_block
 from serve.models.layers.attention import attention_layers
+from serve.models.loader import dtype_name
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,8 @@ def cache_dtype(model_dtype: torch.dtype, kv_cache_dtype: str) -> torch.dtype:
         return model_dtype
     dtype = KV_CACHE_TORCH_DTYPES[kv_cache_dtype]
     if not cache_fits(model_dtype, dtype):
-        model_name = str(model_dtype).removeprefix("torch.")
         raise ValueError(
-            f"--kv-cache-dtype {kv_cache_dtype} is no narrower than the model's {model_name}: "
+            f"--kv-cache-dtype {kv_cache_dtype} is no narrower than the model's {dtype_name(model_dtype)}: "
             "leave it at auto to store K/V in the model's dtype, add --dtype float32, or "
             "choose fp8."
         )

@@ -22,13 +22,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from serve.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, GiB, available_memory_bytes
+from serve.config import EngineConfig, GiB, available_memory_bytes
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
-from serve.models.loader import load_model, model_max_len, resolve_dtype, weights_bytes
+from serve.models.loader import (
+    dtype_name,
+    load_model,
+    model_max_len,
+    resolve_dtype,
+    weights_bytes,
+)
 from serve.models.registry import get_arch_config
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
@@ -82,7 +88,7 @@ def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_c
     cache = engine.cache
     cache_bytes = 0  # a block count forced by hand: its bytes are known only once loaded
     if cache.num_gpu_blocks_override is None:
-        cache_bytes = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        cache_bytes = cache.cpu_kv_cache_bytes
     _check_memory_for(weights, cache_bytes, dtype, weights_packed(dtype))
 
 
@@ -95,8 +101,7 @@ def _check_memory_for(
     in_memory = weights * (2 if packed else 1)
     if in_memory + cache_bytes <= available:
         return
-    dtype_name = str(dtype).removeprefix("torch.")
-    held = f"{_size(weights)} in {dtype_name}"
+    held = f"{_size(weights)} in {dtype_name(dtype)}"
     if packed:
         held += ", twice that with oneDNN's packed copy of each linear's"
     if in_memory + _LEAST_CACHE_ROOM <= available:
@@ -127,9 +132,8 @@ def check_gpu_weights_fit(
     if dtype == torch.float32:
         fixes.append("--dtype bfloat16 (half the bytes)")
     fixes.append("a smaller model")
-    dtype_name = str(dtype).removeprefix("torch.")
     raise ValueError(
-        f"The model's weights take {_size(weights)} in {dtype_name}, "
+        f"The model's weights take {_size(weights)} in {dtype_name(dtype)}, "
         f"{_size(weights / world_size)} on each of {world_size} GPU(s), and {device} has "
         f"{_size(free)} free: try " + ", or ".join(fixes) + "."
     )
@@ -209,7 +213,7 @@ class ModelRunner:
             # oneDNN now, not in the first request's time (~1 s for the default model).
             # Fewer rows run on the native kernel, which needs no reorder.
             self._dummy_forward(ONEDNN_MIN_ROWS)
-            total = cache.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+            total = cache.cpu_kv_cache_bytes
             check_cpu_cache_fits(total)
             budget = total / self.config.world_size
         num_blocks = int(budget // self.bytes_per_block)
