@@ -323,7 +323,10 @@ def cell(result: dict | None, load: str, key: str, stat: str | None) -> float | 
     return value.get(stat) if isinstance(value, dict) else value
 
 
-def median_cell(rounds: list[dict], name: str, load: str, key: str, stat: str | None):
+def median_cell(
+    rounds: list[dict], name: str, load: str, key: str, stat: str | None
+) -> float | None:
+    """A cell's median over the rounds that have it."""
     values = [v for r in rounds if (v := cell(r.get(name), load, key, stat)) is not None]
     return statistics.median(values) if values else None
 
