@@ -112,29 +112,15 @@ inline void score_keys_any(const float* q, const row_t* const* k, int64_t m, int
 template <int SL>
 constexpr int kFusedHeads = SL <= 4 ? kMaxGroup : 16 / SL;
 
-// Rows of a block ahead to pull towards the cache while the keys are scored: row i with
-// key i, so the prefetches are spread among the arithmetic rather than issued at once.
-struct RowsAhead {
-  const char* key = nullptr;  // row 0's K and V (null: none)
-  const char* value = nullptr;
-  int64_t rows = 0, stride = 0, bytes = 0;  // stride and row length in bytes
-};
-
 // s[r][0:16] = q[r] . k[i] for r < g <= R.
 template <int SL, int R, typename row_t>
 inline void score_keys_heads(const float* const* q, int64_t g, const row_t* const* k, int64_t m,
-                             float* const* s, const RowsAhead& ahead) {
+                             float* const* s) {
   float16v qv[R][SL];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < SL; ++j) qv[r][j] = r < g ? load16(q[r] + 16 * j) : float16v{};
   float16v part[R][16];
   for (int64_t i = 0; i < m; ++i) {
-    if (i < ahead.rows) {
-      for (int64_t b = 0; b < ahead.bytes; b += 64) {  // into L2 (prefetcht2), not L1
-        __builtin_prefetch(ahead.key + i * ahead.stride + b, 0, 1);
-        __builtin_prefetch(ahead.value + i * ahead.stride + b, 0, 1);
-      }
-    }
     float16v kv[SL];
     for (int j = 0; j < SL; ++j) kv[j] = load_row16(k[i] + 16 * j);
     for (int r = 0; r < R; ++r) {
@@ -259,11 +245,6 @@ void attend_tile(
                         : head_dim == 128 ? kFusedHeads<8>
                                           : 1;
 
-  // How the blocks ahead are pulled in: a bfloat16 cache's rows one with each key scored
-  // (the arithmetic and the reads then overlap: ~1.2x bfloat16 decode attention alone),
-  // float32's and the rest a whole block at a time (spread, float32 measured slower).
-  const bool spread = std::is_same_v<cache_t, at::BFloat16> && group > 1;
-
   // Per-thread scratch, reused item after item.
   thread_local std::vector<float> q, acc, row_max, row_sum, scores, k_rows, v_rows;
   q.resize(rows * head_dim);
@@ -299,11 +280,7 @@ void attend_tile(
     prefetch_block(blk);
   for (int64_t blk = first_block; blk <= last_block; ++blk) {
     const int64_t base = block_table[blk] * cache.stride_block + kv_head * cache.stride_head;
-    const bool pull = blk + kPrefetchBlocks <= last_block;
-    if (pull && !spread) prefetch_block(blk + kPrefetchBlocks);
-    const int64_t ahead_at =
-        pull ? block_table[blk + kPrefetchBlocks] * cache.stride_block + kv_head * cache.stride_head
-             : 0;
+    if (blk + kPrefetchBlocks <= last_block) prefetch_block(blk + kPrefetchBlocks);
     const int64_t key_begin = std::max(first_key, blk * block_size);
     const int64_t key_end = std::min(last_query_pos + 1, (blk + 1) * block_size);
     const int64_t n = key_end - key_begin;
@@ -333,19 +310,12 @@ void attend_tile(
         const int64_t m = std::min<int64_t>(16, n - gk);
         float* sg[kMaxGroup];
         for (int r = 0; r < g; ++r) sg[r] = ss[r] + gk;
-        RowsAhead ahead;  // the block kPrefetchBlocks on, its rows gk.., pulled in once
-        if (spread && pull && row0 == 0) {
-          const int64_t at = ahead_at + gk * cache.stride_slot;
-          ahead = {reinterpret_cast<const char*>(key_cache + at),
-                   reinterpret_cast<const char*>(value_cache + at), std::min(m, block_size - gk),
-                   slot_bytes, row_bytes};
-        }
         switch (head_dim) {
-          case 64: score_keys_heads<4, kFusedHeads<4>>(qs, g, k + gk, m, sg, ahead); break;
-          case 128: score_keys_heads<8, kFusedHeads<8>>(qs, g, k + gk, m, sg, ahead); break;
-          case 32: score_keys_heads<2, kFusedHeads<2>>(qs, g, k + gk, m, sg, ahead); break;
-          case 80: score_keys_heads<5, kFusedHeads<5>>(qs, g, k + gk, m, sg, ahead); break;
-          case 96: score_keys_heads<6, kFusedHeads<6>>(qs, g, k + gk, m, sg, ahead); break;
+          case 64: score_keys_heads<4, kFusedHeads<4>>(qs, g, k + gk, m, sg); break;
+          case 128: score_keys_heads<8, kFusedHeads<8>>(qs, g, k + gk, m, sg); break;
+          case 32: score_keys_heads<2, kFusedHeads<2>>(qs, g, k + gk, m, sg); break;
+          case 80: score_keys_heads<5, kFusedHeads<5>>(qs, g, k + gk, m, sg); break;
+          case 96: score_keys_heads<6, kFusedHeads<6>>(qs, g, k + gk, m, sg); break;
           case 256: score_keys<16>(qs[0], k + gk, m, sg[0]); break;
           default: score_keys_any(qs[0], k + gk, m, head_dim, sg[0]); break;
         }
