@@ -323,12 +323,10 @@ def cell(result: dict | None, load: str, key: str, stat: str | None) -> float | 
     return value.get(stat) if isinstance(value, dict) else value
 
 
-def median_cell(
-    rounds: list[dict], name: str, load: str, key: str, stat: str | None
-) -> float | None:
-    """A cell's median over the rounds that have it."""
-    values = [v for r in rounds if (v := cell(r.get(name), load, key, stat)) is not None]
-    return statistics.median(values) if values else None
+def median_known(values: list[float | None]) -> float | None:
+    """The median of the values there are (a round may lack a server or a load)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def print_table(results: dict, machine_info: dict) -> dict:
@@ -355,19 +353,15 @@ def print_table(results: dict, machine_info: dict) -> dict:
     print(f"{'load':<9}{'metric':<17}{'serve':>10}{'vLLM':>10}{'serve/vLLM':>12}{round_heads}")
     ratios = {}
     for load, label, key, stat in ROWS:
-        a = median_cell(rounds, "serve", load, key, stat)
-        b = median_cell(rounds, "vllm", load, key, stat)
+        serve_values = [cell(r.get("serve"), load, key, stat) for r in rounds]
+        vllm_values = [cell(r.get("vllm"), load, key, stat) for r in rounds]
+        a, b = median_known(serve_values), median_known(vllm_values)
         if a is None and b is None:
             continue
         per_round = [
-            x / y if x is not None and y else None
-            for r in rounds
-            for x, y in [
-                (cell(r.get("serve"), load, key, stat), cell(r.get("vllm"), load, key, stat))
-            ]
+            x / y if x is not None and y else None for x, y in zip(serve_values, vllm_values)
         ]
-        known = [x for x in per_round if x is not None]
-        ratio = statistics.median(known) if known else None
+        ratio = median_known(per_round)
         if ratio is not None:
             ratios[f"{load} {label}"] = ratio
         shown = "-" if ratio is None else f"{ratio:.2f}x"
