@@ -191,8 +191,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
+    """After the session's last API test (a run may interleave API tests with others: the
+    session fixtures keep the default server's address, so it must live until then)."""
+    api_dir = Path(__file__).parent
+    if nextitem is None or item is _last_api_item(item.session, api_dir):
         _stop_servers()
+
+
+_LAST_API_ITEM = pytest.StashKey["pytest.Item | None"]()
+
+
+def _last_api_item(session: pytest.Session, api_dir: Path) -> pytest.Item | None:
+    if _LAST_API_ITEM not in session.stash:
+        api_items = [i for i in session.items if api_dir in Path(i.path).parents]
+        session.stash[_LAST_API_ITEM] = api_items[-1] if api_items else None
+    return session.stash[_LAST_API_ITEM]
 
 
 def _make_room(keep: tuple) -> None:
