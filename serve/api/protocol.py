@@ -44,6 +44,8 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    # vLLM's extra: with include_usage, every chunk carries its choice's usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(OpenAIModel):
@@ -87,6 +89,8 @@ class SamplingRequest(OpenAIModel):
     seed: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # vLLM's extra: keep the stop string, or the text of the stop token, in the output.
+    include_stop_str_in_output: bool = False
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
@@ -155,6 +159,15 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
+    @property
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """Whether a stream ends with a usage chunk, and whether every chunk carries its
+        choice's usage so far (vLLM's `continuous_usage_stats`, which needs the first)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return False, False
+        return True, options.continuous_usage_stats
+
     @model_validator(mode="after")
     def _best_of(self) -> SamplingRequest:
         if self.best_of is not None and self.best_of < self.n:
@@ -184,6 +197,7 @@ class SamplingRequest(OpenAIModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=num_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

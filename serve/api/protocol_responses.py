@@ -35,6 +35,7 @@ SAMPLING_EXTRAS = frozenset(
         "allowed_token_ids",
         "ignore_eos",
         "skip_special_tokens",
+        "include_stop_str_in_output",
         "priority",
         "guided_json",
         "guided_regex",

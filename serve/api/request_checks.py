@@ -42,6 +42,17 @@ def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:
     _check_num_entries("logit_bias", request.logit_bias, limits.max_logit_bias, "--max-logit-bias")
 
 
+def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
+    """A 400 for vLLM's `prompt_logprobs` on a streamed response, which has no place for
+    them (vLLM refuses them there too)."""
+    if request.prompt_logprobs is not None:
+        raise APIError(
+            400,
+            "prompt_logprobs are not available when streaming; set stream to false.",
+            param="prompt_logprobs",
+        )
+
+
 def _check_num_entries(
     name: str, entries: list[Any] | dict[str, Any] | None, limit: int, flag: str
 ) -> None:

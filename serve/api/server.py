@@ -144,9 +144,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": serve.__version__}
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {
+    def model_card() -> dict[str, Any]:
+        return {
             "id": settings.served_model_name,
             "object": "model",
             "created": now(),
@@ -154,7 +153,15 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             "root": settings.served_model_name,  # never the path on this machine
             "max_model_len": engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # the OpenAI client's models.retrieve
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id, settings)
+        return model_card()
 
     async def respond(
         handler: ChatHandler | CompletionHandler | ResponsesHandler | MessagesHandler,

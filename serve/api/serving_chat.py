@@ -13,7 +13,13 @@ from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError
 from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
 from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
-from serve.api.request_checks import PromptCharLimit, check_limits, check_model, resolve_max_tokens
+from serve.api.request_checks import (
+    PromptCharLimit,
+    check_limits,
+    check_model,
+    check_no_streamed_prompt_logprobs,
+    resolve_max_tokens,
+)
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
@@ -75,6 +81,8 @@ class ChatHandler:
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         check_model(request.model, self.settings)
         check_limits(request, self.settings)
+        if request.stream:
+            check_no_streamed_prompt_logprobs(request)
         if request.chat_template is not None and not self.settings.trust_request_chat_template:
             raise APIError(
                 400,
@@ -210,7 +218,9 @@ class ChatHandler:
             random_id("chatcmpl"),
             "chat.completion.chunk",
             self.settings.served_model_name,
-            bool(request.stream_options and request.stream_options.include_usage),
+            *request.usage_in_stream,
+            num_prompt_tokens=(len(prompt.token_ids),),
+            n=request.n,
         )
         stream = self.generate(request, writer.id, prompt)
         return self._events(request, [stream], writer, prompt, on_usage)

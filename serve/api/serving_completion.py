@@ -14,7 +14,13 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
 from serve.api.protocol import CompletionRequest, now, random_id
-from serve.api.request_checks import PromptCharLimit, check_limits, check_model, resolve_max_tokens
+from serve.api.request_checks import (
+    PromptCharLimit,
+    check_limits,
+    check_model,
+    check_no_streamed_prompt_logprobs,
+    resolve_max_tokens,
+)
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
@@ -78,13 +84,15 @@ class CompletionHandler:
                 param="max_tokens",
             )
         scores_prompt = request.requested_max_tokens == 0
-        if request.echo and request.logprobs is not None and request.stream and not scores_prompt:
-            raise APIError(
-                400,
-                "echo with logprobs is not supported when streaming; set stream to false, or "
-                "ask for prompt_logprobs.",
-                param="echo",
-            )
+        if request.stream and not scores_prompt:  # the prompt's logprobs are not streamed
+            if request.echo and request.logprobs is not None:
+                raise APIError(
+                    400,
+                    "echo with logprobs cannot be streamed unless max_tokens is 0 (the "
+                    "prompt scored alone); set stream to false.",
+                    param="echo",
+                )
+            check_no_streamed_prompt_logprobs(request)
         return [
             (
                 text,
@@ -148,9 +156,11 @@ class CompletionHandler:
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(top[token_id])
-            # Keyed by text: ids that decode alike (e.g. partial UTF-8, "\ufffd") share a
-            # key, which keeps its best logprob, as `ranked` is sorted best first.
-            by_text: dict[str, float] = {}
+            # The chosen token and the `num_top` best, as OpenAI's legacy API and vLLM give
+            # them (up to logprobs + 1 entries). Keyed by text: ids that decode alike (e.g.
+            # partial UTF-8, "\ufffd") share a key, which keeps the chosen token's logprob,
+            # else the best (`ranked` is sorted best first).
+            by_text: dict[str, float] = {token: top[token_id]}
             for t, lp in ranked_alternatives(top, num_top):
                 by_text.setdefault(token_text(self.tokenizer, t), lp)
             top_logprobs.append(by_text)
@@ -217,7 +227,9 @@ class CompletionHandler:
             random_id("cmpl"),
             "text_completion",
             self.settings.served_model_name,
-            bool(request.stream_options and request.stream_options.include_usage),
+            *request.usage_in_stream,
+            num_prompt_tokens=tuple(len(ids) for _, ids, _ in prompts),
+            n=request.n,
         )
         streams = self._open(request, writer.id, prompts)
         if request.requested_max_tokens == 0:

@@ -46,15 +46,21 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 @dataclass
 class ChunkWriter:
-    """Frames one streamed response's chunks: the same id, created time and model on each."""
+    """Frames one streamed response's chunks: the same id, created time and model on each.
+    With `continuous_usage` (vLLM's `continuous_usage_stats`) each chunk carries its
+    choice's usage so far: its prompt's tokens (`num_prompt_tokens`, per prompt, `n`
+    choices each) and the tokens it has sent."""
 
     id: str
     object: str
     model: str
     include_usage: bool
+    continuous_usage: bool = False
+    num_prompt_tokens: tuple[int, ...] = ()
+    n: int = 1
     created: int = field(default_factory=now)
 
-    def chunk(self, index: int, **choice: Any) -> bytes:
+    def chunk(self, index: int, num_completion_tokens: int = 0, **choice: Any) -> bytes:
         body: dict[str, Any] = {
             "id": self.id,
             "object": self.object,
@@ -62,7 +68,14 @@ class ChunkWriter:
             "model": self.model,
             "choices": [{"index": index, **choice}],
         }
-        if self.include_usage:
+        if self.continuous_usage:
+            prompt = self.num_prompt_tokens[index // self.n]
+            body["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": num_completion_tokens,
+                "total_tokens": prompt + num_completion_tokens,
+            }
+        elif self.include_usage:
             body["usage"] = None  # OpenAI sends the key on every chunk, null until the last
         return sse(body)
 

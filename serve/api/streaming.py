@@ -201,12 +201,13 @@ async def stream_choices(
             if state.choices[index].finish_reason is not None:
                 continue  # said all it had
             sent_chars = state.take(index, completion)
+            num_tokens = state.choices[index].num_tokens
             if completion.text or (completion.logprobs is not None and completion.token_ids):
                 for fields in content_fields(index, completion, sent_chars):
-                    yield writer.chunk(index, **fields, finish_reason=None)
+                    yield writer.chunk(index, num_tokens, **fields, finish_reason=None)
             if completion.finished:
                 for fields in finish_fields(index, completion):
-                    yield writer.chunk(index, **fields)
+                    yield writer.chunk(index, num_tokens, **fields)
     for event in stream_end(
         writer, failed, usage(num_prompt_tokens, state.completion_tokens), on_usage
     ):

@@ -7,9 +7,11 @@ new since the last, or the finished output alone. Every front end uses this one 
 `OutputStreams` for the servers (a core process, or the core on a thread) and the offline
 `LLM`, so their outputs are the same.
 
-A stop string ends a sequence here, before the core knows: the processor asks the core to
-stop it (`to_core`: an abort when the whole request is done, else `StopSequence`) and drops
-the tokens the core sampled for it in the meantime. `min_tokens` holds stop strings back
+A sequence the core stops with a token (EOS, `stop_token_ids`) keeps the token but not its
+text, unless `include_stop_str_in_output`, as in vLLM. A stop string ends a sequence here,
+before the core knows: the processor asks the core to stop it (`to_core`: an abort when
+the whole request is done, else `StopSequence`) and drops the tokens the core sampled for
+it in the meantime. `min_tokens` holds stop strings back
 as the core holds stop tokens back; a stop string found in the token that also reached the
 length limit wins (finish "stop", as in vLLM). A DELTA output holds back the text that
 could still begin a stop string (`stop_holdback`) until more text shows it does not, so
@@ -230,6 +232,8 @@ class RequestState:
             if seq.logprobs is not None and d.top_logprobs is not None:
                 seq.logprobs.append(d.top_logprobs[i])
             core_finish = d.finish_reason if i == len(d.token_ids) - 1 else None
+            if core_finish is FinishReason.STOP and not self.params.include_stop_str_in_output:
+                break  # the stop token's text (EOS, a stop_token_ids entry) is left out
             if seq.detokenizer is not None:
                 new_text = seq.detokenizer.update(seq.token_ids)
                 seq.text += new_text

@@ -119,6 +119,28 @@ def test_stop_token_ids(client, server, tokenizer, tiny_llama):
     assert resp.usage.completion_tokens == expected.index(stop_id) + 1
 
 
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_eos_text_left_out_even_with_special_tokens(client, server, tokenizer, include_stop):
+    """A sequence ended by EOS does not show the EOS token's text, even with
+    skip_special_tokens false, unless include_stop_str_in_output (as in vLLM)."""
+    eos = tokenizer.eos_token_id
+    resp = client.chat.completions.create(
+        model=server.model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=8,
+        extra_body={
+            "min_tokens": 2,
+            "logit_bias": {str(eos): 100},  # EOS as soon as min_tokens allows it
+            "skip_special_tokens": False,
+            "include_stop_str_in_output": include_stop,
+        },
+    )
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and resp.usage.completion_tokens == 3
+    assert choice.message.content.endswith(tokenizer.eos_token) == include_stop
+
+
 def test_seed_reproducibility(client, server):
     def sample(seed: int) -> str:
         resp = client.chat.completions.create(

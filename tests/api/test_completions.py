@@ -130,6 +130,35 @@ def test_stop_string_and_token_ids(client, server, tokenizer, tiny_llama):
     assert by_id.choices[0].finish_reason == "stop"
     assert by_id.usage.completion_tokens == expected.index(stop_id) + 1
 
+    # The stop token is counted, but its text is left out unless asked for (as in vLLM).
+    # A character that the text leaves incomplete (U+FFFD when decoded) is never sent.
+    def text_of(ids):
+        return tokenizer.decode(ids).removesuffix("\ufffd")
+
+    before_stop = expected[: expected.index(stop_id)]
+    assert by_id.choices[0].text == text_of(before_stop)
+    kept = greedy(
+        client,
+        server,
+        PROMPT,
+        max_tokens=12,
+        extra_body={
+            "stop_token_ids": [stop_id],
+            "ignore_eos": True,
+            "include_stop_str_in_output": True,
+        },
+    )
+    assert kept.choices[0].text == text_of([*before_stop, stop_id])
+    with_stop = greedy(
+        client,
+        server,
+        PROMPT,
+        max_tokens=16,
+        stop=stop,
+        extra_body={**IGNORE_EOS, "include_stop_str_in_output": True},
+    )
+    assert with_stop.choices[0].text == full[: full.index(stop) + len(stop)]
+
 
 def test_seed_reproducibility(client, server):
     def sample(seed: int) -> str:
@@ -155,6 +184,30 @@ def test_logprobs(client, server):
         # keyed by token text: two ids that decode alike share a key
         assert 1 <= len(top) <= 3 and all(lp <= 0 for lp in top.values())
         assert token_logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy: top-1
+
+
+@pytest.mark.parametrize("num_top", [0, 1])
+def test_top_logprobs_hold_the_sampled_token(client, server, num_top):
+    """OpenAI's legacy API always gives the sampled token's logprob among the top ones, so
+    an entry has up to logprobs + 1 keys: with logprobs 0, the sampled token alone."""
+    resp = client.completions.create(
+        model=server.model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.5,
+        seed=11,
+        logprobs=num_top,
+        extra_body=IGNORE_EOS,
+    )
+    logprobs = resp.choices[0].logprobs
+    entries = zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs)
+    for token, token_logprob, top in entries:
+        assert top[token] == pytest.approx(token_logprob)
+        assert 1 <= len(top) <= num_top + 1
+    if num_top == 0:
+        assert all(len(top) == 1 for top in logprobs.top_logprobs)
+    else:  # hot sampling picks something other than the best at some position
+        assert any(len(top) == 2 for top in logprobs.top_logprobs)
 
 
 def test_echo(client, server):

@@ -1,4 +1,4 @@
-"""/health, /version, /v1/models, /tokenize and /detokenize."""
+"""/health, /version, /v1/models (and one by id), /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ def test_models_list(client, server, http, tiny_llama):
     assert server.model in (str(tiny_llama), tiny_llama.name)
     card = http.get("/v1/models").json()["data"][0]
     assert card["object"] == "model" and card["max_model_len"] > 0
+
+
+def test_model_retrieve(client, server, http):
+    model = client.models.retrieve(server.model)
+    assert model.id == server.model and model.object == "model"
+    missing = http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_tokenize_prompt_and_detokenize(http, tokenizer):

@@ -98,6 +98,51 @@ def test_completion_stream_framing(http, server):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == full["usage"]
 
 
+def test_continuous_usage_stats(http, server, tokenizer):
+    """vLLM's `continuous_usage_stats`: every chunk carries its choice's usage so far (its
+    own prompt's tokens, the tokens it has sent); the last chunk has the totals."""
+    prompts = [PROMPT, "Hi"]
+    body = {
+        "model": server.model,
+        "prompt": prompts,
+        "temperature": 0,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    *choice_chunks, last = parse(sse_events(http, "/v1/completions", body))
+    num_prompt = [len(tokenizer(p).input_ids) for p in prompts]
+    seen = {0: 0, 1: 0}
+    for chunk in choice_chunks:
+        (choice,) = chunk["choices"]
+        index, usage = choice["index"], chunk["usage"]
+        assert usage["prompt_tokens"] == num_prompt[index]
+        assert usage["completion_tokens"] >= seen[index]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        seen[index] = usage["completion_tokens"]
+    assert seen == {0: 5, 1: 5}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    assert last["usage"]["prompt_tokens"] == sum(num_prompt)
+
+    chat_body = {
+        "model": server.model,
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    *chat_chunks, chat_last = parse(sse_events(http, "/v1/chat/completions", chat_body))
+    num_chat_prompt = chat_last["usage"]["prompt_tokens"]
+    assert chat_chunks[0]["usage"] == {
+        "prompt_tokens": num_chat_prompt,
+        "completion_tokens": 0,  # the role chunk
+        "total_tokens": num_chat_prompt,
+    }
+    assert chat_chunks[-1]["usage"] == chat_last["usage"]
+
+
 def test_an_event_is_one_json_line_with_text_kept_and_line_breaks_escaped():
     """The encoder's own contract, without a server: other text stays UTF-8 as it is (not
     \\u escapes), every character that ends a line for some client is escaped, and a

@@ -223,14 +223,19 @@ def test_min_tokens_holds_stop_strings_back(tokenizer):
     assert texts[-1] == "a sea, a "  # the first "sea" came too early
 
 
-def test_a_stop_token_finish_is_not_searched_for_stop_strings(tokenizer):
-    processor = _processor(tokenizer, stop=["sea"])
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_token_finish_is_not_searched_for_stop_strings(tokenizer, include_stop):
+    """The token that stopped the sequence is kept, its text only with
+    include_stop_str_in_output (vLLM's rule), and never searched for a stop string."""
+    processor = _processor(tokenizer, stop=["sea"], include_stop_str_in_output=include_stop)
     ids = _ids(tokenizer, "the sea")
     _step(processor, _token(0, ids[0]))
     last = SeqDelta(0, ids[1:], None, None, STOP, stop_reason=ids[-1])
     (out,) = _step(processor, last, finished=True).outputs
     c = out.outputs[0]
-    assert (c.text, c.stop_reason) == ("the sea", ids[-1])
+    assert c.token_ids == ids and c.finish_reason == "stop"
+    expected_text = "the sea" if include_stop else tokenizer.decode(ids[:-1])
+    assert (c.text, c.stop_reason) == (expected_text, ids[-1])
 
 
 def test_a_stop_inside_a_multi_token_delta_drops_the_rest(tokenizer):
