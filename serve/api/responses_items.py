@@ -22,6 +22,7 @@ from serve.api.protocol_responses import (
 )
 from serve.api.response_store import ConversationItem
 from serve.api.tool_parsers import ToolCall
+from serve.api.tool_parsers.base import load_json
 
 
 def new_id(prefix: str) -> str:
@@ -115,8 +116,9 @@ def output_items(
 
 def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
     """Output items as the input items a continuation sees. A call cut short by the token
-    limit keeps its arguments as written: continuing from it is refused by the chat
-    request's checks, as sending it back would be."""
+    limit (its arguments not yet a JSON object) goes on with empty arguments, as vLLM
+    coerces a history's broken call: kept as written, the server's own output would fail
+    every continuation of the response."""
     items: list[ConversationItem] = []
     for item in output:
         if item["type"] == "message":
@@ -124,6 +126,8 @@ def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
             items.append(MessageItem(role="assistant", content=parts))
         else:
             fields = {k: item[k] for k in ("type", "call_id", "name", "arguments")}
+            if not isinstance(load_json(fields["arguments"] or "{}"), dict):
+                fields["arguments"] = "{}"
             items.append(FunctionCallItem.model_construct(**fields))
     return items
 

@@ -16,6 +16,8 @@ from api.openai_errors import assert_openai_error
 from api.test_chat import pick_stop
 from openai.types.responses import Response
 
+from serve.api.tool_parsers.base import load_json
+
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "Answer in one word."
 GREEDY = {"temperature": 0}
@@ -371,13 +373,13 @@ def tool_server(server_factory, tiny_model_factory):
     return server_factory("--tool-call-parser", "hermes", model=model)
 
 
-def forced_call(client, server, **kwargs):
+def forced_call(client, server, max_output_tokens=60, **kwargs):
     return client.responses.create(
         model=server.model,
         input="What is the weather like in Paris?",
         tools=[WEATHER_TOOL],
         tool_choice=FORCE_WEATHER,
-        max_output_tokens=60,
+        max_output_tokens=max_output_tokens,
         **GREEDY,
         **kwargs,
     )
@@ -435,6 +437,31 @@ def test_a_forced_function_call_and_its_continuation(tool_server):
         **kwargs,
     )
     assert by_hand.output_text == continued.output_text
+
+
+def test_a_call_cut_short_can_be_continued(tool_server):
+    """A response that the token limit stopped inside a call's arguments is stored as it
+    was sent, and a continuation goes on from it (the cut call with empty arguments)."""
+    client = tool_server.client()
+    cut = forced_call(client, tool_server, max_output_tokens=6)
+    assert cut.status == "incomplete"
+    (call,) = cut.output
+    assert call.type == "function_call" and call.status == "incomplete"
+    assert not isinstance(load_json(call.arguments), dict)  # stored as written
+    kwargs = dict(model=tool_server.model, max_output_tokens=4, extra_body=IGNORE_EOS, **GREEDY)
+    continued = client.responses.create(previous_response_id=cut.id, input="Go on.", **kwargs)
+    assert continued.output[0].type == "message" and continued.output_text
+    as_if_empty = client.responses.create(
+        input=[
+            {"role": "user", "content": "What is the weather like in Paris?"},
+            {**call.model_dump(exclude_none=True), "arguments": "{}"},
+            {"role": "user", "content": "Go on."},
+        ],
+        store=False,
+        **kwargs,
+    )
+    assert continued.usage.input_tokens == as_if_empty.usage.input_tokens
+    assert continued.output_text == as_if_empty.output_text
 
 
 def test_a_streamed_function_call(tool_server):
