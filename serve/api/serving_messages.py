@@ -138,8 +138,9 @@ class MessagesHandler:
         self.chat = chat
         self.engine, self.settings = chat.engine, chat.settings
 
-    def chat_request(self, request: MessagesInput) -> ChatCompletionRequest:
-        """The chat path's request for `request`; a 400 for what that path refuses."""
+    def chat_request(self, request: MessagesInput, generates: bool = True) -> ChatCompletionRequest:
+        """The chat path's request for `request`; a 400 for what that path refuses.
+        Without `generates` (a prompt counted, nothing sampled), tools need no parser."""
         stops = getattr(request, "stop_sequences", None) or []
         limit = self.settings.limits.max_stop_sequences
         if len(stops) > limit:
@@ -150,7 +151,7 @@ class MessagesHandler:
                 param="stop_sequences",
             )
         auto = request.tool_choice is None or isinstance(request.tool_choice, ToolChoiceAuto)
-        if request.tools and auto and self.chat.tool_parser is None:
+        if generates and request.tools and auto and self.chat.tool_parser is None:
             raise APIError(
                 400,
                 'tool_choice "auto" (the default when tools are given) needs a tool-call parser: '
@@ -253,7 +254,8 @@ class MessagesHandler:
     async def count_tokens(self, request: MessagesInput) -> dict[str, int]:
         """The prompt's tokens, as /v1/messages would count them in `usage.input_tokens`."""
         check_model(request.model, self.settings)
-        _, prompt_ids = await off_the_loop(self.chat.render, self.chat_request(request))
+        chat = self.chat_request(request, generates=False)
+        _, prompt_ids = await off_the_loop(self.chat.render, chat)
         return {"input_tokens": len(prompt_ids)}
 
     def _message(

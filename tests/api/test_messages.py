@@ -295,6 +295,26 @@ def test_forced_tool_use_and_its_result(tools_server, tool_choice):
     assert answer.stop_reason == "max_tokens"
 
 
+def test_tokens_counted_with_tools_need_no_parser(server_factory, long_context_model):
+    """count_tokens samples nothing, so tools with the default choice ("auto") are counted
+    on a server without --tool-call-parser, as they are with any other choice."""
+    server = server_factory("--max-model-len", "4096", model=long_context_model)
+    client = anthropic_client(server)
+    count = client.messages.count_tokens
+    kwargs = dict(model=server.model, messages=MESSAGES)
+    with_tools = count(**kwargs, tools=[WEATHER_TOOL]).input_tokens
+    assert (
+        with_tools
+        == count(**kwargs, tools=[WEATHER_TOOL], tool_choice={"type": "none"}).input_tokens
+    )
+    assert with_tools > count(**kwargs).input_tokens
+    refused = httpx.post(
+        f"{server.url}/v1/messages",
+        json={**kwargs, "tools": [WEATHER_TOOL], "max_tokens": 4},
+    )  # generating with "auto" still needs the parser
+    assert "--tool-call-parser" in assert_anthropic_error(refused, 400, "invalid_request_error")
+
+
 def test_streamed_tool_use_matches(tools_server):
     client = anthropic_client(tools_server)
     kwargs = dict(
