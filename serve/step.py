@@ -147,6 +147,9 @@ class BeamCandidates:
     seq_id: int
     token_ids: list[int]
     logprobs: list[float]
+    # The position's top logprobs for a request that asked for them: every candidate, and
+    # the best `logprobs` tokens when that is more.
+    top_logprobs: dict[int, float] | None = None
 
 
 @dataclass

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from serve.sampling_params import SamplingParams
+from serve.sequence import Sequence
+from serve.step import BeamCandidates
 
 
 @dataclass
@@ -38,6 +40,8 @@ class Hypothesis:
     cumulative_logprob: float
     score: float  # cumulative_logprob / len(token_ids) ** length_penalty
     ended_by_stop_token: bool
+    logprobs: list[float]  # each output token's
+    top_logprobs: list[dict[int, float]] | None  # each position's, when the request asked
 
 
 @dataclass
@@ -67,18 +71,19 @@ class BeamSearch:
 
     def step(
         self,
-        output_token_ids: list[list[int]],  # per running beam, all of the same length
-        scores: list[float],  # per running beam, its running score
-        candidates: list[tuple[list[int], list[float]]],  # per beam: its best (tokens, logprobs)
+        running_beams: list[Sequence],  # their outputs all of the same length
+        candidates: list[BeamCandidates],  # per beam, its best next tokens
     ) -> list[Continuation]:
-        """Advance one token. Returns the next running beams, best first (empty when done)."""
-        out_len = len(output_token_ids[0]) + 1  # output length of every candidate
+        """Advance one token. Returns the next running beams, best first (empty when done).
+        Reads the beams' outputs and running scores (`beam_score`); writes nothing."""
+        out_len = running_beams[0].num_output_tokens + 1  # output length of every candidate
         # One row per (beam, token) candidate, ranked by total score, then as HF's top-k
         # over the flattened [beam, vocab] scores: lower beam, then lower token, first.
-        beams = np.concatenate([np.full(len(t), b) for b, (t, _) in enumerate(candidates)])
-        tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t, _ in candidates])
-        logprobs = np.concatenate([np.asarray(lp, dtype=np.float32) for _, lp in candidates])
-        totals = logprobs + np.asarray(scores, dtype=np.float32)[beams]  # float32, as HF
+        beams = np.concatenate([np.full(len(c.token_ids), b) for b, c in enumerate(candidates)])
+        tokens = np.concatenate([np.asarray(c.token_ids, dtype=np.int64) for c in candidates])
+        logprobs = np.concatenate([np.asarray(c.logprobs, dtype=np.float32) for c in candidates])
+        scores = np.asarray([seq.beam_score for seq in running_beams], dtype=np.float32)
+        totals = logprobs + scores[beams]  # float32, as HF
         order = np.lexsort((tokens, beams, -totals))[: self.num_candidates]
         # Divided in float32, as HF does, so that rankings of near-equal scores agree.
         penalized = totals[order] / np.float32(out_len**self.length_penalty)
@@ -93,8 +98,17 @@ class BeamSearch:
             if is_stop or at_length_limit:
                 num_ended += 1
                 if rank < self.width:
-                    tokens_out = [*output_token_ids[parent], token]
-                    new_finished.append(Hypothesis(tokens_out, total, score, is_stop))
+                    beam, top = running_beams[parent], candidates[parent].top_logprobs
+                    new_finished.append(
+                        Hypothesis(
+                            [*beam.output_token_ids, token],
+                            total,
+                            score,
+                            is_stop,
+                            [*beam.output_logprobs, float(logprobs[row])],
+                            None if top is None else [*beam.output_top_logprobs, top],
+                        )
+                    )
             elif len(running) < self.width:
                 running.append(Continuation(parent, token, total, float(logprobs[row])))
 

@@ -83,8 +83,8 @@ def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> Reques
         SeqDelta(
             index=i,
             token_ids=h.token_ids,
-            logprobs=[],
-            top_logprobs=None,
+            logprobs=h.logprobs,
+            top_logprobs=h.top_logprobs,
             finish_reason=FinishReason.STOP if h.ended_by_stop_token else FinishReason.LENGTH,
             cumulative_logprob=h.cumulative_logprob,
         )

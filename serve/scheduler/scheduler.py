@@ -868,11 +868,7 @@ class Scheduler:
     def _beam_step(self, group: SequenceGroup, candidates: list[BeamCandidates]) -> None:
         search = self._beam_searches[group.request_id]
         beams = group.live_seqs
-        continuations = search.step(
-            [seq.output_token_ids for seq in beams],
-            [seq.beam_score for seq in beams],
-            [(c.token_ids, c.logprobs) for c in candidates],
-        )
+        continuations = search.step(beams, candidates)
         # Forks copy their parent before any parent takes its new token.
         taken: set[int] = set()
         next_beams: list[Sequence] = []
@@ -887,7 +883,7 @@ class Scheduler:
                 next_beams.append(parent)
         self.num_generated_tokens += len(beams)  # each beam's logits gave this step's choice
         for seq, c in zip(next_beams, continuations):
-            seq.append_token(c.token_id, c.token_logprob, None)
+            seq.append_token(c.token_id, c.token_logprob, candidates[c.parent].top_logprobs)
             seq.beam_score = c.score
             self.worker_sync.appended(seq.seq_id, c.token_id)
         for i, seq in enumerate(beams):

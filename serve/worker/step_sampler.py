@@ -237,12 +237,18 @@ class StepSampler:
     ) -> None:
         """A beam's best next tokens by log-probability, as many as the step may rank."""
         with _request_scope(seq.request_id, output.failed_requests):
+            params = seq.sampling_params
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # [vocab]
-            k = min(seq.sampling_params.num_beam_candidates(self.eos_token_ids), logprobs.numel())
+            k = min(params.num_beam_candidates(self.eos_token_ids), logprobs.numel())
             top = logprobs.topk(k)
-            output.beam_candidates.append(
-                BeamCandidates(seq.seq_id, top.indices.tolist(), top.values.tolist())
-            )
+            candidates = BeamCandidates(seq.seq_id, top.indices.tolist(), top.values.tolist())
+            if params.logprobs is not None:  # every candidate: the chosen token is one
+                shown = dict(zip(candidates.token_ids, candidates.logprobs))
+                if params.logprobs > k:
+                    more = logprobs.topk(min(params.logprobs, logprobs.numel()))
+                    shown = dict(zip(more.indices.tolist(), more.values.tolist())) | shown
+                candidates.top_logprobs = shown
+            output.beam_candidates.append(candidates)
 
     def _prompt_logprobs(
         self,

@@ -92,8 +92,14 @@ def test_beam_search_equals_hf(client, server, tokenizer, tiny_llama):
         prompt=prompt_ids,
         n=2,
         max_tokens=6,
+        logprobs=1,
         extra_body={"use_beam_search": True, "best_of": 3, **IGNORE_EOS},
     )
+    for choice in resp.choices:  # each beam's tokens with their logprobs
+        logprobs = choice.logprobs
+        assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 6
+        for token, lp, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+            assert lp <= 0 and top[token] == pytest.approx(lp) and 1 <= len(top) <= 2
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     hf = model.generate(
         torch.tensor([prompt_ids]),

@@ -182,6 +182,32 @@ def test_generate_with_use_beam_search_equals_beam_search(
     assert llm.stats().num_blocks_used == 0
 
 
+@pytest.mark.parametrize("num_logprobs", [0, 2, 20])  # 20: more than the 8 candidates
+def test_beams_carry_their_tokens_logprobs(eos_llama, num_logprobs):
+    """Each returned beam has every output token's logprob (summing to its cumulative
+    logprob, which equals HF's score above) and the position's top ones, as sampled
+    outputs do; asking for them changes no beam."""
+    _, _, llm = eos_llama
+    prompts = _prompts()
+
+    def params(**logprobs) -> SamplingParams:
+        return SamplingParams(
+            n=2, best_of=4, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS, **logprobs
+        )
+
+    plain = llm.generate(prompts, params(), use_tqdm=False)
+    outs = llm.generate(prompts, params(logprobs=num_logprobs), use_tqdm=False)
+    for plain_out, out in zip(plain, outs):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in plain_out.outputs]
+        for c in out.outputs:
+            assert len(c.logprobs) == len(c.token_ids)
+            chosen = [top[t] for t, top in zip(c.token_ids, c.logprobs)]
+            assert sum(chosen) == pytest.approx(c.cumulative_logprob, abs=1e-4)
+            # every candidate a step ranked from this beam (8 at width 4 with an EOS), or
+            # the best num_logprobs when that is more
+            assert all(len(top) == max(num_logprobs, 8) for top in c.logprobs)
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [
