@@ -76,12 +76,14 @@ def render_chat(
     tool_format: ToolParser | None = None,
     check_text: Callable[[str], None] | None = None,
     continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and ids for a conversation (`template_messages`) and its tools
     (OpenAI's tool objects). `tool_format` (default hermes) writes the tools and past calls
     that the template does not. `check_text` sees the text before it is tokenized. With
     `continue_final_message` the prompt ends inside the final message, for the model to
-    continue it."""
+    continue it. `template_kwargs` are more variables for the template (vLLM's
+    `chat_template_kwargs`)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400,
@@ -105,6 +107,7 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
     except Exception as e:  # a template may raise on roles it does not support
         raise APIError(400, f"The chat template cannot render these messages: {e}") from None

@@ -27,6 +27,26 @@ from serve.api.tool_parsers.forced import named_function_schema, required_tool_c
 from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
 MAX_LENGTH_PENALTY = 10.0
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+RENDERING_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 def random_id(prefix: str) -> str:
@@ -312,6 +332,8 @@ class ChatCompletionRequest(SamplingRequest):
     # add_generation_prompt must then be false.
     continue_final_message: bool = False
     chat_template: str | None = None
+    # vLLM's extra: more variables for the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     # Default: "auto" when tools are given, else "none" (see `effective_tool_choice`).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -331,6 +353,16 @@ class ChatCompletionRequest(SamplingRequest):
                 "add_generation_prompt to false to continue the final message"
             )
         return self
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(set(kwargs or {}) & RENDERING_ARGUMENTS)
+        if reserved:
+            raise ValueError(
+                f"{reserved} are set by the request's own fields, not as template variables"
+            )
+        return kwargs
 
     @field_validator("tools")
     @classmethod
@@ -423,17 +455,36 @@ class CompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
+    """A prompt's tokens, or a conversation's as chat renders it (the chat fields that
+    shape the prompt count, checked as chat checks them)."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         return self
+
+    def chat_fields(self) -> dict[str, Any]:
+        names = (
+            "model",
+            "messages",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template",
+            "chat_template_kwargs",
+            "tools",
+        )
+        return {name: getattr(self, name) for name in names if name in self.model_fields_set}
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -17,7 +17,6 @@ from starlette.middleware.cors import CORSMiddleware
 import serve
 from serve.api.admission import Admission, AdmissionGate
 from serve.api.auth import APIKeyAuth, public_paths
-from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, error_body, error_response, validation_message
 from serve.api.json_body import JSONBodyRoute
 from serve.api.metrics import ServerMetrics
@@ -229,16 +228,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     def _tokenize(body: TokenizeRequest) -> list[int]:
-        tokenizer = engine.tokenizer
         if body.messages is not None:
-            _, ids = render_chat(
-                tokenizer,
-                template_messages(body.messages),
-                body.add_generation_prompt,
-                settings.chat_template,
-            )
-            return ids
-        return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+            return chat.prompt_token_ids(body.chat_fields())
+        return engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

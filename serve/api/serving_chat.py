@@ -9,8 +9,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from serve.api.chat_rendering import render_chat, template_messages
-from serve.api.errors import APIError
+from serve.api.errors import APIError, validation_message
 from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
 from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
 from serve.api.request_checks import (
@@ -83,13 +85,6 @@ class ChatHandler:
         check_limits(request, self.settings)
         if request.stream:
             check_no_streamed_prompt_logprobs(request)
-        if request.chat_template is not None and not self.settings.trust_request_chat_template:
-            raise APIError(
-                400,
-                "This server renders only its own chat template; a request's chat_template "
-                "is refused unless the server was started with --trust-request-chat-template.",
-                param="chat_template",
-            )
         output_parser = self._output_parser(request)
         text, prompt_ids = self.render(request)
         max_tokens = resolve_max_tokens(
@@ -97,9 +92,26 @@ class ChatHandler:
         )
         return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
 
+    def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
+        """The prompt of a chat request made of `fields` (/tokenize's messages form): the
+        same checks and rendering as chat's, a 400 for what chat refuses."""
+        try:
+            request = ChatCompletionRequest.model_validate(fields)
+        except ValidationError as e:
+            message, param = validation_message(e.errors(), fields)
+            raise APIError(400, message, param) from None
+        return self.render(request)[1]
+
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt's text and token ids: the conversation and its tools through the
-        chat template."""
+        chat template; a request's own template only where the server trusts them."""
+        if request.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise APIError(
+                400,
+                "This server renders only its own chat template; a request's chat_template "
+                "is refused unless the server was started with --trust-request-chat-template.",
+                param="chat_template",
+            )
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         return render_chat(
             self.tokenizer,
@@ -110,6 +122,7 @@ class ChatHandler:
             self.tool_parser,
             lambda text: self.prompt_chars.check(text, "messages"),
             request.continue_final_message,
+            request.chat_template_kwargs,
         )
 
     def _output_parser(self, request: ChatCompletionRequest) -> OutputParser | None:

@@ -50,6 +50,31 @@ def test_tokenize_messages(http, tokenizer):
     assert no_prompt["count"] < resp["count"]
 
 
+def test_tokenize_messages_as_chat_renders_them(client, server, http):
+    """The chat fields that shape a prompt count on /tokenize as on chat: tools, a final
+    message left open, and a request's template only where the server trusts them."""
+    continued = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hel"}]
+    open_turn = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = http.post("/tokenize", json={"messages": continued, **open_turn}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("Hel")
+    chat = client.chat.completions.create(
+        model=server.model, messages=continued, max_tokens=1, extra_body=open_turn
+    )
+    assert chat.usage.prompt_tokens == len(ids)
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    plain = http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
+    with_tool = http.post("/tokenize", json={"messages": MESSAGES, "tools": [tool]}).json()
+    assert with_tool["count"] > plain
+
+    own_template = {"messages": MESSAGES, "chat_template": "{{ 'Hi' }}"}
+    refused = http.post("/tokenize", json=own_template)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    both = {"messages": continued, "continue_final_message": True}  # and a generation prompt
+    refused = http.post("/tokenize", json=both)
+    assert refused.status_code == 400 and "continue_final_message" in refused.text
+
+
 def test_tokenize_needs_exactly_one_input(http):
     assert http.post("/tokenize", json={}).status_code == 400
     both = {"prompt": "Hi", "messages": MESSAGES}

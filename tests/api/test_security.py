@@ -278,6 +278,21 @@ def test_a_trusted_request_template_is_rendered(trusting, tokenizer):
     assert resp.json()["usage"]["prompt_tokens"] == expected
 
 
+def test_template_variables_reach_the_template(trusting, tokenizer):
+    """vLLM's chat_template_kwargs, on chat and on /tokenize's messages form alike."""
+    template = {"chat_template": "{{ greeting }} {{ messages[0]['content'] }}"}
+    fields = {**template, "messages": MESSAGES, "chat_template_kwargs": {"greeting": "Hello"}}
+    expected = tokenizer(f"Hello {MESSAGES[0]['content']}", add_special_tokens=False).input_ids
+    chat = httpx.post(
+        f"{trusting.v1}/chat/completions", json={**fields, "model": trusting.model, "max_tokens": 1}
+    )
+    assert chat.json()["usage"]["prompt_tokens"] == len(expected)
+    assert httpx.post(f"{trusting.url}/tokenize", json=fields).json()["tokens"] == expected
+    reserved = {**fields, "chat_template_kwargs": {"add_generation_prompt": False}}
+    refused = httpx.post(f"{trusting.url}/tokenize", json=reserved)
+    assert "add_generation_prompt" in assert_openai_error(refused, 400)["message"]
+
+
 @pytest.mark.parametrize("template", HOSTILE_TEMPLATES[:2])
 def test_a_hostile_request_template_is_a_400(trusting, markers, template):
     marker = markers / "request-template-ran"
