@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
@@ -59,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="address to listen on; without the flag, $SERVE_HOST (the Docker image sets "
         "0.0.0.0), else 127.0.0.1",
     )
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--port",
+        type=_port,
+        default=8000,
+        help="port to listen on (taken before the model loads: a port in use stops serve at once)",
+    )
     server.add_argument(
         "--log-level",
         default="info",
@@ -183,6 +189,30 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port, 1 to 65535, got {value}")
+    return value
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (a port in use fails then, not
+    after the load); uvicorn listens on it once the server is up. Not inherited by the
+    engine's processes (Python's sockets are not)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -224,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         try:
-            app, settings = _load(args)
+            app, settings, sock = _load(args)
         except InvalidSettingError as e:
             parser.error(flag_error(e))  # exit 2, as for a value argparse itself rejects
         except (FileNotFoundError, ValueError, OSError, EngineStartError) as e:
@@ -249,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         engine, admission = app.state.engine, app.state.admission
         server = GracefulServer(config, engine, admission, args.shutdown_timeout)
-        server.run()
+        server.run(sockets=[sock])
         if server.engine_died:
             sys.exit(1)
     except KeyboardInterrupt:
@@ -274,6 +304,10 @@ def _load(args: argparse.Namespace):
     chat_template = None
     if args.chat_template:
         chat_template = Path(args.chat_template).read_text()
+    try:  # before the model loads: a port in use is said at once
+        sock = listening_socket(args.host, args.port)
+    except OSError as e:
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {e}") from None
 
     from serve.api.server import build_app
     from serve.api.settings import ServerSettings
@@ -306,7 +340,7 @@ def _load(args: argparse.Namespace):
         limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
         response_store=config.responses,
     )
-    return build_app(engine, settings), settings
+    return build_app(engine, settings), settings, sock
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ No model is loaded: every command line here fails, or stops at parsing."""
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 
 import pytest
@@ -149,6 +150,8 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
             ["--speculative-config", "not json"],
             "argument --speculative-config: is not valid JSON: Expecting value",
         ),
+        (["--port", "70000"], "argument --port: must be a TCP port, 1 to 65535, got 70000"),
+        (["--port", "-1"], "argument --port: must be a TCP port, 1 to 65535, got -1"),
     ],
 )
 def test_bad_values_stop_serve_with_the_flag_named(run_serve, argv, message):
@@ -189,3 +192,18 @@ def test_python_dash_m_serve_is_the_command_and_reaches_serve_bench():
     bench = run("bench", "--help")
     assert bench.returncode == 0 and "--request-rate" in bench.stdout
     assert "--max-num-seqs" not in bench.stdout
+
+
+def test_a_port_in_use_stops_serve_before_the_model_loads(run_serve, monkeypatch, tiny_llama):
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine started although the port was taken")
+
+    monkeypatch.setattr("serve.engine.core_client.EngineCoreClient", no_engine)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, _, err = run_serve("--model", str(tiny_llama), "--port", str(port))
+    assert code == 1
+    assert err.startswith(f"serve: error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in err
