@@ -3,7 +3,12 @@ position, a token's text, and vLLM's `prompt_logprobs` field."""
 
 from __future__ import annotations
 
+import json
+import re
+import weakref
 from typing import Any
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from serve.engine.detokenizer import text_decoder
 from serve.outputs import RequestOutput
@@ -16,6 +21,45 @@ def ranked_alternatives(top: dict[int, float], num_top: int) -> list[tuple[int, 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
     return text_decoder(tokenizer)([token_id], False)
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """OpenAI's `bytes` of a token whose text is `text`: its UTF-8, or, for a token that
+    holds part of a character (its text U+FFFD), the bytes it holds, which joined with its
+    neighbours' spell the character. Those come from the token's piece where the
+    tokenizer says them: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) or a sentencepiece
+    byte token (`<0xE2>`)."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            byte_token = _BYTE_TOKEN.fullmatch(piece)
+            if byte_token:
+                return [int(byte_token.group(1), 16)]
+            if _is_byte_level(tokenizer) and all(c in _BYTE_OF_CHAR for c in piece):
+                return [_BYTE_OF_CHAR[c] for c in piece]
+    return list(text.encode("utf-8"))
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+_byte_level: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer's pieces are byte-level BPE's (its decoder maps them back)."""
+    try:
+        return _byte_level[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
+    kinds = [decoder] + (decoder or {}).get("decoders", []) if decoder else []
+    is_byte_level = any(d.get("type") == "ByteLevel" for d in kinds if isinstance(d, dict))
+    try:
+        _byte_level[tokenizer] = is_byte_level
+    except TypeError:
+        pass
+    return is_byte_level
 
 
 def prompt_logprobs_json(

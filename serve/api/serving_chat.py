@@ -13,7 +13,12 @@ from pydantic import ValidationError
 
 from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, validation_message
-from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
+from serve.api.logprobs_json import (
+    prompt_logprobs_json,
+    ranked_alternatives,
+    token_bytes,
+    token_text,
+)
 from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
 from serve.api.request_checks import (
     PromptCharLimit,
@@ -171,12 +176,12 @@ class ChatHandler:
                 {
                     "token": token,
                     "logprob": top[token_id],
-                    "bytes": list(token.encode("utf-8")),
+                    "bytes": token_bytes(self.tokenizer, token_id, token),
                     "top_logprobs": [
                         {
                             "token": (t := token_text(self.tokenizer, tid)),
                             "logprob": lp,
-                            "bytes": list(t.encode("utf-8")),
+                            "bytes": token_bytes(self.tokenizer, tid, t),
                         }
                         for tid, lp in ranked
                     ],

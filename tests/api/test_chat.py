@@ -171,7 +171,9 @@ def test_logprobs(client, server):
     content = resp.choices[0].logprobs.content
     assert len(content) == 6
     for entry in content:
-        assert isinstance(entry.token, str) and entry.bytes == list(entry.token.encode())
+        assert isinstance(entry.token, str) and entry.bytes
+        if "\ufffd" not in entry.token:  # a whole character or more: its UTF-8
+            assert entry.bytes == list(entry.token.encode())
         assert entry.logprob <= 0
         assert len(entry.top_logprobs) == 3
         top = [t.logprob for t in entry.top_logprobs]
@@ -182,6 +184,19 @@ def test_logprobs(client, server):
 
     plain = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=2)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("text", ["😀🎉 naïve", "日本語"])
+def test_logprob_bytes_of_tokens_that_split_a_character(tokenizer, text):
+    """A token holding part of a character reads as U+FFFD; its `bytes` are the bytes it
+    holds, so a client joining them gets the text back (OpenAI's reason for the field)."""
+    from serve.api.logprobs_json import token_bytes, token_text
+
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    texts = [token_text(tokenizer, i) for i in ids]
+    assert any("\ufffd" in t for t in texts), "the tiny vocabulary should split these"
+    joined = b"".join(bytes(token_bytes(tokenizer, i, t)) for i, t in zip(ids, texts))
+    assert joined.decode("utf-8") == tokenizer.decode(ids)
 
 
 def test_async_client(server):
