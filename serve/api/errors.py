@@ -38,7 +38,7 @@ _ANTHROPIC_TYPES = {
     504: "timeout_error",
     529: "overloaded_error",
 }
-ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+ANTHROPIC_PATH = "/v1/messages"  # and everything under it (count_tokens, and unknown routes)
 
 
 class APIError(Exception):
@@ -57,7 +57,7 @@ def error_body(
     path: str = "",
 ) -> dict[str, Any]:
     """The error body for a request to `path` (Anthropic's shape on its paths)."""
-    if path in ANTHROPIC_PATHS:
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
         return anthropic_error_body(status, message)
     return {
         "error": {

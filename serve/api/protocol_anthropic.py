@@ -269,6 +269,13 @@ class MessagesRequest(MessagesInput):
     stream: bool = False
     metadata: Metadata | None = None
 
+    @field_validator("stop_sequences")
+    @classmethod
+    def _non_empty(cls, stops: list[str] | None) -> list[str] | None:
+        if stops is not None and not all(stops):
+            raise ValueError("every stop sequence must be a non-empty string")
+        return stops
+
     def chat_fields(self) -> dict[str, Any]:
         fields = super().chat_fields()
         fields.update(max_tokens=self.max_tokens, temperature=self.temperature)

@@ -152,6 +152,11 @@ def test_stop_sequence(server):
     expected = chat(server, MESSAGES, max_tokens=16, stop=["no such text", stop])
     assert text_of(stopped) == expected.choices[0].message.content
     assert stopped.usage.output_tokens == expected.usage.completion_tokens
+    empty = httpx.post(
+        f"{server.url}/v1/messages",
+        json={"model": server.model, "messages": MESSAGES, "max_tokens": 4, "stop_sequences": [""]},
+    )
+    assert "stop_sequences" in assert_anthropic_error(empty, 400, "invalid_request_error")
 
 
 def test_prefill_continues_the_assistant_text(server, tokenizer):
@@ -413,6 +418,9 @@ def test_invalid_requests_are_anthropic_errors(server):
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="claude-opus-4", messages=MESSAGES, max_tokens=5)
     assert e.value.body["error"]["type"] == "not_found_error"
+    # A route under /v1/messages that serve lacks (Message Batches) answers in its shape too.
+    batches = httpx.post(f"{server.url}/v1/messages/batches", json={"requests": []})
+    assert "/v1/messages/batches" in assert_anthropic_error(batches, 404, "not_found_error")
 
     url = f"{server.url}/v1/messages"
     refused = {
