@@ -16,6 +16,7 @@ _EXPORTS = {
     "PoolingParams": "serve.pooling_params",
     "RequestOutput": "serve.outputs",
     "CompletionOutput": "serve.outputs",
+    "Logprob": "serve.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 
@@ -24,6 +25,39 @@ def request_error_message(error: BaseException) -> str:
     )
 
 
+class Logprob(float):
+    """One token's logprob as vLLM's offline API gives it: `.logprob`, `.rank` (1 for the
+    most likely token; None where unknown: a chosen token outside the top ones asked for)
+    and `.decoded_token`. Still a float, for code that reads it as one."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None, decoded_token: str | None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
+def ranked_logprobs(
+    entries: dict[int, float], num_top: int | None, decode: Callable[[int], str]
+) -> dict[int, Logprob]:
+    """`entries` ({token id: logprob}: the `num_top` most likely tokens and the chosen one)
+    as `Logprob`s. Ranks come from the order; an entry past the first `num_top` is a chosen
+    token outside them, whose rank is unknown (None). `num_top` None: all are the best."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
+    return {
+        token: Logprob(lp, i + 1 if num_top is None or i < num_top else None, decode(token))
+        for i, (token, lp) in enumerate(ranked)
+    }
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -32,7 +66,8 @@ class CompletionOutput:
     # The sum of its tokens' logprobs; None when the request neither asked for logprobs
     # nor is ranked by them (SamplingParams.needs_logprobs), as in vLLM.
     cumulative_logprob: float | None = None
-    # Per output token: {token_id: logprob} with the sampled token and the top alternatives.
+    # Per output token: {token_id: logprob} with the sampled token and the top alternatives
+    # (`Logprob`s, floats with vLLM's fields, from `LLM.generate`).
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

@@ -10,9 +10,16 @@ from tqdm import tqdm
 
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
+from serve.engine.detokenizer import text_decoder
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.output_processor import OutputProcessor
-from serve.outputs import EmbeddingOutput, EmbeddingRequestOutput, EngineStats, RequestOutput
+from serve.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    EngineStats,
+    RequestOutput,
+    ranked_logprobs,
+)
 from serve.pooling_params import PoolingParams
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
@@ -276,4 +283,30 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
-        return [results[i] for i in ids]
+        outputs = [results[i] for i in ids]
+        for out, (_, _, params) in zip(outputs, requests):
+            self._give_logprobs_fields(out, params)
+        return outputs
+
+    def _give_logprobs_fields(self, out: RequestOutput, params: SamplingParams) -> None:
+        """Logprobs as vLLM's `Logprob`s (rank, decoded token): scripts written for vLLM
+        read `.logprob` on them."""
+        decode = text_decoder(self.get_tokenizer())
+
+        def decoded(token_id: int) -> str:
+            return decode([token_id], False)
+
+        # A beam's entries are the step's best tokens, the chosen among them: all ranked.
+        num_top = None if params.use_beam_search else params.logprobs
+        for completion in out.outputs:
+            if completion.logprobs is not None:
+                completion.logprobs = [
+                    ranked_logprobs(entries, num_top, decoded) for entries in completion.logprobs
+                ]
+        if out.prompt_logprobs is not None:
+            out.prompt_logprobs = [
+                None
+                if entries is None
+                else ranked_logprobs(entries, params.prompt_logprobs, decoded)
+                for entries in out.prompt_logprobs
+            ]
