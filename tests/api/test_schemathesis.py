@@ -24,6 +24,7 @@ OPERATIONS = [
     ("GET", "/version"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"),
     ("POST", "/v1/chat/completions"),
     ("POST", "/v1/completions"),
     ("POST", "/v1/responses"),
