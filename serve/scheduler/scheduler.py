@@ -311,9 +311,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.num_batched_tokens
 
         # Admitting while preempting would only thrash: the freed blocks go to running work.
+        # A group ended for outgrowing the cache holds its blocks until the step is
+        # scheduled, so the cache is not yet free: others start next step (here, nothing
+        # running would read as an empty cache, and they would be ended as never fitting).
         # Swapped groups come back before waiting ones of the same rank or worse.
+        holds_back = bool(preempted or cannot_fit)
         seats = self._free_seats()
-        while not preempted and self.swapped and budget > 0:
+        while not holds_back and self.swapped and budget > 0:
             group = self.swapped[0]
             if self.waiting and self.policy.rank(self.waiting[0]) < self.policy.rank(group):
                 break  # a waiting group ranks first: it goes (or waits) first
@@ -336,7 +340,7 @@ class Scheduler:
             self._allocate(plan, out)
             budget -= self._schedule(group, plan, out)
 
-        if not preempted:
+        if not holds_back:
             self._admit_waiting(out, seats, cannot_fit)
         for group in cannot_fit:
             self._ended.append(self._end_cannot_fit(group))

@@ -339,6 +339,30 @@ def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
     assert_all_free(sched)
 
 
+@pytest.mark.parametrize("preemption_mode", [None, "swap", "recompute"])
+def test_a_group_given_up_takes_no_one_with_it(preemption_mode):
+    # 24 blocks. The first group's two samples outgrow the cache (2 x 22 blocks); each of
+    # the three after it needs 12 at most. Ending the first, the step must not read its
+    # still-held blocks with nothing running as "even an empty cache is too small" for the
+    # swapped or recomputed groups waiting to come back: they fit once it is gone.
+    sched = make_scheduler(
+        num_blocks=24,
+        block_size=4,
+        max_model_len=96,
+        num_cpu_blocks=96,
+        preemption_mode=preemption_mode,
+        enable_prefix_caching=False,
+    )
+    big = make_group(0, prompt_of(0, 8), 80, best_of=2)
+    small = [make_group(i, prompt_of(i, 8), 20, best_of=2) for i in (1, 2, 3)]
+    add_all(sched, [big, *small])
+    run_to_completion(sched, max_steps=1000)
+    assert all(s.num_output_tokens < 80 for s in big.seqs)  # given up
+    for group in small:
+        assert [s.num_output_tokens for s in group.seqs] == [20, 20], group.request_id
+    assert_all_free(sched)
+
+
 def test_a_group_wider_than_the_token_budget_is_refused_or_runs():
     sched = make_scheduler(max_num_seqs=8, max_num_batched_tokens=3)
     (wide,) = make_groups([4], best_of=4)
