@@ -33,6 +33,7 @@ from serve.api.sse import ChunkWriter
 from serve.api.streaming import UsageCallback, final_outputs, finish_chunk, stream_choices, usage
 from serve.api.tool_parsers import (
     TOOL_PARSERS,
+    FirstCallOnly,
     NamedFunctionParser,
     OutputParser,
     RequiredParser,
@@ -146,7 +147,7 @@ class ChatHandler:
                 'or ask for tool_choice "required", a named function, or "none".',
                 param="tool_choice",
             )
-        return self.tool_parser
+        return self.tool_parser if request.parallel_tool_calls else FirstCallOnly(self.tool_parser)
 
     def _message(
         self, parser: OutputParser | None, completion: CompletionOutput

@@ -243,6 +243,26 @@ def test_auto_reads_hermes_calls(hermes_server, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_auto_without_parallel_calls_keeps_the_first(hermes_server, stream):
+    """parallel_tool_calls false: at most one call a turn (OpenAI's rule; vLLM keeps the
+    first of those the model wrote)."""
+    second = f"<tool_call>\n{json.dumps({'name': 'get_time', 'arguments': {}})}\n</tool_call>"
+    (choice,) = create(
+        hermes_server.client(),
+        hermes_server,
+        stream,
+        messages=WEATHER_QUESTION,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        parallel_tool_calls=False,
+        max_tokens=200,
+        extra_body={"guided_choice": [f"Checking.\n{HERMES_CALL}\n{second}"]},
+    )
+    (weather,) = choice.calls
+    assert_weather_call(weather)
+    assert choice.content == "Checking." and choice.finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_tool_choice_none_does_not_parse(hermes_server, stream):
     (choice,) = create(
         hermes_server.client(),

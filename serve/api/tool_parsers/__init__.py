@@ -11,6 +11,7 @@ from serve.api.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
+from serve.api.tool_parsers.first_call import FirstCallOnly
 from serve.api.tool_parsers.forced import NamedFunctionParser, RequiredParser
 from serve.api.tool_parsers.hermes import HermesToolParser
 from serve.api.tool_parsers.llama3_json import Llama3JsonToolParser
@@ -28,6 +29,7 @@ def get_tool_parser(name: str) -> ToolParser:
 
 __all__ = [
     "TOOL_PARSERS",
+    "FirstCallOnly",
     "NamedFunctionParser",
     "OutputParser",
     "ParsedOutput",
