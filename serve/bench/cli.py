@@ -121,7 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    ranges = (("min_prompt", "max_prompt"), ("min_output", "max_output"))
+    for least, most in ranges if args.dataset == "random" else ():
+        low, high = getattr(args, least), getattr(args, most)
+        flags = f"--{least.replace('_', '-')}", f"--{most.replace('_', '-')}"
+        if low < 1 or low > high:
+            parser.error(f"{flags[0]} ({low}) must be at least 1 and at most {flags[1]} ({high})")
     output_dir = args.output_dir or Path("bench-results") / datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.compare:
         results = []

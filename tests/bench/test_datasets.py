@@ -1,4 +1,4 @@
-"""serve bench's request sets: seeded, with the lengths they promise."""
+"""serve bench's request sets: seeded, with the lengths they promise; ranges checked."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from serve.bench.cli import main as bench_main
 from serve.bench.datasets import prefix_requests, random_requests, sharegpt_requests
 
 TOKENS = range(10, 500)
@@ -65,3 +66,20 @@ def test_sharegpt_says_what_is_wrong_with_a_bad_file(tmp_path):
     bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}]))
     with pytest.raises(ValueError, match="no usable"):
         sharegpt_requests(bad, 1, len)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (
+            ["--max-output", "8"],
+            "--min-output (16) must be at least 1 and at most --max-output (8)",
+        ),
+        (["--min-prompt", "0"], "--min-prompt (0) must be at least 1"),
+    ],
+)
+def test_a_random_range_upside_down_is_a_usage_error(capsys, flags, named):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["--base-url", "http://127.0.0.1:9", *flags])
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
