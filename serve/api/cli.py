@@ -200,13 +200,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads (a port in use fails then, not
     after the load); uvicorn listens on it once the server is up. Not inherited by the
     engine's processes (Python's sockets are not)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn chooses
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise
