@@ -11,11 +11,11 @@ A sequence the core stops with a token (EOS, `stop_token_ids`) keeps the token b
 text, unless `include_stop_str_in_output`, as in vLLM. A stop string ends a sequence here,
 before the core knows: the processor asks the core to stop it (`to_core`: an abort when
 the whole request is done, else `StopSequence`) and drops the tokens the core sampled for
-it in the meantime. `min_tokens` holds stop strings back
-as the core holds stop tokens back; a stop string found in the token that also reached the
-length limit wins (finish "stop", as in vLLM). A DELTA output holds back the text that
-could still begin a stop string (`stop_holdback`) until more text shows it does not, so
-no text it hands out is ever cut.
+it in the meantime. `min_tokens` holds stop strings back as the core holds stop tokens
+back; a stop string found in the token that also reached the length limit wins (finish
+"stop", as in vLLM). A DELTA output holds back the text that could still begin a stop
+string (`stop_holdback`) until more text shows it does not, so no text it hands out is
+ever cut.
 
 Thread-safety: `add_request` and `abort_request` may run on another thread than `process`
 (a server's event loop, its receiving thread); one thread at a time calls `process`.
