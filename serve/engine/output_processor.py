@@ -239,8 +239,11 @@ class RequestState:
                 seq.text += new_text
                 if self._stop_string(seq, core_finish, len(new_text)):
                     return core_finish is None
-        if seq.detokenizer is None:
-            seq.text = text_decoder(self.tokenizer)(seq.token_ids, self.params.skip_special_tokens)
+        if seq.detokenizer is None:  # a beam, decoded whole: its stop token's text left out too
+            ids = seq.token_ids
+            if d.finish_reason is FinishReason.STOP and not self.params.include_stop_str_in_output:
+                ids = ids[:-1]
+            seq.text = text_decoder(self.tokenizer)(ids, self.params.skip_special_tokens)
         if d.cumulative_logprob is not None:
             seq.cumulative_logprob = d.cumulative_logprob
         seq.finish_reason, seq.stop_reason = d.finish_reason, d.stop_reason

@@ -97,6 +97,10 @@ def test_beams_end_at_eos_and_at_the_length_limit(eos_llama):
     beams = [c for o in outs for c in o.outputs]
     stopped = [c for c in beams if c.finish_reason == "stop"]
     assert stopped and all(c.token_ids[-1] == eos for c in stopped)
+    # The EOS twin's EOS is an ordinary token with text: left out of the text, as sampled
+    # outputs leave out their stop token's.
+    tokenizer = llm.get_tokenizer()
+    assert all(c.text == tokenizer.decode(c.token_ids[:-1]) for c in stopped)
     assert any(len(c.token_ids) < MAX_TOKENS for c in stopped)
     assert any(c.finish_reason == "length" and len(c.token_ids) == MAX_TOKENS for c in beams)
     assert all(eos not in c.token_ids[:-1] for c in beams)
