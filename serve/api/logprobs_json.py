@@ -53,7 +53,7 @@ def _is_byte_level(tokenizer: Any) -> bool:
         pass
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = json.loads(backend.to_str()).get("decoder") if backend is not None else None
-    kinds = [decoder] + (decoder or {}).get("decoders", []) if decoder else []
+    kinds = [decoder, *decoder.get("decoders", [])] if isinstance(decoder, dict) else []
     is_byte_level = any(d.get("type") == "ByteLevel" for d in kinds if isinstance(d, dict))
     try:
         _byte_level[tokenizer] = is_byte_level

@@ -76,6 +76,16 @@ def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any
     return chunks
 
 
+def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request that another endpoint's body maps onto (`fields`, its chat
+    fields); a 400 naming the field for what chat refuses."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:
+        message, param = validation_message(e.errors(), fields)
+        raise APIError(400, message, param) from None
+
+
 class ChatHandler:
     def __init__(
         self, engine: EngineClient, settings: ServerSettings, prompt_chars: PromptCharLimit
@@ -101,12 +111,7 @@ class ChatHandler:
     def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
         """The prompt of a chat request made of `fields` (/tokenize's messages form): the
         same checks and rendering as chat's, a 400 for what chat refuses."""
-        try:
-            request = ChatCompletionRequest.model_validate(fields)
-        except ValidationError as e:
-            message, param = validation_message(e.errors(), fields)
-            raise APIError(400, message, param) from None
-        return self.render(request)[1]
+        return self.render(chat_request_from(fields))[1]
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt's text and token ids: the conversation and its tools through the

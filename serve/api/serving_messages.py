@@ -17,15 +17,14 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
 from pydantic_core import from_json
 
-from serve.api.errors import APIError, validation_message
+from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest, ToolChoiceAuto
 from serve.api.request_checks import check_model, check_structured_output
 from serve.api.serving_base import off_the_loop
-from serve.api.serving_chat import ChatHandler, ChatPrompt
+from serve.api.serving_chat import ChatHandler, ChatPrompt, chat_request_from
 from serve.api.sse import sse
 from serve.api.streaming import (
     StreamState,
@@ -160,11 +159,7 @@ class MessagesHandler:
                 param="tool_choice",
             )
         fields = request.chat_fields()
-        try:
-            return ChatCompletionRequest.model_validate(fields)
-        except ValidationError as e:
-            message, param = validation_message(e.errors(), fields)
-            raise APIError(400, message, param) from None
+        return chat_request_from(fields)
 
     async def prepare(self, request: MessagesRequest) -> PreparedMessage:
         """Everything that can refuse the request, before a response starts."""

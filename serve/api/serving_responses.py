@@ -15,9 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
-from serve.api.errors import APIError, validation_message
+from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest, now
 from serve.api.protocol_responses import ResponsesRequest
 from serve.api.request_checks import check_structured_output
@@ -31,7 +29,7 @@ from serve.api.responses_items import (
 )
 from serve.api.responses_stream import EventNumbering, StreamedOutput
 from serve.api.serving_base import off_the_loop, open_stream
-from serve.api.serving_chat import ChatHandler, ChatPrompt
+from serve.api.serving_chat import ChatHandler, ChatPrompt, chat_request_from
 from serve.api.streaming import (
     StreamState,
     UsageCallback,
@@ -156,11 +154,7 @@ class ResponsesHandler:
         conversation = [*previous, *request.input_items]
         fields = _chat_fields(request, chat_messages(request.instructions, conversation))
         with _responses_params():
-            try:
-                chat = ChatCompletionRequest.model_validate(fields)
-            except ValidationError as e:
-                message, param = validation_message(e.errors(), fields)
-                raise APIError(400, message, param) from None
+            chat = chat_request_from(fields)
         return Turn(request, conversation, chat)
 
     def _open(
