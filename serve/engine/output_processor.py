@@ -224,7 +224,11 @@ class RequestState:
 
     def _take(self, seq: _SeqOutput, d: SeqDelta) -> bool:
         """Append the delta's tokens one at a time, decoding each; True when a stop string
-        ends the sequence before the core has (the tokens after it are dropped)."""
+        ends the sequence before the core has (the tokens after it are dropped). The text
+        of a stop token that ended it (EOS, a `stop_token_ids` entry) is left out."""
+        drops_stop_text = (
+            d.finish_reason is FinishReason.STOP and not self.params.include_stop_str_in_output
+        )
         for i, token_id in enumerate(d.token_ids):
             seq.token_ids.append(token_id)
             if seq.cumulative_logprob is not None and d.logprobs and i < len(d.logprobs):
@@ -232,17 +236,15 @@ class RequestState:
             if seq.logprobs is not None and d.top_logprobs is not None:
                 seq.logprobs.append(d.top_logprobs[i])
             core_finish = d.finish_reason if i == len(d.token_ids) - 1 else None
-            if core_finish is FinishReason.STOP and not self.params.include_stop_str_in_output:
-                break  # the stop token's text (EOS, a stop_token_ids entry) is left out
+            if core_finish is not None and drops_stop_text:
+                break
             if seq.detokenizer is not None:
                 new_text = seq.detokenizer.update(seq.token_ids)
                 seq.text += new_text
                 if self._stop_string(seq, core_finish, len(new_text)):
                     return core_finish is None
-        if seq.detokenizer is None:  # a beam, decoded whole: its stop token's text left out too
-            ids = seq.token_ids
-            if d.finish_reason is FinishReason.STOP and not self.params.include_stop_str_in_output:
-                ids = ids[:-1]
+        if seq.detokenizer is None:  # a beam, decoded whole
+            ids = seq.token_ids[:-1] if drops_stop_text else seq.token_ids
             seq.text = text_decoder(self.tokenizer)(ids, self.params.skip_special_tokens)
         if d.cumulative_logprob is not None:
             seq.cumulative_logprob = d.cumulative_logprob
