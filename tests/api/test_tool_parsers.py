@@ -102,6 +102,24 @@ def test_hermes_unclosed_last_call_counts_if_whole():
     assert calls_of(parsed) == [("f", {"x": 1})] and parsed.content is None
 
 
+@pytest.mark.parametrize(
+    ("before", "between", "after", "content"),
+    [
+        ("Let me check.\n\n", "\n\n", " Done.", "Let me check.\n\nDone."),
+        ("Checking", "\n", "\nthen more", "Checking\nthen more"),
+        ("A ", "", "B", "A B"),
+        ("A", "", "B", "AB"),  # the model wrote no space: none is made up
+        ("", "\n", "Only after.", "Only after."),
+    ],
+)
+def test_hermes_content_around_calls_keeps_its_words_apart(before, between, after, content):
+    block = hermes_block(WEATHER_CALL)
+    text = f"{before}{block}{between}{block}{after}"
+    parsed = HERMES.parse(text)
+    assert parsed.content == content and len(parsed.tool_calls) == 2
+    assert streamed(HERMES, list(text)) == whole(HERMES, text)
+
+
 def test_hermes_malformed_block_keeps_its_neighbours():
     bad = "<tool_call>oops</tool_call>"
     parsed = HERMES.parse(f"{bad}\n{hermes_block(WEATHER_CALL)}")

@@ -123,20 +123,54 @@ def load_json(text: str) -> Any:
         return None
 
 
+class CallSpacing:
+    """Whitespace next to a call is format, not content, and is dropped; but where content
+    goes on after calls, the first run of whitespace after the earlier content joins the
+    two, so the words on either side of a call do not fuse. Fed a choice's content and
+    calls in order (as whole pieces or as deltas, alike), it says what content to send."""
+
+    def __init__(self) -> None:
+        self._sent = False  # some content has been sent
+        self._spacing = ""  # the content's trailing whitespace, sent if more content follows
+        self._after_call = False  # only whitespace since the last call
+        self._lead = ""  # that whitespace
+        self._gap = ""  # what joins the content before the calls to the content after
+
+    def content(self, text: str) -> str:
+        if self._after_call:
+            rest = text.lstrip()
+            self._lead += text[: len(text) - len(rest)]
+            if not rest:
+                return ""
+            text = ((self._gap or self._lead) if self._sent else "") + rest
+            self._after_call, self._gap, self._lead = False, "", ""
+        text = self._spacing + text
+        sent = text.rstrip()
+        self._spacing = text[len(sent) :]
+        self._sent = self._sent or bool(sent)
+        return sent
+
+    def call(self) -> None:
+        self._gap = self._gap or self._spacing or self._lead
+        self._spacing, self._lead, self._after_call = "", "", True
+
+    def finish(self) -> str:
+        spacing, self._spacing = self._spacing, ""
+        return spacing
+
+
 def assemble(pieces: list[str | ToolCall]) -> ParsedOutput:
-    """Content and calls from the text between calls and the calls themselves. Whitespace
-    that only separates a call from its neighbours is format, not content."""
-    calls = [p for p in pieces if isinstance(p, ToolCall)]
-    parts = []
-    for i, piece in enumerate(pieces):
+    """Content and calls from the text between calls and the calls themselves."""
+    spacing = CallSpacing()
+    content = []
+    for piece in pieces:
         if isinstance(piece, ToolCall):
-            continue
-        if i > 0 and isinstance(pieces[i - 1], ToolCall):
-            piece = piece.lstrip()
-        if i + 1 < len(pieces) and isinstance(pieces[i + 1], ToolCall):
-            piece = piece.rstrip()
-        parts.append(piece)
-    return ParsedOutput("".join(parts) or None, calls)
+            spacing.call()
+        else:
+            content.append(spacing.content(piece))
+    content.append(spacing.finish())
+    calls = [p for p in pieces if isinstance(p, ToolCall)]
+    return ParsedOutput("".join(content) or None, calls)
 
 
 def partial_suffix(text: str, marker: str) -> int:

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from serve.api.tool_parsers.base import (
+    CallSpacing,
     ParsedOutput,
     StreamEvent,
     ToolCall,
@@ -74,15 +75,14 @@ class HermesToolParser(ToolParser):
 
 class HermesStream(ToolCallStream):
     """Content streams as it comes, less an end that may be the start of `<tool_call>`
-    and trailing whitespace (dropped if a call follows). A call is sent whole once its
-    block closes."""
+    and the whitespace a call may yet follow (`CallSpacing`). A call is sent whole once
+    its block closes."""
 
     def __init__(self) -> None:
         super().__init__()
         self._buffer = ""  # text not yet sent: a possible start marker, or an open block
         self._in_block = False
-        self._spacing = ""  # the content's trailing whitespace, sent if more content follows
-        self._after_call = False  # whitespace right after a call is dropped
+        self._spacing = CallSpacing()
 
     def feed(self, text: str) -> list[StreamEvent]:
         self._buffer += text
@@ -112,25 +112,16 @@ class HermesStream(ToolCallStream):
         else:
             events = self._content(self._buffer)
         self._buffer, self._in_block = "", False
-        if self._spacing:
-            events.append(self._spacing)
-            self._spacing = ""
-        return events
+        spacing = self._spacing.finish()
+        return events + [spacing] if spacing else events
 
     def _close(self, body: str, block: str) -> list[StreamEvent]:
         call = _call(body)
         if call is None:
             return self._content(block)
-        self._spacing, self._after_call = "", True
+        self._spacing.call()
         return self._whole_call(call)
 
     def _content(self, text: str) -> list[StreamEvent]:
-        if self._after_call:
-            text = text.lstrip()
-            if not text:
-                return []
-            self._after_call = False
-        text = self._spacing + text
-        sent = text.rstrip()
-        self._spacing = text[len(sent) :]
+        sent = self._spacing.content(text)
         return [sent] if sent else []
