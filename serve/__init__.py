@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "serve.outputs",
     "CompletionOutput": "serve.outputs",
     "Logprob": "serve.outputs",
+    "RequestsFailedError": "serve.outputs",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

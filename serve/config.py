@@ -20,6 +20,7 @@ import logging
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -535,9 +536,12 @@ class EngineConfig:
         `swap_space=8`), sent to the section that declares it; left out: its default.
         An unknown keyword is a TypeError that names it and the valid ones."""
         by_name = {s.name: s for s in engine_settings()}
-        unknown = [name for name in settings if name not in by_name]
+        vllm_arguments = {a.name: a for a in VLLM_ARGUMENTS}
+        unknown = [name for name in settings if name not in by_name | vllm_arguments]
         if unknown:
             raise _unknown_settings_error(unknown, list(by_name))
+        for name in [name for name in settings if name in vllm_arguments]:
+            settings |= vllm_arguments[name].apply(settings.pop(name))
         values: dict[str | None, dict[str, Any]] = defaultdict(dict)
         for name, value in {"model": model, **settings}.items():
             values[by_name[name].section][name] = value
@@ -668,6 +672,77 @@ def _settings_of(owner: type, section: str | None, title: str) -> list[Setting]:
         elif not (_TITLE in f.metadata and is_dataclass(hints[f.name])):  # not a section
             raise TypeError(f"{owner.__name__}.{f.name} is not declared with setting(...).")
     return settings
+
+
+@dataclass(frozen=True)
+class VllmArgument:
+    """A vLLM engine argument that serve has no setting of its own for, taken by `LLM(...)`
+    and as a flag so that vLLM scripts and command lines run unchanged. `apply` maps its
+    value onto serve's settings ({}: nothing to change), or raises InvalidSettingError for
+    a value serve cannot honour. `kind` is bool (a switch) or str."""
+
+    name: str
+    kind: type
+    help: str
+    apply: Callable[[Any], dict[str, Any]]
+
+    @property
+    def option(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def _ignored(value: Any) -> dict[str, Any]:
+    return {}
+
+
+def _only(name: str, accepted: tuple[Any, ...], why: str) -> Callable[[Any], dict[str, Any]]:
+    def apply(value: Any) -> dict[str, Any]:
+        if value not in accepted:
+            raise InvalidSettingError(name, f"{why}; got {value!r}.")
+        return {}
+
+    return apply
+
+
+VLLM_ARGUMENTS = (
+    VllmArgument(
+        "enforce_eager",
+        bool,
+        "vLLM's name for --no-cuda-graphs",
+        lambda eager: {"cuda_graphs": False} if eager else {},
+    ),
+    VllmArgument(
+        "trust_remote_code",
+        bool,
+        "accepted so vLLM command lines run: serve runs no code from a checkpoint, only the "
+        "architectures it knows (see --model-impl)",
+        _ignored,
+    ),
+    VllmArgument(
+        "disable_log_stats",
+        bool,
+        "accepted so vLLM command lines run: serve logs no periodic stats (see /metrics)",
+        _ignored,
+    ),
+    VllmArgument(
+        "tokenizer_mode",
+        str,
+        "auto only: the model's HF tokenizer, as vLLM's auto mode loads it",
+        _only("tokenizer_mode", (None, "auto", "hf"), "must be auto (serve has no other mode)"),
+    ),
+    VllmArgument(
+        "revision",
+        str,
+        "accepted when unset: serve loads the model as it is on disk or in the local HF cache",
+        _only("revision", (None,), "cannot be chosen: serve loads the model as it is on disk"),
+    ),
+    VllmArgument(
+        "quantization",
+        str,
+        "accepted when unset: serve runs unquantized weights (a GGUF file is dequantized)",
+        _only("quantization", (None,), "is not supported: serve runs unquantized weights"),
+    ),
+)
 
 
 def _unknown_settings_error(unknown: list[str], valid: list[str]) -> TypeError:

@@ -72,8 +72,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's `CompletionOutput.finished()` is (`RequestOutput.finished`
+        is a field)."""
         return self.finish_reason is not None
 
 
@@ -116,6 +117,20 @@ class RequestOutput:
         self.finished = later.finished
         self.error = later.error
         self.pooled = later.pooled
+
+
+class RequestsFailedError(RuntimeError):
+    """`LLM.generate` raises it when the engine failed some of its requests (each alone:
+    the others ran on). `outputs` holds every request's output, in order, the failed ones
+    with their `error`."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        failed = [out for out in outputs if out.error is not None]
+        super().__init__(
+            f"The engine failed {len(failed)} of {len(outputs)} requests; "
+            f"{failed[0].request_id}: {failed[0].error}"
+        )
+        self.outputs = outputs
 
 
 @dataclass

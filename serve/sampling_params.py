@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,8 +113,12 @@ class SamplingParams:
             self.best_of = self.n
         if not isinstance(self.best_of, int) or self.best_of < self.n:
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        for name in ("top_k", "max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k == -1:

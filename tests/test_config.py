@@ -53,6 +53,22 @@ def test_unknown_keyword_is_named_with_a_suggestion_and_the_valid_ones():
         EngineConfig.create(port=8000)
 
 
+def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
+    assert EngineConfig.create("m", enforce_eager=True).cuda_graphs is False
+    quiet = EngineConfig.create("m", trust_remote_code=True, disable_log_stats=True)
+    assert quiet == EngineConfig.create("m")
+    assert EngineConfig.create("m", tokenizer_mode="auto", revision=None, quantization=None) == (
+        EngineConfig.create("m")
+    )
+    for kwargs, refused in [
+        ({"quantization": "awq"}, "quantization is not supported"),
+        ({"revision": "main"}, "revision cannot be chosen"),
+        ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be auto"),
+    ]:
+        with pytest.raises(InvalidSettingError, match=refused):
+            EngineConfig.create("m", **kwargs)
+
+
 def test_sizes_read_as_the_flags_say():
     cache = EngineConfig.create(kv_cache_memory="512MiB", swap_space=2.5).cache
     assert cache.kv_cache_memory == "512MiB" and cache.kv_cache_memory_bytes == 512 << 20

@@ -14,6 +14,12 @@ from serve.sampling_params import SamplingParams
     ("kwargs", "field"),
     [
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),  # nan < 1e-5 is False: not greedy either
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": 2.5}, "top_k"),  # failed in the sampler's gather, step after step
+        ({"top_k": True}, "top_k"),
+        ({"max_tokens": 8.0}, "max_tokens"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),

@@ -18,7 +18,13 @@ import types
 import typing
 from typing import Any
 
-from serve.config import EngineConfig, InvalidSettingError, Setting, engine_settings
+from serve.config import (
+    VLLM_ARGUMENTS,
+    EngineConfig,
+    InvalidSettingError,
+    Setting,
+    engine_settings,
+)
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> dict[str, Any]:
@@ -39,18 +45,23 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> dict[str, Any]:
             **{key: value for key, value in shown.items() if value is not None},
             **_value_kwargs(setting),
         )
+    vllm = parser.add_argument_group("vLLM's engine arguments serve has no setting for")
+    for argument in VLLM_ARGUMENTS:
+        kind = {"action": "store_true"} if argument.kind is bool else {"metavar": "VALUE"}
+        vllm.add_argument(argument.option, dest=argument.name, help=argument.help, **kind)
     return groups
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig a parsed command line asks for: the same as
     `EngineConfig.create(**{name: value})` with the same settings."""
-    return EngineConfig.create(**{s.name: getattr(args, s.name) for s in engine_settings()})
+    names = [s.name for s in engine_settings()] + [a.name for a in VLLM_ARGUMENTS]
+    return EngineConfig.create(**{name: getattr(args, name) for name in names})
 
 
 def flag_error(error: InvalidSettingError) -> str:
     """`error` as argparse words its own: `argument --block-size: must be ...`."""
-    options = {s.name: s.option for s in engine_settings()}
+    options = {s.name: s.option for s in [*engine_settings(), *VLLM_ARGUMENTS]}
     return f"argument {options.get(error.name, error.name)}: {error.reason}"
 
 

@@ -225,7 +225,7 @@ class MessagesHandler:
                 state.take(0, completion)
                 text = completion.text
                 events: list[StreamEvent] = reader.feed(text) if reader else [text]
-                if completion.finished:
+                if completion.finished():
                     finished = completion
                     events += reader.finish() if reader else []
                 for event in events:

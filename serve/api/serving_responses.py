@@ -199,7 +199,7 @@ class ResponsesHandler:
                 logprobs = self._logprobs(turn, completion)
                 for kind, fields in output.feed(pieces, logprobs):
                     yield events.sse(kind, **fields)
-                if completion.finished:
+                if completion.finished():
                     if reader is not None:
                         for kind, fields in output.feed(reader.finish(), []):
                             yield events.sse(kind, **fields)

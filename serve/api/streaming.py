@@ -205,7 +205,7 @@ async def stream_choices(
             if completion.text or (completion.logprobs is not None and completion.token_ids):
                 for fields in content_fields(index, completion, sent_chars):
                     yield writer.chunk(index, num_tokens, **fields, finish_reason=None)
-            if completion.finished:
+            if completion.finished():
                 for fields in finish_fields(index, completion):
                     yield writer.chunk(index, num_tokens, **fields)
     for event in stream_end(

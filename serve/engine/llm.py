@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
@@ -18,6 +19,7 @@ from serve.outputs import (
     EmbeddingRequestOutput,
     EngineStats,
     RequestOutput,
+    RequestsFailedError,
     ranked_logprobs,
 )
 from serve.pooling_params import PoolingParams
@@ -54,19 +56,21 @@ class LLM:
         self,
         prompts: Prompt | SequenceABC[Prompt],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: SequenceABC[int] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: int | SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in the order given. `sampling_params` is one for
         all prompts or a list with one per prompt; `priority` (with
-        `scheduling_policy="priority"`) one per prompt, lower first."""
+        `scheduling_policy="priority"`) one for all or one per prompt, lower first. A
+        request the engine failed raises `RequestsFailedError` (with every output) once the
+        others have finished."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -76,19 +80,29 @@ class LLM:
                     f"Got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                     "give one for all or one per prompt."
                 )
-        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(
                 f"Got {len(priorities)} priorities for {len(prompts)} prompts; give one per prompt."
             )
         requests = [(*self._tokenize(p), params) for p, params in zip(prompts, params_list)]
-        return self._run(requests, use_tqdm, priorities)
+        outputs = self._run(requests, use_tqdm, priorities)
+        if any(out.error is not None for out in outputs):
+            raise RequestsFailedError(outputs)
+        return outputs
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no `SamplingParams`."""
+        return SamplingParams()
 
     def embed(
         self,
         prompts: Prompt | SequenceABC[Prompt],
         pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in the order given: the model's final hidden states
         pooled as `pooling_params` says (None: the model's defaults, see
@@ -132,7 +146,7 @@ class LLM:
         early_stopping: bool | str = False,
         ignore_eos: bool = False,
         num_return_sequences: int | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[RequestOutput]:
         """Beam search as HF transformers does it (`num_beams`, `length_penalty`,
         `early_stopping`). Each `RequestOutput` holds the best `num_return_sequences`
@@ -219,7 +233,7 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
@@ -258,7 +272,7 @@ class LLM:
     def _run(
         self,
         requests: list[tuple[str | None, list[int], SamplingParams]],
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., tqdm],
         priorities: list[int] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"offline-{next(self._request_ids)}" for _ in requests]
@@ -277,7 +291,8 @@ class LLM:
                 self.abort_request(request_id)
             raise
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
+        progress = use_tqdm if callable(use_tqdm) else tqdm  # vLLM's: a tqdm-like class
+        with progress(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req") as bar:
             while self.has_unfinished_requests():
                 for out in self.step():
                     if out.finished:

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from tiny_models import random_prompts
 
-from serve import LLM, SamplingParams
+from serve import LLM, RequestsFailedError, SamplingParams
 from serve.config import EngineConfig
 from serve.engine.async_engine import AsyncEngine
 from serve.engine.detokenizer import IncrementalDetokenizer
@@ -49,7 +49,9 @@ def expected(llm, healthy_prompts):
 def _run_with_poison(llm, healthy_prompts, params=GREEDY):
     poison = [POISON, 5, 9, 13, 2, 40]
     prompts = [*healthy_prompts[:1], poison, *healthy_prompts[1:]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    with pytest.raises(RequestsFailedError, match="failed 1 of") as raised:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = raised.value.outputs
     failed = outs.pop(1)
     return failed, outs
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from tiny_models import hf_greedy
+from tqdm import tqdm
 
 from serve import LLM, SamplingParams
 
@@ -94,7 +95,23 @@ def test_chat_uses_the_template(llm, tiny_llama):
 def test_length_finish_reason_and_counts(llm):
     out = llm.generate("abc", SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
     assert out.finished and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].finished()  # a method on a completion, as in vLLM
     assert len(out.outputs[0].token_ids) == 7
+
+
+def test_one_priority_for_all_prompts_and_a_tqdm_class(llm):
+    bars = []
+
+    class Bar(tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    outs = llm.generate(["a", "b"], params, use_tqdm=Bar, priority=0)
+    assert [len(out.outputs[0].token_ids) for out in outs] == [3, 3]
+    assert len(bars) == 1 and bars[0].n == 2
+    assert llm.get_default_sampling_params() == SamplingParams()
 
 
 def test_settings_are_keywords_by_their_flag_names(tiny_llama):
