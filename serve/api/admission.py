@@ -61,19 +61,21 @@ class AdmissionGate:
             )
             await _refuse(503, message, QUEUE_FULL_RETRY_AFTER_S, scope, receive, send)
             return
-        if limits.max_body_bytes is not None and scope["method"] in ("POST", "PUT", "PATCH"):
-            body = await _read_body(scope, receive, limits.max_body_bytes)
-            if body is None:
-                message = (
-                    f"The request body is larger than this server accepts "
-                    f"({limits.max_body_bytes} bytes, --max-request-body-bytes)."
-                )
-                await _refuse(413, message, None, scope, receive, send)
-                return
-            receive = _replay(body, receive)
+        # Counted before the body is read (an await): requests arriving together must
+        # each see the others, or a burst passes the cap whole.
         limits.in_flight += 1
         limits.num_generating += generating
         try:
+            if limits.max_body_bytes is not None and scope["method"] in ("POST", "PUT", "PATCH"):
+                body = await _read_body(scope, receive, limits.max_body_bytes)
+                if body is None:
+                    message = (
+                        f"The request body is larger than this server accepts "
+                        f"({limits.max_body_bytes} bytes, --max-request-body-bytes)."
+                    )
+                    await _refuse(413, message, None, scope, receive, send)
+                    return
+                receive = _replay(body, receive)
             await self.app(scope, receive, send)
         finally:
             limits.in_flight -= 1

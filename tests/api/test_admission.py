@@ -119,3 +119,46 @@ def test_the_model_card_names_the_model_not_its_path(capped_server):
     card = httpx.get(f"{capped_server.v1}/models", timeout=10).json()["data"][0]
     assert card["root"] == card["id"] == "tiny"
     assert "/" not in json.dumps(card)
+
+
+def test_a_burst_arriving_together_is_capped_too():
+    """Requests whose bodies are still arriving count against the cap: a burst that all
+    passed the check before any body was read went through whole."""
+    import asyncio
+
+    from serve.api.admission import Admission, AdmissionGate
+
+    async def burst() -> list[int]:
+        release = asyncio.Event()
+
+        async def app(scope, receive, send):
+            await receive()
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        gate = AdmissionGate(app, Admission(max_generating=2, max_body_bytes=1000))
+
+        async def one() -> int:
+            statuses = []
+
+            async def receive():
+                await asyncio.sleep(0.01)  # the body arrives after the others' checks
+                return {"type": "http.request", "body": b"{}", "more_body": False}
+
+            async def send(message):
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+                    if message["status"] == 503:
+                        release.set()  # refusals are in: let the admitted ones finish
+
+            scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+            await gate(scope, receive, send)
+            return statuses[0]
+
+        # Without refusals nothing would release the admitted: they would wait for ever.
+        asyncio.get_running_loop().call_later(2.0, release.set)
+        return await asyncio.wait_for(asyncio.gather(*(one() for _ in range(6))), 30)
+
+    statuses = asyncio.run(burst())
+    assert sorted(statuses) == [200, 200, 503, 503, 503, 503]
