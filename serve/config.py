@@ -19,8 +19,8 @@ import json
 import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass, field, fields, is_dataclass
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
