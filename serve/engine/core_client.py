@@ -48,7 +48,7 @@ from serve.worker.structured_output import LazyStructuredOutput
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 10.0  # for the core to finish its step and exit after Stop
-KILL_TIMEOUT_S = 5.0  # after terminate, before kill
+EXIT_WAIT_S = 5.0  # for a core that said it failed, or whose pipe closed, to exit
 
 # Start-up errors the parent re-raises as they were raised in the core (the CLI shows
 # these as `serve: error: ...`); any other kind becomes a RuntimeError.
@@ -118,8 +118,9 @@ class EngineCoreClient(EngineFrontEnd):
         await asyncio.wrap_future(manager.submit(spec))
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Stop the core: Stop, then terminate, then kill. Running requests fail with
-        EngineDeadError. Idempotent."""
+        """Stop the core: Stop, then SIGKILL (it ignores SIGTERM, which a service manager
+        sends the whole process group). Running requests fail with EngineDeadError.
+        Idempotent."""
         if self._is_stopping:
             return
         self._is_stopping = True
@@ -130,10 +131,7 @@ class EngineCoreClient(EngineFrontEnd):
             send_quietly(self._command_writer, Stop())
         self._process.join(timeout_s)
         if self._process.exitcode is None:
-            logger.warning("The engine core did not stop in %.0f s; terminating it.", timeout_s)
-            self._process.terminate()
-            self._process.join(KILL_TIMEOUT_S)
-        if self._process.exitcode is None:
+            logger.warning("The engine core did not stop in %.0f s; killing it.", timeout_s)
             self._process.kill()
             self._process.join()
         if self._threads:
@@ -151,7 +149,7 @@ class EngineCoreClient(EngineFrontEnd):
         message = self._next_message()
         if isinstance(message, CoreReady):
             return message
-        self._process.join(KILL_TIMEOUT_S)
+        self._process.join(EXIT_WAIT_S)
         if isinstance(message, CoreFailed):
             kind = _STARTUP_ERRORS.get(message.error_type)
             if kind is not None:
@@ -188,7 +186,7 @@ class EngineCoreClient(EngineFrontEnd):
         if self._is_stopping:
             self._streams.fail_all(EngineDeadError("The engine was shut down."))
             return
-        self._process.join(KILL_TIMEOUT_S)
+        self._process.join(EXIT_WAIT_S)
         cause = self._core_error or _exit_cause(self._process)
         logger.error("The engine core process died: %s", cause)
         self._streams.fail_all(EngineDeadError(f"The engine core process died: {cause}"))

@@ -12,8 +12,9 @@
 Both are one-way `multiprocessing` pipes of plain data: a step's deltas as MessagePack,
 the rest pickled (messages.py). The child sends each request's new tokens since its last
 message (output_deltas.py); the parent decodes the text and applies stop strings. The
-child ignores SIGINT: Ctrl-C reaches the whole process group, and the parent decides when
-the core stops (Stop, or terminate). When the parent dies, its pipe ends close: the
+child ignores SIGINT and SIGTERM: Ctrl-C reaches the whole process group, and so does a
+service manager's SIGTERM (systemd's default), and the parent decides when the core stops
+(Stop once it has drained, or SIGKILL). When the parent dies, its pipe ends close: the
 child's next read or write fails and it exits.
 Nothing here imports FastAPI or the API.
 """
@@ -81,7 +82,8 @@ def run_core_process(
 ) -> None:
     """The child's entry point (a `spawn` target). Exits 0 after Stop or when the parent
     is gone, 1 when the engine could not start or its loop died."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for group_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(group_signal, signal.SIG_IGN)
     logging.basicConfig(level=log_level, **({"format": log_format} if log_format else {}))
 
     try:

@@ -59,7 +59,6 @@ from serve.worker.worker import WorkerConfig
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 5.0  # for healthy ranks to run Worker.shutdown() and exit
-KILL_TIMEOUT_S = 2.0  # after SIGTERM, before SIGKILL
 EXIT_TIMEOUT_S = 1.0  # for a rank whose pipe closed to finish exiting (to read its cause)
 
 
@@ -121,8 +120,8 @@ class MultiprocExecutor(Executor):
             raise self._latch.set(self._with_later_failures(failures))
 
     def shutdown(self) -> None:
-        """Ask every rank to exit; terminate, then kill, those that do not in time (after
-        a failure, at once: they are likely stuck in a collective). Idempotent."""
+        """Ask every rank to exit; kill those that do not in time (after a failure, at
+        once: they are likely stuck in a collective). Ranks ignore SIGTERM. Idempotent."""
         if self._latch.is_shut_down:
             return
         self._latch.is_shut_down = True
@@ -136,15 +135,10 @@ class MultiprocExecutor(Executor):
             rank.process.join(max(0.0, deadline - time.monotonic()))
         stragglers = [r.process for r in self._ranks if r.process.exitcode is None]
         if stragglers and not self._latch.error:
-            logger.warning("%d worker(s) did not stop in time; terminating.", len(stragglers))
+            logger.warning("%d worker(s) did not stop in time; killing them.", len(stragglers))
         for process in stragglers:
-            process.terminate()
-        deadline = time.monotonic() + KILL_TIMEOUT_S
-        for process in stragglers:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.exitcode is None:
-                process.kill()
-                process.join()
+            process.kill()
+            process.join()
         for rank in self._ranks:
             rank.replies.close()
 

@@ -15,7 +15,8 @@ A spawned rank never outlives the process that started it:
   process exits, so an executor must be created by a thread that outlives it (the engine
   core's main thread does);
 - it exits when its commands pipe reaches EOF (the parent closed it, or is gone);
-- it ignores SIGINT: Ctrl-C reaches the whole process group, and the parent decides.
+- it ignores SIGINT and SIGTERM: Ctrl-C (or a service manager's SIGTERM) reaches the whole
+  process group, and the parent decides.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def run_worker_process(args: WorkerProcessArgs) -> None:
     """A spawned rank's entry point. Exits 0 after Shutdown or when the parent is gone,
     1 after reporting an error."""
     die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for group_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(group_signal, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         # Every rank is on this machine: gloo's pairs talk over loopback, never a NIC.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -254,6 +254,27 @@ def test_a_killed_core_fails_requests_in_flight(own_client):
         asyncio.run(_final(own_client, "after", prompt))
 
 
+def test_a_sigterm_to_the_process_group_leaves_the_core_to_its_parent(own_client, tiny_llama):
+    """systemd (and `kill -TERM -PGID`) signals every process of the service: the core
+    serves on, for the API process to drain it and then stop it."""
+    prompt = random_prompts(512, 1, 10, 10, seed=3)[0]
+
+    async def run():
+        stream = own_client.generate("drained", prompt, GREEDY)
+        first = await anext(stream)
+        os.kill(own_client._process.pid, signal.SIGTERM)
+        last = first
+        async for out in stream:
+            last = out
+        return last
+
+    final = asyncio.run(run())
+    assert final.outputs[0].token_ids == hf_greedy(tiny_llama, prompt, GREEDY.max_tokens)
+    assert own_client.is_alive
+    own_client.shutdown()
+    assert own_client._process.exitcode == 0
+
+
 def test_shutdown_stops_the_core_and_fails_requests_in_flight(own_client):
     prompt = random_prompts(512, 1, 10, 10, seed=3)[0]
 
