@@ -225,10 +225,18 @@ def comma_list(values: list[str] | None) -> tuple[str, ...]:
 
 
 def api_keys(flag_values: list[str] | None, environment: str | None) -> tuple[str, ...]:
-    """The keys from --api-key, else from $SERVE_API_KEY. An --api-key given but empty
-    (a shell variable that was not set) is an error, never a server open to all."""
+    """The keys from --api-key, else from $SERVE_API_KEY. Either given but empty (a shell
+    variable that was not set: `-e SERVE_API_KEY="$KEY"`) is an error, never a server
+    open to all."""
     if flag_values is None:
-        return comma_list([environment or ""])
+        if environment is None:
+            return ()
+        keys = comma_list([environment])
+        if not keys:
+            raise ValueError(
+                "SERVE_API_KEY is set but empty; give a key, or unset the variable."
+            )
+        return keys
     keys = comma_list(flag_values)
     if not keys:
         raise ValueError("--api-key is empty; give a key, or leave the flag out.")

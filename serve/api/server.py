@@ -94,7 +94,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}."
         body = error_body(exc.status_code, message, path=request.scope["path"])
-        return JSONResponse(body, status_code=exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:

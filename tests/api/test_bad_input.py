@@ -413,6 +413,7 @@ def test_unknown_model_and_route_are_404(http, server):
     assert_openai_error(http.post("/v1/no-such-route", json={"input": "hi"}), 404)
     refused = http.get(CHAT)
     assert_openai_error(refused, 405)
+    assert refused.headers["allow"] == "POST"  # RFC 9110: a 405 names the methods allowed
     assert_still_serving(http, server, refused)
 
 

@@ -165,8 +165,10 @@ def test_every_key_is_compared(monkeypatch):
 
 def test_api_keys_from_flags_and_environment():
     assert api_keys(None, None) == ()
-    assert api_keys(None, "") == ()
     assert api_keys(None, "a, b,,c") == ("a", "b", "c")
+    for unset in ("", " ", ","):  # `-e SERVE_API_KEY="$UNSET"` must not open the server
+        with pytest.raises(ValueError, match="SERVE_API_KEY is set but empty"):
+            api_keys(None, unset)
     assert api_keys(["a", "b,c"], "ignored") == ("a", "b", "c")
     with pytest.raises(ValueError, match="--api-key is empty"):
         api_keys([""], "from-env")  # `--api-key "$UNSET"` must not open the server
