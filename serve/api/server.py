@@ -224,6 +224,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         if body.model is not None:
             check_model(body.model, settings)
+        if body.prompt is not None:  # tokenizing megabytes holds up every prompt behind it
+            prompt_chars.check(body.prompt, "prompt")
         ids = await off_the_loop(_tokenize, body)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 

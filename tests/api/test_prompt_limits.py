@@ -30,3 +30,12 @@ def test_a_prompt_within_the_character_bound_is_judged_by_its_tokens(http, serve
     )
     error = assert_openai_error(response, 400, "max_tokens")
     assert "in the prompt" in error["message"]
+
+
+def test_tokenize_refuses_a_text_far_over_the_context_untokenized(http, server):
+    """/tokenize shares the thread every chat and completion prompt is tokenized on: 8 MB
+    there held up every new request for 20 s."""
+    error = assert_openai_error(http.post("/tokenize", json={"prompt": HUGE}), 400, "prompt")
+    assert error["code"] == "context_length_exceeded"
+    counted = http.post("/tokenize", json={"prompt": "a b c d " * 2000}).json()
+    assert counted["count"] > counted["max_model_len"]  # over the context, still counted
