@@ -12,6 +12,9 @@ from serve.pooling_params import PoolingParams
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+# A bad word is a word or a phrase. The engine tokenizes them as the request arrives, in its
+# step loop: megabytes of them stalled every running stream for seconds.
+MAX_BAD_WORD_CHARS = 1000
 
 
 @dataclass(frozen=True)
@@ -191,15 +194,23 @@ class SamplingParams:
         if self.bad_words is not None and any(
             not isinstance(w, str) or not w.strip() for w in self.bad_words
         ):
-            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r}.")
+            raise ValueError(f"bad_words must be non-empty strings, got {self.bad_words!r:.200}.")
+        if self.bad_words is not None and any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words):
+            raise ValueError(
+                f"bad_words are words or phrases of at most {MAX_BAD_WORD_CHARS} characters "
+                f"each; got one of {max(len(w) for w in self.bad_words)}."
+            )
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids
             or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
         ):
             raise ValueError(
                 "allowed_token_ids must be a non-empty list of non-negative integers, "
-                f"got {self.allowed_token_ids!r}."
+                f"got {self.allowed_token_ids!r:.200}."
             )
+        if self.allowed_token_ids is not None:
+            # Once each: the sampler builds the row's mask from the list every step.
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
 

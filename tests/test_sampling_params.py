@@ -20,6 +20,7 @@ from serve.sampling_params import SamplingParams
         ({"top_k": True}, "top_k"),
         ({"max_tokens": 8.0}, "max_tokens"),
         ({"prompt_logprobs": 1.5}, "prompt_logprobs"),
+        ({"bad_words": ["fine", "x" * 1001]}, "bad_words"),  # tokenized in the step loop
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
@@ -46,6 +47,10 @@ from serve.sampling_params import SamplingParams
 def test_invalid_value_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_are_kept_once_each_in_order():
+    assert SamplingParams(allowed_token_ids=[5, 3, 5, 3, 9] * 1000).allowed_token_ids == [5, 3, 9]
 
 
 def test_defaults_are_valid():
