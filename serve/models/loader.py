@@ -47,6 +47,8 @@ def resolve_model_path(model: str | None, load_format: str = "auto") -> Path:
         ggufs = sorted(path.glob("*.gguf"))
         if ggufs and (load_format == "gguf" or not (path / "config.json").exists()):
             return default_model.resolve_gguf(ggufs[0])
+        if load_format == "gguf":
+            raise FileNotFoundError(f"No weights (*.gguf) found in {path}.")
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"Model directory {path} has no config.json.")
         return path
@@ -210,9 +212,7 @@ def weights_bytes(path: Path, load_format: str, dtype: torch.dtype) -> int | Non
     width = dtype.itemsize
     total = 0
     for file in files:
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
+        for name, entry in safetensors_header(file).items():
             if name == "__metadata__":
                 continue
             if entry["dtype"] in _FLOAT_CODES:
@@ -221,6 +221,41 @@ def weights_bytes(path: Path, load_format: str, dtype: torch.dtype) -> int | Non
                 start, end = entry["data_offsets"]
                 total += end - start
     return total
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """The tensor table at the start of a safetensors file; a ValueError naming the file
+    for one that is not a safetensors file (a git-lfs pointer left by a clone without
+    git-lfs, a download cut short)."""
+    with open(file, "rb") as f:
+        start = f.read(64)
+        if start.startswith(b"version https://git-lfs"):
+            raise ValueError(
+                f"{file} is a git-lfs pointer, not the weights: fetch them (`git lfs pull` "
+                "in the model's clone) or download the model again."
+            )
+        size = file.stat().st_size
+        length = int.from_bytes(start[:8], "little") if len(start) >= 8 else None
+        if length is None or length > size - 8:
+            raise ValueError(
+                f"{file} is not a safetensors file, or is cut short ({size} bytes); "
+                "download the model again."
+            )
+        f.seek(8)
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} has no readable safetensors header; download the model again.")
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+    ]
+    if max(ends, default=0) > size - 8 - length:
+        raise ValueError(f"{file} is cut short ({size} bytes); download the model again.")
+    return header
 
 
 def iterate_checkpoint(
@@ -234,7 +269,12 @@ def iterate_checkpoint(
         if is_safetensors:
             from safetensors import safe_open
 
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            safetensors_header(file)  # a clear error for a broken file, naming it
+            try:
+                opened = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as e:  # safetensors' own errors name neither file nor cause
+                raise ValueError(f"{file} cannot be read as safetensors: {e}") from None
+            with opened as f:
                 for name in f.keys():
                     yield name, SafetensorsTensor(f, name)
         else:

@@ -175,3 +175,37 @@ def test_loading_never_runs_a_checkpoints_code(tiny_llama, tmp_path):
     llm = LLM(model=str(model_dir), kv_cache_memory="8MiB")
     assert len(llm.generate("hello", SamplingParams(max_tokens=2), use_tqdm=False)) == 1
     assert not marker.exists()
+
+
+# -- broken weight files -----------------------------------------------------------------
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 1\n"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda data: LFS_POINTER, "is a git-lfs pointer, not the weights"),
+        (lambda data: os.urandom(4096), "is not a safetensors file"),
+        (lambda data: data[: len(data) // 2], "is cut short"),
+        (lambda data: data[:8] + b"#" + data[9:], "no readable safetensors header"),
+    ],
+)
+def test_a_broken_weights_file_is_named_with_what_is_wrong(tiny_llama, tmp_path, damage, message):
+    from serve.models.loader import weights_bytes
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    (file,) = broken.glob("*.safetensors")
+    file.write_bytes(damage(file.read_bytes()))
+    for read in (lambda: weights_bytes(broken, "auto", torch.float32), lambda: weights(broken)):
+        with pytest.raises(ValueError, match=message) as info:
+            read()
+        assert str(file) in str(info.value)
+
+
+def test_gguf_load_format_without_a_gguf_file_is_refused(tiny_llama):
+    from serve.models.loader import resolve_model_path
+
+    with pytest.raises(FileNotFoundError, match=r"No weights \(\*\.gguf\)"):
+        resolve_model_path(str(tiny_llama), "gguf")
