@@ -6,13 +6,35 @@ from pathlib import Path
 from typing import Any
 
 
+# The files one of transformers' tokenizers loads from (fast, sentencepiece, BPE).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer in a local directory, or of an HF repo id already in the local HF
+    cache. Never downloads, and never runs a checkpoint's code."""
     from transformers import AutoTokenizer
 
+    text = str(path)
+    local = Path(text).expanduser()
+    if not local.exists() and (text.startswith((".", "/", "~")) or text.count("/") != 1):
+        raise FileNotFoundError(
+            f"Tokenizer {text!r} not found: it is not a local directory, or an HF repo id "
+            "of the form 'org/name'."
+        )
+    if local.is_dir() and not any((local / name).exists() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{local} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); pass one "
+            "with --tokenizer."
+        )
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(
+            local if local.exists() else text, trust_remote_code=False, local_files_only=True
+        )
     except Exception as e:
-        raise ValueError(f"Cannot load a tokenizer from {path}: {e}") from None
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "" if local.exists() else " (serve does not download: is it in the local HF cache?)"
+        raise ValueError(f"Cannot load a tokenizer from {text}{where}: {first_line}") from None
 
 
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> set[int]:

@@ -209,3 +209,12 @@ def test_gguf_load_format_without_a_gguf_file_is_refused(tiny_llama):
 
     with pytest.raises(FileNotFoundError, match=r"No weights \(\*\.gguf\)"):
         resolve_model_path(str(tiny_llama), "gguf")
+
+
+def test_a_tokenizer_is_never_downloaded_and_a_missing_one_is_named(tmp_path):
+    with pytest.raises(ValueError, match="serve does not download"):
+        load_tokenizer("no-such-org/no-such-tokenizer")  # not in the HF cache: no network
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        load_tokenizer(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        load_tokenizer(tmp_path)
