@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -88,6 +89,7 @@ def _check_choices(config: Any) -> None:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+MAX_BLOCK_SIZE = 256  # the CPU attention kernel's bound on a block's rows (kMaxBlockSize)
 # vLLM's names: fp8 is fp8_e4m3 (3 mantissa bits, to +-448), fp8_e5m2 keeps range (to
 # +-57344) with 2 bits.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -202,9 +204,14 @@ class CacheConfig:
         _check_choices(self)
         if self.swap_space < 0:
             raise InvalidSettingError("swap_space", f"must be >= 0, got {self.swap_space}.")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if (
+            self.block_size < 1
+            or self.block_size & (self.block_size - 1)
+            or self.block_size > MAX_BLOCK_SIZE
+        ):
             raise InvalidSettingError(
-                "block_size", f"must be a power of two, got {self.block_size}."
+                "block_size",
+                f"must be a power of two up to {MAX_BLOCK_SIZE}, got {self.block_size}.",
             )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidSettingError(
@@ -529,6 +536,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_swap_space(self.cache.swap_space, self.parallel.tensor_parallel_size)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise InvalidSettingError(
+                "device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}."
+            )
 
     @classmethod
     def create(cls, model: str | None = None, **settings: Any) -> EngineConfig:

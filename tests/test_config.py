@@ -81,7 +81,10 @@ def test_sizes_read_as_the_flags_say():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"block_size": 24}, "block_size must be a power of two, got 24."),
+        ({"block_size": 24}, "block_size must be a power of two up to 256, got 24."),
+        ({"block_size": 512}, "block_size must be a power of two up to 256, got 512."),
+        ({"device": "foo"}, "device must be auto, cpu, cuda or cuda:N; got 'foo'."),
+        ({"device": "mps"}, "device must be auto, cpu, cuda or cuda:N; got 'mps'."),
         ({"kv_cache_memory": "lots"}, "kv_cache_memory must be a positive size like 4GiB"),
         ({"kv_cache_memory": "0GiB"}, "kv_cache_memory must be a positive size like 4GiB"),
         ({"swap_space": -1}, "swap_space must be >= 0, got -1."),

@@ -233,9 +233,7 @@ def api_keys(flag_values: list[str] | None, environment: str | None) -> tuple[st
             return ()
         keys = comma_list([environment])
         if not keys:
-            raise ValueError(
-                "SERVE_API_KEY is set but empty; give a key, or unset the variable."
-            )
+            raise ValueError("SERVE_API_KEY is set but empty; give a key, or unset the variable.")
         return keys
     keys = comma_list(flag_values)
     if not keys:

@@ -130,7 +130,15 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
             "argument --distributed-executor-backend: invalid choice: 'slurm'",
         ),
         # ... and by the config's checks, worded the same way.
-        (["--block-size", "24"], "argument --block-size: must be a power of two, got 24."),
+        (
+            ["--block-size", "24"],
+            "argument --block-size: must be a power of two up to 256, got 24.",
+        ),
+        (["--device", "foo"], "argument --device: must be auto, cpu, cuda or cuda:N; got 'foo'."),
+        (
+            ["--quantization", "awq"],
+            "argument --quantization: is not supported: serve runs unquantized weights; got 'awq'.",
+        ),
         (
             ["--kv-cache-memory", "lots"],
             "argument --kv-cache-memory: must be a positive size like 4GiB or 512MiB, got 'lots'.",
