@@ -19,12 +19,23 @@ from serve.engine.protocol import EngineStartError
 logger = logging.getLogger("serve")
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", except where the help says the default in words already
+    or there is none to show (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help = action.help or ""
+        if "default" in help or action.default is None:
+            return help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="serve",
         description="Serve an LLM over an OpenAI-compatible HTTP API. "
         "(`serve bench --help`: the load tool.)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelpFormatter,
     )
     groups = add_engine_flags(p)  # every engine setting, from the config's fields
     model = groups["model"]

@@ -58,6 +58,11 @@ def test_help_lists_every_config_field_as_a_flag_with_its_help(run_serve):
         option = "--" + name.replace("_", "-")
         assert option in entries, f"{option} is not in serve --help"
         assert helps[name].split("%(")[0] in entries[option]
+    flat = " ".join(out.split())  # each flag's help on one line with the others
+    assert "(default: None)" not in flat  # nothing to show
+    for help in helps.values():  # a help that states its default is not told it again
+        if "default" in help:
+            assert " ".join(help.split()) + " (default:" not in flat
 
 
 def test_command_line_builds_the_same_config_as_the_keywords():
