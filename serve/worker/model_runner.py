@@ -139,14 +139,22 @@ def check_gpu_weights_fit(
     )
 
 
-def check_cpu_cache_fits(cache_bytes: int) -> None:
+def check_cpu_cache_fits(cache_bytes: int, num_blocks_override: int | None = None) -> None:
     """The CPU KV cache is zero-filled at start, so all of it is taken at once: more than
     the memory available now (the weights already loaded) would swap or bring the OOM
     killer. Refused with the numbers instead. (The check before loading estimated the
-    weights; this one sees them.)"""
+    weights; this one sees them.) `num_blocks_override`: the cache is that many blocks
+    (--num-gpu-blocks-override), not --kv-cache-memory."""
     available = available_memory_bytes()
     if available is None or cache_bytes <= available:
         return
+    if num_blocks_override is not None:
+        raise ValueError(
+            f"--num-gpu-blocks-override {num_blocks_override} takes {_size(cache_bytes)} of "
+            f"KV cache, more than the {_size(available)} of memory available now (the "
+            "model's weights loaded): lower it, or leave it out and size the cache with "
+            f"{_kv_cache_memory_flag(available)}."
+        )
     raise ValueError(
         f"--kv-cache-memory {_size(cache_bytes)} does not fit in the {_size(available)} of "
         f"memory available now (the model's weights loaded): lower it, e.g. "
@@ -205,6 +213,10 @@ class ModelRunner:
         cache = self.config.engine.cache
         num_cpu_blocks = cache.swap_space_bytes // self.bytes_per_block
         if cache.num_gpu_blocks_override is not None:
+            if self.device.type != "cuda":
+                blocks = cache.num_gpu_blocks_override
+                total = blocks * self.bytes_per_block * self.config.world_size
+                check_cpu_cache_fits(total, num_blocks_override=blocks)
             return cache.num_gpu_blocks_override, num_cpu_blocks
         if self.device.type == "cuda":
             budget = self._profile_free_cuda_memory()

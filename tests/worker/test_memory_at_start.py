@@ -100,6 +100,17 @@ def test_a_cache_larger_than_the_memory_left_once_loaded_is_refused(tiny_llama, 
     llm.shutdown()
 
 
+def test_a_forced_block_count_past_the_memory_is_refused_too(tiny_llama, monkeypatch):
+    """--num-gpu-blocks-override sizes the CPU cache by hand: it is checked as well, not
+    allocated into the OOM killer (a billion blocks was torch's allocator traceback)."""
+    monkeypatch.setattr("serve.worker.model_runner.available_memory_bytes", lambda: 64 * MiB)
+    with pytest.raises(ValueError, match=r"--num-gpu-blocks-override 1000000000 takes .* more"):
+        LLM(model=str(tiny_llama), num_gpu_blocks_override=10**9, swap_space=0.001)
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=64, swap_space=0.001)  # fits
+    assert llm.stats().num_blocks_total == 64
+    llm.shutdown()
+
+
 def test_gpu_weights_past_the_free_memory_are_refused_with_the_gpus_that_would_hold_them():
     cuda = torch.device("cuda", 0)
     check_gpu_weights_fit(30 * GiB, 1, 31 * GiB, torch.bfloat16, cuda)  # fits
