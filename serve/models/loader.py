@@ -85,6 +85,13 @@ def load_hf_config(path: Path) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     data = json.loads((Path(path) / "config.json").read_text())
+    quantization = data.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{path} is a quantized checkpoint ({method or 'quantization_config'}); serve runs "
+            "unquantized weights: serve the model's unquantized (or GGUF) release instead."
+        )
     model_type = data.get("model_type")
     if model_type is None or model_type in CONFIG_MAPPING:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)

@@ -218,3 +218,15 @@ def test_a_tokenizer_is_never_downloaded_and_a_missing_one_is_named(tmp_path):
         load_tokenizer(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_a_quantized_checkpoint_is_refused_by_its_method(tiny_llama, tmp_path):
+    """Its tensors (weight_scale, qweight) used to be refused one name at a time, after the
+    log had called the checkpoint float32."""
+    quantized = tmp_path / "fp8"
+    shutil.copytree(tiny_llama, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"is a quantized checkpoint \(fp8\); serve runs"):
+        load_hf_config(quantized)
