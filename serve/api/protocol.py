@@ -86,6 +86,12 @@ class ResponseFormat(OpenAIModel):
         return self
 
 
+# vLLM's extras, on every request that takes a prompt. A priority is a 64-bit integer, as
+# in vLLM; truncate_prompt_tokens keeps the prompt's last N tokens (-1: the context's worth).
+Priority = Field(default=0, ge=-(2**63), le=2**63 - 1)
+TruncatePromptTokens = Field(default=None, ge=-1)
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by chat and completions."""
 
@@ -129,7 +135,8 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra: with --scheduling-policy priority, lower runs first.
-    priority: int = 0
+    priority: int = Priority
+    truncate_prompt_tokens: int | None = TruncatePromptTokens
 
     @field_validator("logit_bias")
     @classmethod

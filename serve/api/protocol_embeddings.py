@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, field_validator
 
-from serve.api.protocol import OpenAIModel
+from serve.api.protocol import OpenAIModel, Priority, TruncatePromptTokens
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on the entries of one request's `input`
 
@@ -26,7 +26,8 @@ class EmbeddingRequest(OpenAIModel):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     # vLLM's extra: with --scheduling-policy priority, lower runs first.
-    priority: int = 0
+    priority: int = Priority
+    truncate_prompt_tokens: int | None = TruncatePromptTokens
 
     @field_validator("input")
     @classmethod

@@ -42,6 +42,22 @@ def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:
     _check_num_entries("logit_bias", request.logit_bias, limits.max_logit_bias, "--max-logit-bias")
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as
+    the context holds); None: the prompt as it is."""
+    if keep is None:
+        return ids
+    if keep == 0 or keep > max_model_len:
+        raise APIError(
+            400,
+            f"truncate_prompt_tokens must be -1 (the context, {max_model_len} tokens) or "
+            f"from 1 to {max_model_len}; got {keep}.",
+            param="truncate_prompt_tokens",
+        )
+    keep = max_model_len if keep == -1 else keep
+    return ids[-keep:]
+
+
 def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
     """A 400 for vLLM's `prompt_logprobs` on a streamed response, which has no place for
     them (vLLM refuses them there too)."""

@@ -26,6 +26,7 @@ from serve.api.request_checks import (
     check_model,
     check_no_streamed_prompt_logprobs,
     resolve_max_tokens,
+    truncate_prompt,
 )
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
@@ -103,6 +104,10 @@ class ChatHandler:
             check_no_streamed_prompt_logprobs(request)
         output_parser = self._output_parser(request)
         text, prompt_ids = self.render(request)
+        max_model_len = self.engine.max_model_len
+        kept = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, max_model_len)
+        if len(kept) < len(prompt_ids):
+            text, prompt_ids = self.tokenizer.decode(kept), kept
         max_tokens = resolve_max_tokens(
             len(prompt_ids), request.requested_max_tokens, self.engine.max_model_len
         )

@@ -20,6 +20,7 @@ from serve.api.request_checks import (
     check_model,
     check_no_streamed_prompt_logprobs,
     resolve_max_tokens,
+    truncate_prompt,
 )
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
@@ -93,16 +94,15 @@ class CompletionHandler:
                     param="echo",
                 )
             check_no_streamed_prompt_logprobs(request)
-        return [
-            (
-                text,
-                ids,
-                resolve_max_tokens(
-                    len(ids), request.requested_max_tokens, self.engine.max_model_len
-                ),
-            )
-            for text, ids in self._prompts(request)
-        ]
+        max_model_len = self.engine.max_model_len
+        prompts = []
+        for text, ids in self._prompts(request):
+            kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len)
+            if len(kept) < len(ids):
+                text, ids = self.tokenizer.decode(kept), kept
+            max_tokens = resolve_max_tokens(len(ids), request.requested_max_tokens, max_model_len)
+            prompts.append((text, ids, max_tokens))
+        return prompts
 
     def _open(
         self,

@@ -13,7 +13,7 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import random_id
 from serve.api.protocol_embeddings import EmbeddingRequest, embedding_response
-from serve.api.request_checks import PromptCharLimit, check_model
+from serve.api.request_checks import PromptCharLimit, check_model, truncate_prompt
 from serve.api.serving_base import off_the_loop
 from serve.api.settings import ServerSettings
 from serve.api.streaming import UsageCallback, final_outputs
@@ -65,6 +65,7 @@ class EmbeddingHandler:
                 ids = list(item)
             if not ids:
                 raise APIError(400, f"Input {i} has no tokens.", param="input")
+            ids = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len)
             if len(ids) > max_model_len:
                 raise APIError(
                     400,

@@ -39,3 +39,40 @@ def test_tokenize_refuses_a_text_far_over_the_context_untokenized(http, server):
     assert error["code"] == "context_length_exceeded"
     counted = http.post("/tokenize", json={"prompt": "a b c d " * 2000}).json()
     assert counted["count"] > counted["max_model_len"]  # over the context, still counted
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, server, tokenizer):
+    """vLLM's extra, on completions, chat and embeddings: the last N tokens, or -1 for the
+    context's worth. It used to be ignored without a word."""
+    ids = tokenizer("The quick brown fox jumps over the lazy dog once more").input_ids
+    assert len(ids) > 5
+    base = {"model": server.model, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    cut = http.post("/v1/completions", json={**base, "prompt": ids, "truncate_prompt_tokens": 5})
+    last = http.post("/v1/completions", json={**base, "prompt": ids[-5:]})
+    assert cut.json()["usage"]["prompt_tokens"] == 5
+    assert cut.json()["choices"][0]["text"] == last.json()["choices"][0]["text"]
+
+    chat = {**base, "messages": [{"role": "user", "content": "Hi there, how are you?"}]}
+    cut = http.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 4})
+    assert cut.json()["usage"]["prompt_tokens"] == 4
+
+    embed = {"model": server.model, "input": ids}
+    cut = http.post("/v1/embeddings", json={**embed, "truncate_prompt_tokens": 5}).json()
+    last = http.post("/v1/embeddings", json={**embed, "input": ids[-5:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 5
+    assert cut["data"][0]["embedding"] == last["data"][0]["embedding"]
+    too_long = ids * (1 + 600 // len(ids))  # past the 512-token window: cut to it
+    whole = http.post(
+        "/v1/embeddings", json={**embed, "input": too_long, "truncate_prompt_tokens": -1}
+    )
+    assert whole.json()["usage"]["prompt_tokens"] == 512
+
+
+def test_truncate_prompt_tokens_and_priority_out_of_range_are_400(http, server):
+    base = {"model": server.model, "prompt": "Hi", "max_tokens": 2}
+    for value in (0, 513, -2):
+        refused = http.post("/v1/completions", json={**base, "truncate_prompt_tokens": value})
+        assert_openai_error(refused, 400, "truncate_prompt_tokens")
+    for priority in (2**63, -(2**63) - 1):  # vLLM's bound: a 64-bit integer
+        refused = http.post("/v1/completions", json={**base, "priority": priority})
+        assert_openai_error(refused, 400, "priority")
