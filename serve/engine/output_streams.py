@@ -139,7 +139,8 @@ async def _next_before(
     except TimeoutError:
         raise RequestTimeoutError(
             f"The request did not finish within {timeout_s:g} s (the server's "
-            "--request-timeout) and was stopped. Ask for fewer tokens (max_tokens)."
+            "--request-timeout) and was stopped. A shorter input, or fewer tokens to "
+            "generate (max_tokens), finishes sooner."
         ) from None
 
 

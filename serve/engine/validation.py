@@ -53,9 +53,10 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
         raise ValueError(f"priority must be an integer, got {priority!r}.")
     if priority != 0 and scheduling_policy != "priority":
         raise ValueError(
-            f"priority is {priority}, but this server schedules {scheduling_policy}: a "
-            "request's priority is used only with --scheduling-policy priority. Leave it "
-            "out (or 0), or restart the server with that policy."
+            f"priority is {priority}, but the engine schedules {scheduling_policy}: a "
+            "request's priority is used only under the priority policy (`serve "
+            "--scheduling-policy priority`, `LLM(scheduling_policy=\"priority\")`). Leave it "
+            "out (or 0), or start the engine with that policy."
         )
 
 
