@@ -95,6 +95,7 @@ MAX_BLOCK_SIZE = 256  # the CPU attention kernel's bound on a block's rows (kMax
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
 MODEL_IMPLS = ("auto", "native", "transformers")
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,14 @@ class ModelConfig:
         None, "context window in tokens (default: the model's, fitted to the KV cache)"
     )
     seed: int = setting(0, "seed for requests that set none")
+    generation_config: str = setting(
+        "auto",
+        "auto: requests that leave out temperature, top_p, top_k, min_p, "
+        "repetition_penalty or max_tokens take the values of the model's "
+        "generation_config.json, as in vLLM (a max_new_tokens there caps every request); "
+        "vllm: serve's and vLLM's neutral defaults",
+        choices=GENERATION_CONFIGS,
+    )
     load_format: str = setting(
         "auto",
         "auto: safetensors, else pickled .bin weights if --allow-pickle-weights; "

@@ -21,6 +21,7 @@ EXAMPLES = {
     "dtype": Example(("--dtype", "bfloat16"), "bfloat16"),
     "max_model_len": Example(("--max-model-len", "2048"), 2048),
     "seed": Example(("--seed", "7"), 7),
+    "generation_config": Example(("--generation-config", "vllm"), "vllm"),
     "load_format": Example(("--load-format", "safetensors"), "safetensors"),
     "max_logprobs": Example(("--max-logprobs", "5"), 5),
     "allow_pickle_weights": Example(("--allow-pickle-weights",), True),

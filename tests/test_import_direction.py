@@ -2,10 +2,12 @@
 
 Imports run down the picture only: api → engine → scheduler → kv_cache, engine → executor
 → worker → models → kernels, with `distributed` (the tensor-parallel group) below the
-worker and the models. Every layer may import the leaf modules; leaves import only leaves; kernels import
+worker and the models; `chat` (conversations to prompt text, tool-call formats) below the
+engine, for the server's chat and the offline `LLM.chat` alike. Every layer may import the
+leaf modules; leaves import only leaves; kernels import
 nothing of serve but config; nothing imports serve.api. `bench` (the load tool) imports
-nothing of serve but itself: it speaks HTTP to any server. The scheduler, the block allocator
-and the leaves import no torch, not even inside a function, and not through another module.
+nothing of serve but itself: it speaks HTTP to any server. The scheduler, chat, the block
+allocator and the leaves import no torch, not even inside a function, and not through another module.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ PACKAGE_DIR = REPO_ROOT / "serve"
 LEAVES = frozenset({"config", "sampling_params", "pooling_params", "sequence", "outputs", "step"})
 LAYERS = frozenset(
     {"api", "engine", "scheduler", "kv_cache", "executor", "worker", "models", "distributed"}
-    | {"kernels", "bench"}
+    | {"kernels", "bench", "chat"}
 )
 ROOT = "root"  # serve/__init__.py, and `from serve import Name` re-exports
 EVERYTHING = LAYERS | LEAVES | {ROOT}
@@ -35,7 +37,9 @@ EVERYTHING = LAYERS | LEAVES | {ROOT}
 ALLOWED_IMPORTS = {
     "api": EVERYTHING,
     "engine": {"engine", "scheduler", "kv_cache", "executor", "worker", "models", "kernels"}
+    | {"chat"}
     | LEAVES,
+    "chat": {"chat"} | LEAVES,
     "scheduler": {"scheduler", "kv_cache"} | LEAVES,
     "kv_cache": {"kv_cache"} | LEAVES,
     "executor": {"executor", "worker", "distributed"} | LEAVES,
@@ -85,7 +89,7 @@ def is_torch_free(module: str) -> bool:
     parts = module.split(".")
     if len(parts) < 2:
         return False
-    if parts[1] == "scheduler" or parts[1] in LEAVES:
+    if parts[1] in ("scheduler", "chat") or parts[1] in LEAVES:
         return True
     return parts[1] == "kv_cache" and len(parts) > 2 and parts[2] in TORCH_FREE_KV_CACHE
 
@@ -254,6 +258,7 @@ TORCH_FREE_AT_RUNTIME = [
     "serve.scheduler.scheduler",
     "serve.kv_cache.block_pool",
     "serve.kv_cache.block_manager",
+    "serve.chat.rendering",
 ]
 
 _PROBE = """

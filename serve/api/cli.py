@@ -12,7 +12,7 @@ import sys
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
 from serve.api.limits import RequestLimits
 from serve.api.metrics import METRIC_PREFIXES
-from serve.api.tool_parsers import TOOL_PARSERS
+from serve.chat.tool_parsers import TOOL_PARSERS
 from serve.config import InvalidSettingError
 from serve.engine.protocol import EngineStartError
 
@@ -326,6 +326,7 @@ def _load(args: argparse.Namespace):
 
     from serve.api.server import build_app
     from serve.api.settings import ServerSettings
+    from serve.models.generation_config import sampling_defaults
 
     if args.disable_frontend_multiprocessing:
         from serve.engine.async_engine import AsyncEngine
@@ -354,6 +355,7 @@ def _load(args: argparse.Namespace):
         scheduling_policy=config.scheduler.scheduling_policy,
         limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
         response_store=config.responses,
+        sampling_defaults=sampling_defaults(engine.model_path, config.model.generation_config),
     )
     return build_app(engine, settings), settings, sock
 

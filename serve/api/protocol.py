@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -22,31 +23,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from serve.api.tool_parsers.base import load_json
-from serve.api.tool_parsers.forced import named_function_schema, required_tool_calls_schema
+from serve.chat.rendering import RENDERING_ARGUMENTS
+from serve.chat.tool_parsers.base import load_json
+from serve.chat.tool_parsers.forced import named_function_schema, required_tool_calls_schema
 from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 
 MAX_LENGTH_PENALTY = 10.0
-# apply_chat_template's own arguments, which chat_template_kwargs may not set.
-RENDERING_ARGUMENTS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 
 
 def random_id(prefix: str) -> str:
@@ -203,21 +185,32 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("best_of greater than n cannot be streamed; set stream to false")
         return self
 
-    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        """The engine's params: n samples (sample i seeded seed + i) or n beams."""
-        temperature = self.temperature
-        if self.use_beam_search and "temperature" not in self.model_fields_set:
-            temperature = 0.0  # beam search is deterministic; 1.0 is only the API default
+    def sampling_params(
+        self,
+        max_tokens: int,
+        num_logprobs: int | None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> SamplingParams:
+        """The engine's params: n samples (sample i seeded seed + i) or n beams. `defaults`
+        (the model's generation config) stand in for the sampling fields the request
+        leaves out."""
+        given, defaults = self.model_fields_set, defaults or {}
+        chosen = {
+            name: defaults[name] if name in defaults and name not in given else getattr(self, name)
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
+        if self.use_beam_search and "temperature" not in given:
+            chosen["temperature"] = 0.0  # beam search is deterministic
         return SamplingParams(
             n=self.n,
             best_of=self.best_of,
             use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
-            temperature=temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
+            temperature=chosen["temperature"],
+            top_p=chosen["top_p"],
+            top_k=chosen["top_k"],
+            min_p=chosen["min_p"],
             seed=self.seed,
             max_tokens=max_tokens,
             stop=self.stop,
@@ -228,7 +221,7 @@ class SamplingRequest(OpenAIModel):
             logprobs=num_logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=chosen["repetition_penalty"],
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             min_tokens=self.min_tokens,
             bad_words=self.bad_words,

@@ -16,7 +16,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from serve.api.protocol import FunctionDefinition, OpenAIModel
-from serve.api.tool_parsers.base import load_json
+from serve.chat.tool_parsers.base import load_json
 
 # Fields of the chat request a Responses request may also set, as vLLM's extras.
 SAMPLING_EXTRAS = frozenset(

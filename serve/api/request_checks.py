@@ -80,9 +80,12 @@ def _check_num_entries(
         )
 
 
-def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: int) -> int:
+def resolve_max_tokens(
+    prompt_len: int, requested: int | None, max_model_len: int, cap: int | None = None
+) -> int:
     """The completion budget; a 400 in OpenAI's words when prompt + output cannot fit
-    (with `requested` None, at least one token of output must)."""
+    (with `requested` None, at least one token of output must). `cap`, the model's
+    generation config's max_new_tokens, bounds it, as in vLLM."""
     if prompt_len + (1 if requested is None else requested) > max_model_len:
         asked = prompt_len + (requested or 0)
         raise APIError(
@@ -93,7 +96,8 @@ def resolve_max_tokens(prompt_len: int, requested: int | None, max_model_len: in
             param="messages" if requested is None else "max_tokens",
             code="context_length_exceeded",
         )
-    return requested if requested is not None else max_model_len - prompt_len
+    budget = requested if requested is not None else max_model_len - prompt_len
+    return budget if cap is None else min(budget, cap)
 
 
 class PromptCharLimit:

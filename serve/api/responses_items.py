@@ -21,8 +21,8 @@ from serve.api.protocol_responses import (
     chat_content,
 )
 from serve.api.response_store import ConversationItem
-from serve.api.tool_parsers import ToolCall
-from serve.api.tool_parsers.base import load_json
+from serve.chat.tool_parsers import ToolCall
+from serve.chat.tool_parsers.base import load_json
 
 
 def new_id(prefix: str) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 from serve.api.responses_items import function_call_item, message_item, output_text_part
 from serve.api.sse import sse
-from serve.api.tool_parsers import StreamEvent
+from serve.chat.tool_parsers import StreamEvent
 
 Event = tuple[str, dict[str, Any]]  # (type, fields)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any, TypeVar
 
 from serve.api.errors import APIError
@@ -38,12 +38,14 @@ def open_stream(
     num_logprobs: int | None,
     timeout_s: float | None = None,
     output_kind: OutputKind = OutputKind.DELTA,
+    defaults: Mapping[str, Any] | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
     it is stopped with RequestTimeoutError after `timeout_s`. It gives what is new at each
-    step (DELTA, a streamed response's), or the finished output alone (FINAL_ONLY)."""
+    step (DELTA, a streamed response's), or the finished output alone (FINAL_ONLY).
+    `defaults`: the model's sampling defaults, for the fields the request leaves out."""
     try:
-        params = request.sampling_params(max_tokens, num_logprobs)
+        params = request.sampling_params(max_tokens, num_logprobs, defaults or {})
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None

@@ -11,7 +11,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from serve.api.chat_rendering import render_chat, template_messages
 from serve.api.errors import APIError, validation_message
 from serve.api.logprobs_json import (
     prompt_logprobs_json,
@@ -32,7 +31,8 @@ from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
 from serve.api.streaming import UsageCallback, final_outputs, finish_chunk, stream_choices, usage
-from serve.api.tool_parsers import (
+from serve.chat.rendering import ChatRenderError, render_chat, template_messages
+from serve.chat.tool_parsers import (
     TOOL_PARSERS,
     FirstCallOnly,
     NamedFunctionParser,
@@ -109,7 +109,10 @@ class ChatHandler:
         if len(kept) < len(prompt_ids):
             text, prompt_ids = self.tokenizer.decode(kept), kept
         max_tokens = resolve_max_tokens(
-            len(prompt_ids), request.requested_max_tokens, self.engine.max_model_len
+            len(prompt_ids),
+            request.requested_max_tokens,
+            self.engine.max_model_len,
+            self.settings.sampling_defaults.get("max_tokens"),
         )
         return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
 
@@ -129,17 +132,21 @@ class ChatHandler:
                 param="chat_template",
             )
         tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
-        return render_chat(
-            self.tokenizer,
-            template_messages(request.messages),
-            request.add_generation_prompt,
-            request.chat_template or self.settings.chat_template,
-            tools,
-            self.tool_parser,
-            lambda text: self.prompt_chars.check(text, "messages"),
-            request.continue_final_message,
-            request.chat_template_kwargs,
-        )
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        try:
+            return render_chat(
+                self.tokenizer,
+                template_messages(messages),
+                request.add_generation_prompt,
+                request.chat_template or self.settings.chat_template,
+                tools,
+                self.tool_parser,
+                lambda text: self.prompt_chars.check(text, "messages"),
+                request.continue_final_message,
+                request.chat_template_kwargs,
+            )
+        except ChatRenderError as e:
+            raise APIError(400, str(e)) from None
 
     def _output_parser(self, request: ChatCompletionRequest) -> OutputParser | None:
         choice = request.effective_tool_choice
@@ -272,6 +279,7 @@ class ChatHandler:
             request.num_logprobs,
             self.settings.request_timeout_s,
             output_kind,
+            self.settings.sampling_defaults,
         )
 
     async def _events(

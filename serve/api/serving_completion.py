@@ -100,7 +100,12 @@ class CompletionHandler:
             kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len)
             if len(kept) < len(ids):
                 text, ids = self.tokenizer.decode(kept), kept
-            max_tokens = resolve_max_tokens(len(ids), request.requested_max_tokens, max_model_len)
+            max_tokens = resolve_max_tokens(
+                len(ids),
+                request.requested_max_tokens,
+                max_model_len,
+                self.settings.sampling_defaults.get("max_tokens"),
+            )
             prompts.append((text, ids, max_tokens))
         return prompts
 
@@ -123,6 +128,7 @@ class CompletionHandler:
                 request.num_logprobs,
                 self.settings.request_timeout_s,
                 output_kind,
+                self.settings.sampling_defaults,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]

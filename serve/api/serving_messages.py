@@ -34,7 +34,7 @@ from serve.api.streaming import (
     guard_stream,
     usage,
 )
-from serve.api.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamEvent, ToolCall
+from serve.chat.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamEvent, ToolCall
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 MESSAGES_PATH = "/v1/messages"

@@ -171,6 +171,7 @@ class ResponsesHandler:
                 turn.chat.num_logprobs,
                 self.settings.request_timeout_s,
                 output_kind,
+                self.settings.sampling_defaults,
             )
 
     # -- the response -------------------------------------------------------------------------

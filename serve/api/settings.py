@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from serve.api.limits import RequestLimits
 from serve.config import ResponseStoreConfig
@@ -28,3 +29,6 @@ class ServerSettings:
     scheduling_policy: str = "fcfs"  # a request's `priority` is refused under the others
     limits: RequestLimits = field(default_factory=RequestLimits)
     response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
+    # The model's generation_config.json values for requests that leave them out
+    # (--generation-config auto): SamplingParams' names, `max_tokens` a cap on every request.
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)

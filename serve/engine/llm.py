@@ -9,11 +9,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from serve.chat.rendering import render_chat, template_messages
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.detokenizer import text_decoder
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.output_processor import OutputProcessor
+from serve.models.generation_config import sampling_defaults
 from serve.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -45,9 +47,13 @@ class LLM:
         the names `serve --help` shows in snake case: `dtype="float32"`, `max_model_len`,
         `kv_cache_memory="4GiB"` (the KV cache on CPU), `swap_space=4` (GiB),
         `tensor_parallel_size=2`, ... An unknown name is a TypeError that lists them."""
-        self.engine = EngineCore(EngineConfig.create(model, **kwargs))
+        config = EngineConfig.create(model, **kwargs)
+        self.engine = EngineCore(config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_ids = itertools.count()
+        self._sampling_defaults = sampling_defaults(
+            self.engine.model_path, config.model.generation_config
+        )
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -95,8 +101,10 @@ class LLM:
         return outputs
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` samples with when given no `SamplingParams`."""
-        return SamplingParams()
+        """What `generate` samples with when given no `SamplingParams`: the model's
+        generation_config.json values (`generation_config="auto"`, as in vLLM), else
+        SamplingParams' own defaults."""
+        return SamplingParams(**self._sampling_defaults)
 
     def embed(
         self,
@@ -235,24 +243,41 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         chat_template: str | None = None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        priority: int | SequenceABC[int] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        tokenizer = self.get_tokenizer()
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("This model's tokenizer has no chat template; pass chat_template.")
+        """Render each conversation as the server's chat does (OpenAI's messages: text
+        parts, past tool calls and results; `tools` described for templates that know
+        none), then generate. With `continue_final_message` the prompt ends inside the
+        last message, for the model to continue it (`add_generation_prompt` then
+        defaults to False, else to True); `chat_template_kwargs` are more template
+        variables (Qwen3's `enable_thinking`). A ValueError says what cannot be rendered."""
+        if not messages:
+            return []
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        if add_generation_prompt is None:
+            add_generation_prompt = not continue_final_message
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message: set add_generation_prompt "
+                "to False with it."
+            )
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                chat_template=chat_template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+            text, ids = render_chat(
+                self.get_tokenizer(),
+                template_messages(conversation),
+                add_generation_prompt,
+                chat_template,
+                tools,
+                continue_final_message=continue_final_message,
+                template_kwargs=chat_template_kwargs,
             )
-            ids = tokenizer(text, add_special_tokens=False).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, priority)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

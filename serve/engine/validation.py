@@ -55,7 +55,7 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
         raise ValueError(
             f"priority is {priority}, but the engine schedules {scheduling_policy}: a "
             "request's priority is used only under the priority policy (`serve "
-            "--scheduling-policy priority`, `LLM(scheduling_policy=\"priority\")`). Leave it "
+            '--scheduling-policy priority`, `LLM(scheduling_policy="priority")`). Leave it '
             "out (or 0), or start the engine with that policy."
         )
 

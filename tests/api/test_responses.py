@@ -16,7 +16,7 @@ from api.openai_errors import assert_openai_error
 from api.test_chat import pick_stop
 from openai.types.responses import Response
 
-from serve.api.tool_parsers.base import load_json
+from serve.chat.tool_parsers.base import load_json
 
 QUESTION = "What is the capital of France?"
 INSTRUCTIONS = "Answer in one word."

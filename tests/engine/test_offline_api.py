@@ -92,6 +92,42 @@ def test_chat_uses_the_template(llm, tiny_llama):
     assert len(two) == 2
 
 
+def test_chat_renders_openai_messages_as_the_server_does(llm):
+    """Text parts, past tool calls with their results, tools, a continued final message:
+    the offline chat renders them through the server's own path (they used to fail inside
+    the template)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}],
+        }
+    ]
+    plain = [{"role": "user", "content": "Say\nhi"}]
+    by_parts, by_text = llm.chat([parts, plain], params, use_tqdm=False)
+    assert by_parts.prompt_token_ids == by_text.prompt_token_ids
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    history = [
+        {"role": "user", "content": "Call f."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    (out,) = llm.chat(history, params, use_tqdm=False, tools=[tool])
+    assert "# Tools" in out.prompt  # ChatML knows no tools: described in hermes' format
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in out.prompt
+
+    opened = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello my"}]
+    (out,) = llm.chat(opened, params, use_tqdm=False, continue_final_message=True)
+    assert out.prompt.endswith("<|im_start|>assistant\nHello my")
+    with pytest.raises(ValueError, match="set add_generation_prompt"):
+        llm.chat(opened, params, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="set by their own arguments"):
+        llm.chat(plain, params, chat_template_kwargs={"tokenize": True})
+    assert llm.chat([], params) == []
+
+
 def test_length_finish_reason_and_counts(llm):
     out = llm.generate("abc", SamplingParams(max_tokens=7, ignore_eos=True), use_tqdm=False)[0]
     assert out.finished and out.outputs[0].finish_reason == "length"

@@ -4,7 +4,7 @@ most one call a turn; vLLM drops the rest too). Content text is kept as it is.""
 
 from __future__ import annotations
 
-from serve.api.tool_parsers.base import (
+from serve.chat.tool_parsers.base import (
     OutputParser,
     ParsedOutput,
     StreamEvent,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serve.api.tool_parsers.base import (
+from serve.chat.tool_parsers.base import (
     OutputParser,
     ParsedOutput,
     StreamEvent,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from serve.api.tool_parsers.base import (
+from serve.chat.tool_parsers.base import (
     ParsedOutput,
     StreamEvent,
     ToolCall,

@@ -14,16 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve.api.chat_rendering import render_chat, template_messages
-from serve.api.protocol import ChatMessage
-from serve.api.tool_parsers import (
+from serve.chat.rendering import render_chat, template_messages
+from serve.chat.tool_parsers import (
     NamedFunctionParser,
     OutputParser,
     RequiredParser,
     ToolCallDelta,
     get_tool_parser,
 )
-from serve.api.tool_parsers.forced import named_function_schema, required_tool_calls_schema
+from serve.chat.tool_parsers.forced import named_function_schema, required_tool_calls_schema
 
 HERMES = get_tool_parser("hermes")
 LLAMA3 = get_tool_parser("llama3_json")
@@ -383,14 +382,14 @@ def tokenizer():
 
 
 def render(tokenizer, messages, template=None, tools=None, tool_format=None) -> str:
-    parsed = template_messages([ChatMessage(**m) for m in messages])
+    parsed = template_messages(messages)
     text, ids = render_chat(tokenizer, parsed, True, template, tools, tool_format)
     assert ids == tokenizer(text, add_special_tokens=False).input_ids
     return text
 
 
 def test_template_messages_follow_the_hf_convention():
-    assistant, tool = template_messages([ChatMessage(**m) for m in CONVERSATION[1:]])
+    assistant, tool = template_messages(CONVERSATION[1:])
     assert assistant["content"] == ""
     assert assistant["tool_calls"][0]["function"]["arguments"] == WEATHER_ARGS  # an object
     assert tool == {"role": "tool", "content": "22 degrees, sunny", "tool_call_id": "call_1"}

@@ -9,7 +9,7 @@ import json
 import re
 from typing import Any
 
-from serve.api.tool_parsers.base import (
+from serve.chat.tool_parsers.base import (
     CallSpacing,
     ParsedOutput,
     StreamEvent,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve.api.tool_parsers.base import (
+from serve.chat.tool_parsers.base import (
     OutputParser,
     ParsedOutput,
     StreamEvent,
@@ -11,10 +11,10 @@ from serve.api.tool_parsers.base import (
     ToolCallStream,
     ToolParser,
 )
-from serve.api.tool_parsers.first_call import FirstCallOnly
-from serve.api.tool_parsers.forced import NamedFunctionParser, RequiredParser
-from serve.api.tool_parsers.hermes import HermesToolParser
-from serve.api.tool_parsers.llama3_json import Llama3JsonToolParser
+from serve.chat.tool_parsers.first_call import FirstCallOnly
+from serve.chat.tool_parsers.forced import NamedFunctionParser, RequiredParser
+from serve.chat.tool_parsers.hermes import HermesToolParser
+from serve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
