@@ -35,9 +35,19 @@ def _rates(text: str) -> list[float]:
         rates = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of rates: {text!r}") from None
-    if not rates or any(r <= 0 for r in rates):
+    if not rates or any(not r > 0 for r in rates):  # nan is not > 0 either
         raise argparse.ArgumentTypeError("rates are positive numbers (or inf)")
     return rates
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("requests")
     data.add_argument("--dataset", choices=("random", "sharegpt", "prefix"), default="random")
     data.add_argument("--dataset-path", type=Path, default=None, help="the ShareGPT JSON file")
-    data.add_argument("--num-requests", type=int, default=64)
+    data.add_argument("--num-requests", type=_positive_int, default=64)
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--min-prompt", type=int, default=32, help="random: prompt tokens, least")
     data.add_argument("--max-prompt", type=int, default=512, help="random: prompt tokens, most")
@@ -66,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--max-output", type=int, default=256, help="random: output tokens, most; prefix: all"
     )
-    data.add_argument("--num-prefixes", type=int, default=4, help="prefix: distinct prefixes")
+    data.add_argument(
+        "--num-prefixes", type=_positive_int, default=4, help="prefix: distinct prefixes"
+    )
     data.add_argument("--prefix-len", type=int, default=256, help="prefix: shared tokens")
     data.add_argument("--suffix-len", type=int, default=32, help="prefix: tokens of its own")
     data.add_argument(
@@ -91,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests per second (Poisson arrivals), or inf for all at once; a "
         "comma-separated list runs a sweep, e.g. 0.5,1,2,inf",
     )
-    load.add_argument("--max-concurrency", type=int, default=None, help="most in flight")
+    load.add_argument("--max-concurrency", type=_positive_int, default=None, help="most in flight")
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument(
         "--ignore-eos",
@@ -129,15 +141,23 @@ def main(argv: list[str] | None = None) -> int:
         flags = f"--{least.replace('_', '-')}", f"--{most.replace('_', '-')}"
         if low < 1 or low > high:
             parser.error(f"{flags[0]} ({low}) must be at least 1 and at most {flags[1]} ({high})")
+    if args.vocab_size <= args.min_token_id:
+        parser.error(
+            f"--vocab-size ({args.vocab_size}) must be above --min-token-id ({args.min_token_id})"
+        )
     output_dir = args.output_dir or Path("bench-results") / datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.compare:
         results = []
         for path in args.compare:
             try:
-                results.append(json.loads(path.read_text()))
+                result = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as e:
                 print(f"serve bench: cannot read {path}: {e}", file=sys.stderr)
                 return 2
+            if not isinstance(result, dict) or not isinstance(result.get("runs"), list):
+                print(f"serve bench: {path} is not a serve bench results.json", file=sys.stderr)
+                return 2
+            results.append(result)
         output_dir.mkdir(parents=True, exist_ok=True)
         return 0 if write_plots(results, output_dir) else 1
     try:

@@ -6,9 +6,10 @@ Per request (vLLM's benchmark definitions):
         as one gap: a client sees text, not tokens);
   TPOT  (E2E - TTFT) / (output tokens - 1);
   E2E   from sending the request to the end of its stream.
-A request succeeds when its stream ends without an error and its usage chunk reports the
-number of output tokens asked for; the others count as failed (an HTTP or stream error)
-or mismatched. Works against any OpenAI-compatible server that streams usage and
+A request succeeds when its stream ends without an error and, where output lengths are
+forced (`ignore_eos`, the default), its usage chunk reports the number of output tokens
+asked for; the others count as failed (an HTTP or stream error) or mismatched. Without
+`ignore_eos` a model may stop early: any length counts. Works against any OpenAI-compatible server that streams usage and
 accepts vLLM's `ignore_eos` (serve, vLLM, SGLang).
 """
 
@@ -36,10 +37,13 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     error: str | None = None
+    forces_length: bool = True  # sent with ignore_eos: its length is known in advance
 
     @property
     def is_success(self) -> bool:
-        return self.error is None and self.num_output_tokens == self.num_requested_tokens
+        if self.error is not None:
+            return False
+        return not self.forces_length or self.num_output_tokens == self.num_requested_tokens
 
 
 async def get_model(client: httpx.AsyncClient, model: str | None) -> tuple[str, int | None]:
@@ -62,7 +66,9 @@ async def send(
 ) -> RequestResult:
     """One streamed completion; never raises for the server's errors (they are recorded).
     `extra`: more body fields (e.g. `min_tokens`), sent as given."""
-    result = RequestResult(request.num_prompt_tokens, request.num_output_tokens)
+    result = RequestResult(
+        request.num_prompt_tokens, request.num_output_tokens, forces_length=ignore_eos
+    )
     payload = {
         "model": model,
         "prompt": request.prompt,

@@ -104,6 +104,8 @@ def sharegpt_requests(
         if not isinstance(turns, list) or len(turns) < 2:
             continue
         first, reply = turns[0], turns[1]
+        if not (isinstance(first, dict) and isinstance(reply, dict)):
+            continue
         if first.get("from") != "human" or reply.get("from") != "gpt":
             continue
         pairs.append((str(first.get("value", "")), str(reply.get("value", ""))))

@@ -66,6 +66,9 @@ def test_sharegpt_says_what_is_wrong_with_a_bad_file(tmp_path):
     bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}]}]))
     with pytest.raises(ValueError, match="no usable"):
         sharegpt_requests(bad, 1, len)
+    bad.write_text(json.dumps([{"conversations": [5, 6]}]))  # turns that are not objects
+    with pytest.raises(ValueError, match="no usable"):
+        sharegpt_requests(bad, 1, len)
 
 
 @pytest.mark.parametrize(
@@ -76,10 +79,36 @@ def test_sharegpt_says_what_is_wrong_with_a_bad_file(tmp_path):
             "--min-output (16) must be at least 1 and at most --max-output (8)",
         ),
         (["--min-prompt", "0"], "--min-prompt (0) must be at least 1"),
+        (["--num-requests", "0"], "argument --num-requests: must be at least 1, got 0"),
+        (["--max-concurrency", "-1"], "argument --max-concurrency: must be at least 1"),
+        (["--num-prefixes", "0"], "argument --num-prefixes: must be at least 1"),
+        (["--request-rate", "nan"], "rates are positive numbers"),
+        (["--vocab-size", "17"], "--vocab-size (17) must be above --min-token-id (17)"),
     ],
 )
-def test_a_random_range_upside_down_is_a_usage_error(capsys, flags, named):
+def test_a_bad_setting_is_a_usage_error(capsys, flags, named):
     with pytest.raises(SystemExit) as exit_info:
         bench_main(["--base-url", "http://127.0.0.1:9", *flags])
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_compare_refuses_a_file_that_is_not_a_results_file(tmp_path, capsys):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"label": "x"}))
+    assert bench_main(["--compare", str(other), "--output-dir", str(tmp_path)]) == 2
+    assert "is not a serve bench results.json" in capsys.readouterr().err
+
+
+def test_without_ignore_eos_a_request_that_stops_early_succeeds():
+    """The model may stop at EOS: only forced lengths must match (every one that stopped
+    early was counted as mismatched, and left out of throughput and latencies)."""
+    from serve.bench.client import RequestResult
+    from serve.bench.report import summarize
+
+    stopped = RequestResult(8, 200, num_output_tokens=37, ttft_s=0.1, e2e_s=1.0)
+    free = RequestResult(8, 200, num_output_tokens=37, ttft_s=0.1, e2e_s=1.0, forces_length=False)
+    assert not stopped.is_success and free.is_success
+    summary = summarize([free, free], duration_s=2.0)
+    assert summary["num_successful"] == 2 and summary["num_mismatched"] == 0
+    assert summary["num_output_tokens"] == 74
