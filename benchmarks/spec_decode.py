@@ -22,6 +22,7 @@ import platform
 import subprocess
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 from serve import LLM, SamplingParams
 
@@ -161,7 +162,10 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}",
         "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,  # the repository's, wherever it runs from
         ).stdout.strip(),
     }
     if not args.skip_batch_one:

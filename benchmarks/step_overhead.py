@@ -36,7 +36,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--before-tree", type=Path, default=None, help="also measure this checkout")
     p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.output_len < 8:  # the first steps warm up: too few leave no steady step to time
+        p.error(f"--output-len must be at least 8, got {args.output_len}")
+    return args
 
 
 def _message_size(out) -> int:

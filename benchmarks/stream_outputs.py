@@ -66,8 +66,16 @@ def main() -> None:
     p.add_argument("--loads", default="512x128,16x4096,4x16384", help="SxL, comma-separated")
     args = p.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(resolve_default_model())
+    loads = []
     for load in args.loads.split(","):
-        streams, length = (int(v) for v in load.split("x"))
+        try:
+            streams, length = (int(v) for v in load.split("x"))
+        except ValueError:
+            p.error(f"--loads: {load!r} is not STREAMSxLENGTH")
+        if streams < 1 or length < 4 or length % 4:
+            p.error(f"--loads: {load!r} needs a stream and a length that is a multiple of 4")
+        loads.append((load, streams, length))
+    for load, streams, length in loads:
         gc.collect()
         quarters = per_quarter_us(tokenizer, streams, length)
         print(

@@ -106,9 +106,9 @@ def resolve_model_dir(model: str | None) -> Path:
 
 
 def make_requests(args: argparse.Namespace, tokenizer) -> list[Request]:
-    special_ids = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    vocab = [i for i in range(len(tokenizer)) if i not in special_ids]
-    return workload.make_requests(WorkloadSpec.from_args(args), vocab)
+    return workload.make_requests(
+        WorkloadSpec.from_args(args), workload.ordinary_token_ids(tokenizer)
+    )
 
 
 # The schema of the mix's structured requests: a long list, so that (like every other
@@ -282,7 +282,11 @@ def print_table(results: list[Result]) -> None:
 def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args()
+    import torch
     from transformers import AutoTokenizer
+
+    if args.compare_eager and not torch.cuda.is_available():
+        raise SystemExit("--compare-eager compares CUDA graphs with eager steps: it needs a GPU")
 
     info = machine_info()
     print(" ".join(f"{k}={v}" for k, v in info.items()))
@@ -335,6 +339,7 @@ def main() -> None:
     )
     if serial_ratio is not None:
         print(f"async / serial steps output tokens/s (best of two each): {serial_ratio:.2f}x")
+    graphs_ratio = None
     if eager is not None and serve is not None:
         graphs_ratio = serve.output_tokens_per_s / eager.output_tokens_per_s
         print(f"CUDA graphs / eager output tokens/s: {graphs_ratio:.2f}x")
@@ -356,6 +361,7 @@ def main() -> None:
             "mix_over_plain_output_tokens_per_s": mix_ratio,
             "async_over_serial_output_tokens_per_s": serial_ratio,
             "tp_over_one_rank_output_tokens_per_s": tp_ratio,
+            "graphs_over_eager_output_tokens_per_s": graphs_ratio,
         }
         args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")

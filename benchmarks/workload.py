@@ -2,8 +2,8 @@
 
 Each request is a prompt of random token ids and a fixed output length (the engine is told
 to ignore EOS), so every engine does the same useful work. The same seed, ranges and token
-ids give the same requests in `throughput.py`, `serving.py` and `serve bench`'s random
-dataset (serve/bench/datasets.py, which draws them).
+ids give the same requests in `throughput.py`, `serving_compare.py` and `serve bench`'s
+random dataset (serve/bench/datasets.py, which draws them).
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+
+
+def ordinary_token_ids(tokenizer) -> list[int]:
+    """The vocabulary's ids less the special and added tokens: what random prompts draw."""
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    return [i for i in range(len(tokenizer)) if i not in special]
 
 
 def make_requests(spec: WorkloadSpec, token_ids: Sequence[int]) -> list[Request]:
