@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve an LLM over an OpenAI-compatible HTTP API. "
         "(`serve bench --help`: the load tool.)",
         formatter_class=_DefaultsHelpFormatter,
+        # Flags as written in full: the image's health check (docker/healthcheck.py) reads
+        # --port and --host from the command line, and so may anything else that wraps it.
+        allow_abbrev=False,
     )
     groups = add_engine_flags(p)  # every engine setting, from the config's fields
     model = groups["model"]
@@ -281,7 +284,10 @@ def main(argv: list[str] | None = None) -> None:
         from serve.api.shutdown import GracefulServer
 
         logger.info(
-            "Serving %s at http://%s:%d/v1", settings.served_model_name, args.host, args.port
+            "Serving %s at http://%s:%d/v1",
+            settings.served_model_name,
+            f"[{args.host}]" if ":" in args.host else args.host,
+            args.port,
         )
         if not settings.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning(

@@ -140,6 +140,8 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
             "argument --block-size: must be a power of two up to 256, got 24.",
         ),
         (["--device", "foo"], "argument --device: must be auto, cpu, cuda or cuda:N; got 'foo'."),
+        # Flags in full only: the image's health check reads --port as written.
+        (["--por", "8001"], "unrecognized arguments: --por 8001"),
         (
             ["--quantization", "awq"],
             "argument --quantization: is not supported: serve runs unquantized weights; got 'awq'.",
