@@ -58,6 +58,25 @@ def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> lis
     return ids[-keep:]
 
 
+def fit_prompt(
+    text: str,
+    ids: list[int],
+    request: SamplingRequest,
+    tokenizer: Any,
+    max_model_len: int,
+    max_tokens_cap: int | None = None,
+) -> tuple[str, list[int], int]:
+    """A prompt cut to the request's `truncate_prompt_tokens` (its text decoded from what
+    is kept), and its completion budget (`resolve_max_tokens`)."""
+    kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len)
+    if len(kept) < len(ids):
+        text, ids = tokenizer.decode(kept), kept
+    budget = resolve_max_tokens(
+        len(ids), request.requested_max_tokens, max_model_len, max_tokens_cap
+    )
+    return text, ids, budget
+
+
 def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
     """A 400 for vLLM's `prompt_logprobs` on a streamed response, which has no place for
     them (vLLM refuses them there too)."""

@@ -24,8 +24,7 @@ from serve.api.request_checks import (
     check_limits,
     check_model,
     check_no_streamed_prompt_logprobs,
-    resolve_max_tokens,
-    truncate_prompt,
+    fit_prompt,
 )
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
@@ -103,14 +102,10 @@ class ChatHandler:
         if request.stream:
             check_no_streamed_prompt_logprobs(request)
         output_parser = self._output_parser(request)
-        text, prompt_ids = self.render(request)
-        max_model_len = self.engine.max_model_len
-        kept = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, max_model_len)
-        if len(kept) < len(prompt_ids):
-            text, prompt_ids = self.tokenizer.decode(kept), kept
-        max_tokens = resolve_max_tokens(
-            len(prompt_ids),
-            request.requested_max_tokens,
+        text, prompt_ids, max_tokens = fit_prompt(
+            *self.render(request),
+            request,
+            self.tokenizer,
             self.engine.max_model_len,
             self.settings.sampling_defaults.get("max_tokens"),
         )

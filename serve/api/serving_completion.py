@@ -19,8 +19,7 @@ from serve.api.request_checks import (
     check_limits,
     check_model,
     check_no_streamed_prompt_logprobs,
-    resolve_max_tokens,
-    truncate_prompt,
+    fit_prompt,
 )
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
@@ -94,20 +93,11 @@ class CompletionHandler:
                     param="echo",
                 )
             check_no_streamed_prompt_logprobs(request)
-        max_model_len = self.engine.max_model_len
-        prompts = []
-        for text, ids in self._prompts(request):
-            kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len)
-            if len(kept) < len(ids):
-                text, ids = self.tokenizer.decode(kept), kept
-            max_tokens = resolve_max_tokens(
-                len(ids),
-                request.requested_max_tokens,
-                max_model_len,
-                self.settings.sampling_defaults.get("max_tokens"),
-            )
-            prompts.append((text, ids, max_tokens))
-        return prompts
+        cap = self.settings.sampling_defaults.get("max_tokens")
+        return [
+            fit_prompt(text, ids, request, self.tokenizer, self.engine.max_model_len, cap)
+            for text, ids in self._prompts(request)
+        ]
 
     def _open(
         self,
