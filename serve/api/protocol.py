@@ -39,6 +39,16 @@ class OpenAIModel(BaseModel):
     # NaN and infinity are not JSON, though Python's parser reads them (and 1e999 as inf).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's nullable fields do: the SDKs
+        send null for a parameter passed as None (`temperature=config.temperature`). It
+        counts as not given (`model_fields_set`), so the model's sampling defaults apply."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     @property
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})

@@ -150,6 +150,21 @@ def test_bad_messages_are_400(http, server, messages, param):
     assert_still_serving(http, server, refused)
 
 
+def test_null_for_an_optional_field_means_its_default(http, server):
+    """The SDKs send null for a parameter passed as None; OpenAI's fields are nullable."""
+    nulls = dict.fromkeys(["top_p", "n", "presence_penalty", "frequency_penalty", "stream"])
+    body = chat(server, max_tokens=3, temperature=0)
+    expected = post_json(http, CHAT, body).json()["choices"][0]["message"]["content"]
+    replied = post_json(http, CHAT, {**body, **nulls, "logprobs": None})
+    assert replied.status_code == 200, replied.text
+    assert replied.json()["choices"][0]["message"]["content"] == expected
+    nulls["temperature"] = None
+    text = completion(server, echo=None, **nulls)
+    assert post_json(http, COMPLETIONS, text).status_code == 200
+    embedded = post_json(http, "/v1/embeddings", {"input": "Hi", "encoding_format": None})
+    assert isinstance(embedded.json()["data"][0]["embedding"], list)  # the default: floats
+
+
 def test_an_assistant_message_with_tool_calls_needs_no_content(http):
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [*MESSAGES, {"role": "assistant", "tool_calls": [call]}]

@@ -34,6 +34,10 @@ def test_requests_that_leave_a_field_out_take_the_models_value(server_factory, o
         model=server.model, messages=messages, temperature=0, max_tokens=4
     )
     assert greedy.choices[0].message.content == left_out[0].choices[0].message.content
+    as_none = client.chat.completions.create(
+        model=server.model, messages=messages, temperature=None
+    )
+    assert as_none.choices[0].message.content == left_out[0].choices[0].message.content
     # The request's own value wins over the model's; max_new_tokens still caps it.
     sampled = client.completions.create(
         model=server.model,
