@@ -104,14 +104,20 @@ def function_call_item(
 
 
 def output_items(
-    content: str | None, calls: list[ToolCall], status: str, logprobs: list[dict[str, Any]]
+    pieces: list[str | ToolCall], status: str, logprobs: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """A message with the content (also when there is nothing at all), then the calls."""
+    """A message per run of text and the calls between them, in the order written (as the
+    stream sends them); an empty message when there is nothing at all. The tokens'
+    `logprobs` go with the first message (the stream gives each message its own tokens';
+    a reply not streamed does not know where a call's markup split them)."""
     items = []
-    if content is not None or not calls:
-        items.append(message_item(content or "", status, logprobs))
-    items += [function_call_item(c.id, c.name, c.arguments, status) for c in calls]
-    return items
+    for piece in pieces:
+        if isinstance(piece, str):
+            items.append(message_item(piece, status, logprobs))
+            logprobs = []
+        else:
+            items.append(function_call_item(piece.id, piece.name, piece.arguments, status))
+    return items or [message_item("", status, logprobs)]
 
 
 def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:

@@ -34,7 +34,7 @@ from serve.api.streaming import (
     guard_stream,
     usage,
 )
-from serve.chat.tool_parsers import TOOL_PARSERS, ParsedOutput, StreamEvent, ToolCall
+from serve.chat.tool_parsers import TOOL_PARSERS, StreamEvent, ToolCall, in_written_order
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 MESSAGES_PATH = "/v1/messages"
@@ -179,13 +179,14 @@ class MessagesHandler:
         prepared = await self.prepare(request)
         (out,) = await final_outputs([self._generate(prepared, OutputKind.FINAL_ONLY)])
         completion = out.outputs[0]
-        parser = prepared.prompt.output_parser
-        parsed = parser.parse(completion.text) if parser else ParsedOutput(completion.text, [])
-        content: list[dict[str, Any]] = []
-        if parsed.content:
-            content.append({"type": "text", "text": parsed.content})
-        content += [_tool_use_block(call) for call in parsed.tool_calls]
-        reason, sequence = stop_reason(completion, bool(parsed.tool_calls))
+        # Blocks in the order written, as the stream sends them.
+        pieces = in_written_order(prepared.prompt.output_parser, completion.text)
+        content = [
+            {"type": "text", "text": piece} if isinstance(piece, str) else _tool_use_block(piece)
+            for piece in pieces
+        ]
+        has_calls = any(isinstance(piece, ToolCall) for piece in pieces)
+        reason, sequence = stop_reason(completion, has_calls)
         num_prompt_tokens = len(prepared.prompt.token_ids)
         if on_usage is not None:
             on_usage(usage(num_prompt_tokens, out.num_output_tokens))

@@ -38,6 +38,7 @@ from serve.api.streaming import (
     guard_stream,
 )
 from serve.api.streaming import usage as chat_usage
+from serve.chat.tool_parsers import in_written_order
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 # The chat request's fields, as this endpoint calls them (first step of a param's path).
@@ -101,11 +102,8 @@ class ResponsesHandler:
         (out,) = await final_outputs([self._open(turn, prompt, OutputKind.FINAL_ONLY)])
         completion = out.outputs[0]
         status = _status(completion.finish_reason)
-        parser = prompt.output_parser
-        parsed = parser.parse(completion.text) if parser is not None else None
-        content = completion.text if parsed is None else parsed.content
-        logprobs = self._logprobs(turn, completion)
-        output = output_items(content, parsed.tool_calls if parsed else [], status, logprobs)
+        pieces = in_written_order(prompt.output_parser, completion.text)
+        output = output_items(pieces, status, self._logprobs(turn, completion))
         counts = (len(prompt.token_ids), out.num_output_tokens)
         body = self._response(turn, status, output, usage(*counts))
         self._remember(turn, body)

@@ -519,6 +519,27 @@ def test_auto_reads_text_then_calls(tool_server, stream):
     assert json.loads(function_call.arguments) == arguments
 
 
+def test_text_on_both_sides_of_a_call_is_laid_out_alike_streamed_or_not(tool_server):
+    """Items in the order written, streamed or not (the reply not streamed put all its text
+    in one message ahead of the calls)."""
+    call = json.dumps({"name": "get_weather", "arguments": {"location": "Paris"}})
+    body = {
+        "model": tool_server.model,
+        "input": "What is the weather like in Paris?",
+        "tools": [WEATHER_TOOL],
+        "max_output_tokens": 200,
+        "guided_choice": [f"Checking.\n<tool_call>\n{call}\n</tool_call>\nThen more."],
+    }
+    streamed = Response.model_validate(sse_events(tool_server, body)[-1]["response"])
+    whole = raw_response(tool_server, **body)
+    for resp in (streamed, whole):
+        assert [item.type for item in resp.output] == ["message", "function_call", "message"]
+    texts = [
+        [i.content[0].text for i in r.output if i.type == "message"] for r in (streamed, whole)
+    ]
+    assert texts[0] == texts[1] == ["Checking.", "\nThen more."]
+
+
 # --- a failure mid-stream -----------------------------------------------------------------
 
 

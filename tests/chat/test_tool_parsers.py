@@ -21,6 +21,7 @@ from serve.chat.tool_parsers import (
     RequiredParser,
     ToolCallDelta,
     get_tool_parser,
+    in_written_order,
 )
 from serve.chat.tool_parsers.forced import named_function_schema, required_tool_calls_schema
 
@@ -432,3 +433,20 @@ def test_rendered_calls_parse_back():
     for parser in (HERMES, LLAMA3):
         parsed = parser.parse(parser.calls_text(calls))
         assert calls_of(parsed) == [("get_weather", WEATHER_ARGS), ("f", {})]
+
+
+def test_in_written_order_is_what_the_stream_sends():
+    block = hermes_block(WEATHER_CALL)
+    text = f"Before.\n{block}\nAfter.{block}"
+    pieces = in_written_order(HERMES, text)
+    assert [p if isinstance(p, str) else (p.name, json.loads(p.arguments)) for p in pieces] == [
+        "Before.",
+        ("get_weather", WEATHER_ARGS),
+        "\nAfter.",
+        ("get_weather", WEATHER_ARGS),
+    ]
+    joined = "".join(p for p in pieces if isinstance(p, str))
+    assert (joined, [(p.name, p.arguments) for p in pieces if not isinstance(p, str)]) == (
+        streamed(HERMES, list(text))
+    )
+    assert in_written_order(None, "plain") == ["plain"] and in_written_order(None, "") == []

@@ -10,6 +10,7 @@ from serve.chat.tool_parsers.base import (
     ToolCallDelta,
     ToolCallStream,
     ToolParser,
+    in_written_order,
 )
 from serve.chat.tool_parsers.first_call import FirstCallOnly
 from serve.chat.tool_parsers.forced import NamedFunctionParser, RequiredParser
@@ -40,4 +41,5 @@ __all__ = [
     "ToolCallStream",
     "ToolParser",
     "get_tool_parser",
+    "in_written_order",
 ]

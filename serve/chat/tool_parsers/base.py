@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import secrets
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 
@@ -102,6 +102,31 @@ class ToolParser(OutputParser):
     @abstractmethod
     def calls_text(self, calls: list[dict[str, Any]]) -> str:
         """Past calls (`{"name", "arguments": dict}`) as the model would have written them."""
+
+
+def in_written_order(parser: OutputParser | None, text: str) -> list[str | ToolCall]:
+    """A choice's content and calls in the order the model wrote them, as its stream
+    reader sends them (text next to a call as `CallSpacing` leaves it): what a reply that
+    lays out blocks or items builds, so that it is the same streamed or not."""
+    if parser is None:
+        return [text] if text else []
+    reader = parser.stream()
+    pieces: list[str | ToolCall] = []
+    at: dict[int, int] = {}  # a call's index -> its place in `pieces`
+    for event in reader.feed(text) + reader.finish():
+        if isinstance(event, str):
+            if pieces and isinstance(pieces[-1], str):
+                pieces[-1] += event
+            else:
+                pieces.append(event)
+        elif event.id is not None:
+            at[event.index] = len(pieces)
+            pieces.append(ToolCall(event.name or "", event.arguments, event.id))
+        else:
+            call = pieces[at[event.index]]
+            assert isinstance(call, ToolCall)
+            pieces[at[event.index]] = replace(call, arguments=call.arguments + event.arguments)
+    return pieces
 
 
 def call_from_json(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
