@@ -285,10 +285,6 @@ class FunctionCall(OpenAIModel):
             raise ValueError("must be a JSON object, as text")
         return v
 
-    @property
-    def arguments_object(self) -> dict[str, Any]:
-        return load_json(self.arguments) if self.arguments.strip() else {}
-
 
 class MessageToolCall(OpenAIModel):
     id: str
@@ -323,13 +319,6 @@ class ChatMessage(OpenAIModel):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError('a "tool" message needs the tool_call_id of the call it answers')
         return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -45,7 +45,7 @@ def open_stream(
     step (DELTA, a streamed response's), or the finished output alone (FINAL_ONLY).
     `defaults`: the model's sampling defaults, for the fields the request leaves out."""
     try:
-        params = request.sampling_params(max_tokens, num_logprobs, defaults or {})
+        params = request.sampling_params(max_tokens, num_logprobs, defaults)
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
