@@ -263,7 +263,8 @@ class MessagesRequest(MessagesInput):
 
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    # Left out: the model's generation config, else 1.0 (Anthropic's default, and chat's).
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=1)
     stream: bool = False
@@ -278,8 +279,9 @@ class MessagesRequest(MessagesInput):
 
     def chat_fields(self) -> dict[str, Any]:
         fields = super().chat_fields()
-        fields.update(max_tokens=self.max_tokens, temperature=self.temperature)
+        fields.update(max_tokens=self.max_tokens)
         optional = {
+            "temperature": self.temperature,
             "stop": self.stop_sequences,
             "top_p": self.top_p,
             "top_k": self.top_k,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import httpx
 import pytest
 
 # Greedy by the model's word, and at most 4 tokens: both visible in any reply.
@@ -38,6 +39,18 @@ def test_requests_that_leave_a_field_out_take_the_models_value(server_factory, o
         model=server.model, messages=messages, temperature=None
     )
     assert as_none.choices[0].message.content == left_out[0].choices[0].message.content
+    # Anthropic's Messages too: temperature left out is the model's, not Anthropic's 1.0.
+    anthropic = [
+        httpx.post(
+            f"{server.url}/v1/messages",
+            json={"model": server.model, "messages": messages, "max_tokens": 30},
+            timeout=60,
+        ).json()
+        for _ in range(2)
+    ]
+    for reply in anthropic:
+        assert reply["content"][0]["text"] == left_out[0].choices[0].message.content
+        assert reply["usage"]["output_tokens"] == 4
     # The request's own value wins over the model's; max_new_tokens still caps it.
     sampled = client.completions.create(
         model=server.model,
