@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--chat-template",
+        type=_chat_template,
         default=None,
-        help="Jinja chat template file, for models whose tokenizer has none",
+        help="Jinja chat template, for models whose tokenizer has none: a file, or the "
+        "template itself (as vLLM takes it)",
     )
     model.add_argument(
         "--tool-call-parser",
@@ -203,6 +205,33 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _chat_template(value: str) -> str:
+    """The template's text: the file's, or the value itself where it is a template (holds
+    `{`, as vLLM tells them apart). Checked for Jinja syntax here, not at the first chat."""
+    from pathlib import Path
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value)
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise argparse.ArgumentTypeError(f"cannot read {value}: {e}") from None
+    elif "{" in value:
+        text = value
+    else:
+        raise argparse.ArgumentTypeError(
+            f"no such file: {value} (a template given inline holds Jinja's {{{{ or {{%)"
+        )
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise argparse.ArgumentTypeError(f"not a valid Jinja template: {e}") from None
+    return text
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -322,9 +351,6 @@ def _load(args: argparse.Namespace):
             'the parser is what reads tool calls out of tool_choice "auto" output.'
         )
     keys = api_keys(args.api_key, os.environ.get("SERVE_API_KEY"))
-    chat_template = None
-    if args.chat_template:
-        chat_template = Path(args.chat_template).read_text()
     try:  # before the model loads: a port in use is said at once
         sock = listening_socket(args.host, args.port)
     except OSError as e:
@@ -348,7 +374,7 @@ def _load(args: argparse.Namespace):
         name,
         model_path,
         api_keys=keys,
-        chat_template=chat_template,
+        chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_public=args.metrics_public,
         metrics_names=args.metrics_names,

@@ -167,6 +167,14 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
         ),
         (["--port", "70000"], "argument --port: must be a TCP port, 1 to 65535, got 70000"),
         (["--port", "-1"], "argument --port: must be a TCP port, 1 to 65535, got -1"),
+        (
+            ["--chat-template", "chatml.jinja"],
+            "argument --chat-template: no such file: chatml.jinja",
+        ),
+        (
+            ["--chat-template", "{% for m in messages %}{{ m.content }}"],
+            "argument --chat-template: not a valid Jinja template: Unexpected end of template",
+        ),
     ],
 )
 def test_bad_values_stop_serve_with_the_flag_named(run_serve, argv, message):

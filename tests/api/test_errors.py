@@ -152,3 +152,7 @@ def test_chat_template_flag(server_factory, no_template_model, tmp_path_factory,
     want = server.client().chat.completions.create(model=server.model, **kwargs)
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got.usage == want.usage
+    # The template itself in place of a file, as vLLM takes it.
+    inline = server_factory("--chat-template", CHATML_TEMPLATE, model=no_template_model)
+    got = inline.client().chat.completions.create(model=inline.model, **kwargs)
+    assert got.choices[0].message.content == want.choices[0].message.content
