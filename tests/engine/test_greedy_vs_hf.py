@@ -44,9 +44,18 @@ def test_mixed_length_batch_matches_hf(tiny_model_factory, arch, block_size):
             },
             "rope_theta": 500000.0,
         },
+        # YaRN (Qwen's and DeepSeek's long contexts): the prompts run past the original 32.
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 16,
+            }
+        },
         {"num_key_value_heads": 1, "tie_word_embeddings": False, "attention_bias": True},
     ],
-    ids=["rope-linear", "rope-llama3", "mqa-untied-bias"],
+    ids=["rope-linear", "rope-llama3", "rope-yarn", "mqa-untied-bias"],
 )
 def test_llama_variants_match_hf(tiny_model_factory, overrides):
     model_dir = tiny_model_factory("llama", **overrides)

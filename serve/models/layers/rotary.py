@@ -11,7 +11,7 @@ from torch import nn
 from serve import kernels
 from serve.models.forward_context import get_forward_context
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -44,9 +44,62 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(is_mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    if rope_type == "yarn":
+        return yarn_inv_freq(rotary_dim, params)[0]
     raise ValueError(
-        f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})."
+        f"rope type {rope_type!r} is not supported natively (supported: "
+        f"{', '.join(SUPPORTED_ROPE_TYPES)}); --model-impl transformers serves the model with "
+        "transformers' own rotary code."
     )
+
+
+def _attention_factor(params: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by: 1 but for YaRN."""
+    return yarn_inv_freq(2, params)[1] if params["rope_type"] == "yarn" else 1.0
+
+
+def yarn_inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: (inv_freq, attention factor).
+
+    Dimensions that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those turning more than `beta_fast` times are kept,
+    and a linear ramp blends the ones between. cos and sin are scaled by the attention
+    factor, 0.1 ln(factor) + 1 unless the config gives it (or DeepSeek's mscale pair).
+    """
+    base = float(params.get("rope_theta", 10000.0))
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params["factor"])
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        weight, weight_all = params.get("mscale"), params.get("mscale_all_dim")
+        if weight and weight_all:
+            attention_factor = mscale(factor, weight) / mscale(factor, weight_all)
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        # the dimension that turns `num_rotations` times over the original context
+        return (
+            rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+        )
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # [rotary_dim / 2]: 1 where the frequency is kept, 0 where interpolated
+    # float32, in transformers' order of operations
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(torch.float32) / rotary_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -62,7 +115,9 @@ class RotaryEmbedding(nn.Module):
         rotary_dim = rotary_dim or head_dim
         inv_freq = _inv_freq(rotary_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, rotary_dim]
+        scale = _attention_factor(params)
+        cache = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
+        # cache: [max_position, rotary_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.is_neox_style = is_neox_style
 
