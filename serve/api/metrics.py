@@ -41,6 +41,7 @@ VLLM_ALIASES = {
     "gpu_cache_usage_perc": "kv_cache_usage_perc",
 }
 _STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
+DEFAULT_PRIORITY_LABEL = "0"  # the queue time's priority label of a request that gives none
 
 
 class _EngineCollector(Collector):
@@ -221,9 +222,11 @@ class _EngineCollector(Collector):
             labels=["model_name", "priority"],
         )
         bounds = [str(b) for b in QUEUE_TIME_BUCKETS_S] + ["+Inf"]
-        for label, counts in sorted(queue_times.counts.items()):
+        # The default priority's series is there from the start, at 0, as vLLM's is.
+        counts_by_label = {DEFAULT_PRIORITY_LABEL: [0] * len(bounds), **queue_times.counts}
+        for label, counts in sorted(counts_by_label.items()):
             buckets = list(zip(bounds, counts))
-            family.add_metric([self.model_name, label], buckets, queue_times.sums[label])
+            family.add_metric([self.model_name, label], buckets, queue_times.sums.get(label, 0.0))
         return family
 
 

@@ -33,7 +33,7 @@ from typing import Any
 from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string, text_decoder
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.protocol import request_error_message
-from serve.engine.request_metrics import RequestMetrics
+from serve.engine.request_metrics import FinishedRequest, RequestMetrics
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta, SeqDelta
@@ -380,16 +380,24 @@ class OutputProcessor:
         params = state.params
         if params.is_prefill_only:  # no first token: its prompt counts now
             self.metrics.prompt_done(len(state.prompt_token_ids))
+        decode_s = None  # its tokens came all at once (beam search's results), or none did
+        if state.first_token_time is not None and state.last_token_time is not None:
+            if state.last_token_time > state.first_token_time:
+                decode_s = state.last_token_time - state.first_token_time
+        seq_lens = [len(s.token_ids) for s in state.seqs.values()]
         self.metrics.finished(
-            first.finish_reason.value,
-            now - state.arrival_time,
-            None if state.first_token_time is None else now - state.first_token_time,
-            len(state.prompt_token_ids),
-            sum(len(s.token_ids) for s in state.seqs.values()),
-            max(len(s.token_ids) for s in state.seqs.values()),
-            params.max_tokens,
-            params.n,
-            delta.times,
+            FinishedRequest(
+                reason=first.finish_reason.value,
+                e2e_s=now - state.arrival_time,
+                decode_s=decode_s,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generated_tokens=sum(seq_lens),
+                max_seq_tokens=max(seq_lens),
+                max_tokens=params.max_tokens,
+                n=params.n,
+                times=delta.times,
+                is_prefill_only=params.is_prefill_only,
+            )
         )
 
 

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 
 from serve.outputs import RequestTimes
+from serve.sequence import FinishReason
 
 TTFT_BUCKETS_S = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -33,6 +34,9 @@ REQUEST_LATENCY_BUCKETS_S = (
 # 1, 2, 5, 10, 20, 50, ... up to a million tokens: every context a model has today.
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5)) + (1e6,)
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+# request_success's finished_reason labels, every one exported from the start (at 0, as
+# vLLM does) so that ratios of their rates have data before the first of each.
+FINISHED_REASONS = (*(reason.value for reason in FinishReason), "error")
 
 # name → (buckets, help). The front end observes all of them; the queue time histogram
 # is the scheduler's (by priority, outputs.QueueTimes).
@@ -52,7 +56,9 @@ HISTOGRAMS: dict[str, tuple[tuple[float, ...], str]] = {
     ),
     "request_time_per_output_token_seconds": (
         ITL_BUCKETS_S,
-        "Per request: seconds from its first to its last token over the tokens between.",
+        "Per request: seconds from its first to its last token over the tokens its "
+        "longest sequence generated after its first (none for a request with no such "
+        "tokens, nor for beam search, whose beams arrive whole).",
     ),
     "request_prefill_time_seconds": (
         REQUEST_LATENCY_BUCKETS_S,
@@ -113,6 +119,26 @@ class Histogram:
 
 
 @dataclass
+class FinishedRequest:
+    """A request that ended by itself (a stop, a length), as the front end saw it."""
+
+    reason: str  # its finished_reason label
+    e2e_s: float
+    # From its first to its last output tokens as the front end saw them; None when they
+    # came all at once (beam search's results) or never (nothing sampled).
+    decode_s: float | None
+    num_prompt_tokens: int
+    num_generated_tokens: int  # all its sequences'
+    max_seq_tokens: int  # its longest sequence's: the tokens one choice decoded
+    max_tokens: int | None
+    n: int
+    times: RequestTimes | None  # the core's phases
+    # Sampled nothing (max_tokens 0: a pooling request, a prompt scored): it observes no
+    # generation histogram, whose 0s would only drag their averages down.
+    is_prefill_only: bool = False
+
+
+@dataclass
 class RequestMetricsSnapshot:
     histograms: dict[str, Histogram]
     prompt_tokens: int  # of requests that have had their first token (or finished without)
@@ -129,7 +155,7 @@ class RequestMetrics:
         self._histograms = {name: Histogram(bounds) for name, (bounds, _) in HISTOGRAMS.items()}
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._finished: dict[str, int] = {}
+        self._finished = dict.fromkeys(FINISHED_REASONS, 0)
 
     def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
         with self._lock:
@@ -150,37 +176,30 @@ class RequestMetrics:
             if since_last_s is not None:
                 self._histograms["inter_token_latency_seconds"].observe(since_last_s)
 
-    def finished(
-        self,
-        reason: str,
-        e2e_s: float,
-        decode_s: float | None,
-        num_prompt_tokens: int,
-        num_generated_tokens: int,
-        max_seq_tokens: int,
-        max_tokens: int | None,
-        n: int,
-        times: RequestTimes | None,
-    ) -> None:
-        """A request ended by itself (a stop, a length, an error). `decode_s`: from its
-        first to its last token, as the front end saw them."""
+    def finished(self, r: FinishedRequest) -> None:
+        """A request ended by itself: counted by reason, and its histograms observed."""
         h = self._histograms
         with self._lock:
-            self._finished[reason] = self._finished.get(reason, 0) + 1
-            h["e2e_request_latency_seconds"].observe(e2e_s)
-            h["request_prompt_tokens"].observe(num_prompt_tokens)
-            h["request_generation_tokens"].observe(num_generated_tokens)
-            h["request_max_num_generation_tokens"].observe(max_seq_tokens)
-            if max_tokens is not None:
-                h["request_params_max_tokens"].observe(max_tokens)
-            h["request_params_n"].observe(n)
-            if decode_s is not None and num_generated_tokens > 1:
-                per_token = decode_s / (num_generated_tokens - 1)
+            self._finished[r.reason] = self._finished.get(r.reason, 0) + 1
+            h["e2e_request_latency_seconds"].observe(r.e2e_s)
+            h["request_prompt_tokens"].observe(r.num_prompt_tokens)
+            h["request_params_n"].observe(r.n)
+            if r.times is not None:
+                h["request_prefill_time_seconds"].observe(r.times.prefill_s)
+                h["request_inference_time_seconds"].observe(r.times.prefill_s + r.times.decode_s)
+            if r.is_prefill_only:
+                return
+            h["request_generation_tokens"].observe(r.num_generated_tokens)
+            h["request_max_num_generation_tokens"].observe(r.max_seq_tokens)
+            if r.max_tokens is not None:
+                h["request_params_max_tokens"].observe(r.max_tokens)
+            if r.times is not None:
+                h["request_decode_time_seconds"].observe(r.times.decode_s)
+            # Per sequence, as vLLM's n child requests each time their own tokens: the n
+            # sequences decode side by side, so dividing by all their tokens reads 1/n.
+            if r.decode_s is not None and r.max_seq_tokens > 1:
+                per_token = r.decode_s / (r.max_seq_tokens - 1)
                 h["request_time_per_output_token_seconds"].observe(per_token)
-            if times is not None:
-                h["request_prefill_time_seconds"].observe(times.prefill_s)
-                h["request_decode_time_seconds"].observe(times.decode_s)
-                h["request_inference_time_seconds"].observe(times.prefill_s + times.decode_s)
 
     def ended_early(self, reason: str) -> None:
         """A request ended before it finished: "abort" (its client left, it timed out) or

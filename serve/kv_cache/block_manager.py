@@ -29,7 +29,9 @@ BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
 @dataclass
 class PrefixCacheCounters:
-    """Prompt tokens looked up in the prefix cache, and how many of them were found."""
+    """Prompt tokens looked up in the prefix cache, and how many of them were found: each
+    request's first admission only. A preempted request's return is left out, as in vLLM:
+    its output so far would count as prompt, and the blocks it computed itself as hits."""
 
     queries: int = 0
     hits: int = 0
@@ -143,8 +145,12 @@ class BlockManager:
             num_new += self._num_new_blocks(num_tokens, cached_prefix)
         return len(revived) + num_new
 
-    def take_cached_prefix(self, seq: Sequence, cached_prefix: list[int]) -> int:
-        """Start `seq`'s table with the cached blocks; returns the tokens they hold."""
+    def take_cached_prefix(
+        self, seq: Sequence, cached_prefix: list[int], was_preempted: bool = False
+    ) -> int:
+        """Start `seq`'s table with the cached blocks; returns the tokens they hold.
+        `was_preempted`: it is coming back after a preemption, and the lookup is not
+        counted in `prefix_cache`."""
         if self.has_table(seq.seq_id) or self.is_swapped_out(seq.seq_id):
             raise ValueError(f"seq {seq.seq_id} already has blocks")
         for block_id in cached_prefix:
@@ -153,7 +159,7 @@ class BlockManager:
         self._num_registered[seq.seq_id] = len(cached_prefix)
         num_cached_tokens = len(cached_prefix) * self.block_size
         self._num_slots_filled[seq.seq_id] = num_cached_tokens
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not was_preempted:
             self.prefix_cache.queries += seq.num_tokens
             self.prefix_cache.hits += num_cached_tokens
         return num_cached_tokens

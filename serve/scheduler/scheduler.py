@@ -594,7 +594,9 @@ class Scheduler:
         if needed > bm.num_free_blocks - self._watermark():
             return False
         for seq in group.live_seqs:
-            seq.num_computed_tokens = bm.take_cached_prefix(seq, hits[seq.seq_id])
+            seq.num_computed_tokens = bm.take_cached_prefix(
+                seq, hits[seq.seq_id], was_preempted=group.started
+            )
         self.policy.on_admit(group)
         if not group.started:
             group.started = True

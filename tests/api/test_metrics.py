@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 from api.conftest import scrape_metrics, wait_until_idle
+from prometheus_client.parser import text_string_to_metric_families
+
+from serve.api.metrics import ServerMetrics
+from serve.engine.messages import CoreStats
+from serve.engine.request_metrics import RequestMetrics
+from serve.outputs import EngineStats, StepTimes
 
 
 def test_metrics_count_tokens_and_responses_and_free_blocks(server):
@@ -46,3 +54,26 @@ def test_metrics_show_a_running_request(long_context_model, server_factory):
     assert busy["serve_kv_cache_blocks_used"] >= 1
     idle = wait_until_idle(server)
     assert idle["serve_kv_cache_blocks_used"] == 0
+
+
+def test_every_finished_reason_and_the_default_priority_are_there_from_the_start():
+    """Before any request, as in vLLM: request_success at 0 for each finished reason and
+    the queue time of the default priority at 0, so that a ratio of their rates (an
+    alert's error rate) has data instead of no series."""
+    engine = SimpleNamespace(
+        is_alive=True,
+        request_metrics=RequestMetrics(),
+        core_stats=CoreStats(EngineStats(64, 0, 0, 0, 0, 0, 0, 0.0), 0, StepTimes()),
+    )
+    text = ServerMetrics(engine, "m").render().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    for reason in ("stop", "length", "abort", "error"):
+        labels = (("finished_reason", reason), ("model_name", "m"))
+        assert samples[("serve_request_success_total", labels)] == 0, reason
+    queue = (("model_name", "m"), ("priority", "0"))
+    assert samples[("serve_request_queue_time_seconds_count", queue)] == 0
+    assert samples[("serve_request_queue_time_seconds_sum", queue)] == 0

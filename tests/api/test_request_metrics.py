@@ -86,6 +86,91 @@ def test_latency_histograms_agree_with_the_client(server):
     assert ttft_inf == NUM_REQUESTS
 
 
+def _complete(server, **body) -> dict:
+    body = {"model": server.model, "prompt": "Hello", "ignore_eos": True, **body}
+    resp = httpx.post(f"{server.v1}/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_time_per_output_token_is_per_choice_for_n_choices(server):
+    """n choices decode side by side: a request's time per output token is its time from
+    first to last token over what one choice decoded after its first, not over all
+    choices' tokens (vLLM times each of its n child requests on its own)."""
+    before = wait_until_idle(server)
+    n, max_tokens = 2, 40
+    usage = _complete(server, n=n, max_tokens=max_tokens)["usage"]
+    assert usage["completion_tokens"] == n * max_tokens
+    after = wait_until_idle(server)
+
+    def d(key: str) -> float:
+        return _delta(after, before, f"serve_{key}")
+
+    assert d("request_time_per_output_token_seconds_count") == 1
+    # The front end's first-to-last token time is its end-to-end latency less its TTFT.
+    decode_s = d("e2e_request_latency_seconds_sum") - d("time_to_first_token_seconds_sum")
+    tpot = d("request_time_per_output_token_seconds_sum")
+    assert decode_s > 0
+    assert tpot == pytest.approx(decode_s / (max_tokens - 1), rel=1e-6)
+    # The token counts stay every choice's.
+    assert d("generation_tokens_total") == n * max_tokens
+    assert d("request_generation_tokens_sum") == n * max_tokens
+    assert d("request_max_num_generation_tokens_sum") == max_tokens
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"n": 2, "max_tokens": 1},
+        {"n": 2, "best_of": 2, "max_tokens": 6, "use_beam_search": True, "temperature": 0},
+    ],
+    ids=["one-token-choices", "beam-search"],
+)
+def test_no_time_per_output_token_without_a_decode_to_time(server, body):
+    """One token per choice has no time between tokens; beam search's beams reach the
+    front end whole, at the end (vLLM runs it as one-token requests). Neither adds a
+    0 s time per output token, but both are finished requests with their tokens."""
+    before = wait_until_idle(server)
+    _complete(server, **body)
+    after = wait_until_idle(server)
+    assert _delta(after, before, "serve_request_time_per_output_token_seconds_count") == 0
+    assert _delta(after, before, "serve_e2e_request_latency_seconds_count") == 1
+    tokens = body["n"] * body["max_tokens"]
+    assert _delta(after, before, "serve_request_generation_tokens_sum") == tokens
+
+
+GENERATION_HISTOGRAMS = (
+    "request_generation_tokens",
+    "request_max_num_generation_tokens",
+    "request_params_max_tokens",
+    "request_decode_time_seconds",
+    "request_time_per_output_token_seconds",
+)
+
+
+def test_embeddings_observe_no_generation_histograms(server):
+    """An embedding samples nothing: it is a finished request with its prompt, but adds
+    no 0 to the histograms of what requests generate."""
+    before = wait_until_idle(server)
+    texts = ["The sea is wide.", "A cat sat on the mat."]
+    resp = httpx.post(
+        f"{server.v1}/embeddings", json={"model": server.model, "input": texts}, timeout=60
+    )
+    assert resp.status_code == 200, resp.text
+    after = wait_until_idle(server)
+
+    def d(key: str) -> float:
+        return _delta(after, before, f"serve_{key}")
+
+    for name in GENERATION_HISTOGRAMS:
+        assert d(f"{name}_count") == 0, name
+    assert d('request_success_total{finished_reason="stop"}') == len(texts)
+    assert d("e2e_request_latency_seconds_count") == len(texts)
+    assert d("request_prompt_tokens_count") == len(texts)
+    assert d("request_prompt_tokens_sum") == resp.json()["usage"]["prompt_tokens"]
+    assert d("prompt_tokens_total") == resp.json()["usage"]["prompt_tokens"]
+
+
 def test_a_client_that_leaves_counts_as_an_abort(long_context_model, server_factory):
     # The same server as test_metrics.py's running request (one start for both).
     server = server_factory("--max-model-len", "4096", model=long_context_model)

@@ -170,6 +170,21 @@ def test_shared_prefix_under_pressure_matches_hf(tiny_llama):
     _assert_idle(llm)
 
 
+def test_preempted_requests_are_looked_up_once(tiny_llama):
+    """vLLM's prefix_cache_queries: each request's prompt tokens, once. A request
+    recomputed after a preemption is not looked up again: its output so far is no prompt,
+    and the blocks it computed itself are no hits."""
+    prompts = random_prompts(512, 5, 21, 21, seed=21)
+    llm = _llm(tiny_llama, block_size=4, num_gpu_blocks_override=20, max_num_seqs=3)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
+    assert stats.prefix_cache_hits == 0  # five different prompts: nothing to share
+    _assert_idle(llm)
+
+
 def test_disabled_prefix_caching_never_hits(tiny_llama):
     prompt = random_prompts(512, 1, 30, 30, seed=30)[0]
     llm = _llm(tiny_llama, block_size=4, enable_prefix_caching=False)

@@ -189,6 +189,25 @@ def test_hit_counters_are_in_tokens():
     assert manager.prefix_cache.hits == 4
 
 
+def test_a_preempted_sequences_return_is_not_counted():
+    """Counted once per request, its prompt: a sequence recomputed after a preemption
+    would add its outputs as queries and the blocks it computed itself as hits."""
+    manager = BlockManager(num_blocks=16, block_size=BLOCK_SIZE)
+    seq = make_seq(0, tokens(100, 7))
+    admit(manager, seq)
+    for token_id in (7, 8, 9):  # decoded: the K/V of all but the last output
+        seq.append_token(token_id, 0.0, None)
+    manager.allocate_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    manager.mark_computed(seq)
+    manager.free(0)  # a recompute preemption
+    seq.num_computed_tokens = 0
+    hits = manager.find_cached_prefix(seq)
+    assert len(hits) == 2  # its prompt's block and the one its outputs filled
+    assert manager.take_cached_prefix(seq, hits, was_preempted=True) == 8
+    assert (manager.prefix_cache.queries, manager.prefix_cache.hits) == (7, 0)
+
+
 def test_fork_shares_registered_blocks():
     manager = BlockManager(num_blocks=16, block_size=BLOCK_SIZE)
     parent = make_seq(0, tokens(100, 6))
