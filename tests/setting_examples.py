@@ -52,6 +52,7 @@ EXAMPLES = {
     ),
     "device": Example(("--device", "cpu"), "cpu"),
     "cuda_graphs": Example(("--no-cuda-graphs",), False),
+    "log_stats": Example(("--no-log-stats",), False),
 }
 
 

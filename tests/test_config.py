@@ -55,8 +55,12 @@ def test_unknown_keyword_is_named_with_a_suggestion_and_the_valid_ones():
 
 def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
     assert EngineConfig.create("m", enforce_eager=True).cuda_graphs is False
-    quiet = EngineConfig.create("m", trust_remote_code=True, disable_log_stats=True)
-    assert quiet == EngineConfig.create("m")
+    assert EngineConfig.create("m", trust_remote_code=True) == EngineConfig.create("m")
+    quiet = EngineConfig.create("m", disable_log_stats=True)
+    assert quiet == EngineConfig.create("m", log_stats=False)
+    assert EngineConfig.create("m", pipeline_parallel_size=1) == EngineConfig.create("m")
+    assert EngineConfig.create("m", dtype="half") == EngineConfig.create("m", dtype="float16")
+    assert EngineConfig.create("m", dtype="float") == EngineConfig.create("m", dtype="float32")
     assert EngineConfig.create("m", tokenizer_mode="auto", revision=None, quantization=None) == (
         EngineConfig.create("m")
     )
@@ -64,9 +68,19 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
         ({"quantization": "awq"}, "quantization is not supported"),
         ({"revision": "main"}, "revision cannot be chosen"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be auto"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),
     ]:
         with pytest.raises(InvalidSettingError, match=refused):
             EngineConfig.create("m", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("value", "tokens"),
+    [(2048, 2048), ("2048", 2048), ("4k", 4000), ("25.6k", 25600), ("4K", 4096), ("1M", 1 << 20)]
+    + [(-1, None), ("-1", None), ("auto", None), (None, None)],
+)
+def test_max_model_len_reads_as_vllm_writes_it(value, tokens):
+    assert EngineConfig.create(max_model_len=value).model.max_model_len == tokens
 
 
 def test_sizes_read_as_the_flags_say():
@@ -89,10 +103,16 @@ def test_sizes_read_as_the_flags_say():
         ({"kv_cache_memory": "0GiB"}, "kv_cache_memory must be a positive size like 4GiB"),
         ({"swap_space": -1}, "swap_space must be >= 0, got -1."),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
-        ({"dtype": "fp8"}, "dtype must be one of auto, float32, float16, bfloat16; got 'fp8'."),
+        (
+            {"dtype": "fp8"},
+            "dtype must be one of auto, float32, float16, bfloat16, half, float; got 'fp8'.",
+        ),
         ({"preemption_mode": "drop"}, "preemption_mode must be one of recompute, swap"),
         ({"load_format": "pt"}, "load_format 'pt' loads pickled weights"),
         ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0."),
+        ({"max_model_len": 0}, "max_model_len must be positive, got 0."),
+        ({"max_model_len": "lots"}, "max_model_len must be a number of tokens like 4096"),
+        ({"max_model_len": "1.5K"}, "max_model_len binary suffixes take whole numbers"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be positive, got 0."),
         ({"response_store_max_entries": 0}, "response_store_max_entries must be positive"),
         ({"response_store_ttl_s": 0}, "response_store_ttl_s must be a positive number"),

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import error_body
+from serve.api.middleware import route_path
 
 GENERATION_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings"}
@@ -49,7 +50,7 @@ class AdmissionGate:
             message = "The server is shutting down; retry on another replica."
             await _refuse(503, message, DRAINING_RETRY_AFTER_S, scope, receive, send)
             return
-        generating = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
+        generating = scope["method"] == "POST" and route_path(scope) in GENERATION_PATHS
         if (
             generating
             and limits.max_generating is not None
@@ -125,6 +126,6 @@ async def _refuse(
     headers = {"Connection": "close"}
     if retry_after_s is not None:
         headers["Retry-After"] = str(retry_after_s)
-    body = error_body(status, message, path=scope["path"])
+    body = error_body(status, message, path=route_path(scope))
     response = JSONResponse(body, status_code=status, headers=headers)
     await response(scope, receive, send)

@@ -16,8 +16,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve.api.errors import error_body
+from serve.api.middleware import route_path
 
-PUBLIC_PATHS = frozenset({"/health", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
 METRICS_PATH = "/metrics"
 
 UNAUTHORIZED_MESSAGE = (
@@ -57,7 +58,7 @@ class APIKeyAuth:
         self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in self.public:
+        if scope["type"] != "http" or not self.keys or route_path(scope) in self.public:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
@@ -66,7 +67,7 @@ class APIKeyAuth:
         if bearer_ok or (x_api_key is not None and is_key(x_api_key, self.keys)):
             await self.app(scope, receive, send)
             return
-        body = error_body(401, UNAUTHORIZED_MESSAGE, path=scope["path"])
+        body = error_body(401, UNAUTHORIZED_MESSAGE, path=route_path(scope))
         response = JSONResponse(body, status_code=401)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import socket
+import ssl
 import sys
+from collections.abc import Mapping
 
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
 from serve.api.limits import RequestLimits
@@ -44,8 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     model = groups["model"]
     model.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model name clients send (default: --model as given; SmolLM2-135M-Instruct for the default model)",
+        metavar="NAME",
+        help="the model name clients send (default: --model as given; SmolLM2-135M-Instruct "
+        "for the default model); more names are aliases requests may use too, the first is "
+        "the one replies and metrics carry",
     )
     model.add_argument(
         "--chat-template",
@@ -83,10 +90,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="port to listen on (taken before the model loads: a port in use stops serve at once)",
     )
     server.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves the API under when it strips it (e.g. /llm), "
+        "for the URLs the app builds",
+    )
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
         help="log verbosity",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="verbosity of uvicorn's own log (start-up, connection errors); requests are "
+        "logged by serve's access log",
+    )
+    server.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="log no line per request (vLLM's name; serve's access log takes uvicorn's place)",
+    )
+    server.add_argument(
+        "--disable-access-log-for-endpoints",
+        action="append",
+        default=None,
+        metavar="PATHS",
+        help="paths whose requests are logged only when they fail, comma-separated, e.g. "
+        "/health,/metrics for probes and scrapes",
+    )
+    server.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="serve no /openapi.json (the API's schema); serve has no /docs or /redoc pages",
+    )
+    server.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="accepted so vLLM command lines run: every response carries X-Request-Id (the "
+        "client's own where it sends one), the id the access log shows",
     )
     server.add_argument(
         "--max-num-queued-requests",
@@ -180,7 +224,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="ORIGIN",
         help="browser origins allowed to call the API (CORS), e.g. https://app.example.com; "
-        "repeat or comma-separate, '*' for any; without it, no CORS headers",
+        "repeat, comma-separate or give a JSON list as vLLM takes it ('[\"*\"]'), '*' for "
+        "any; without it, no CORS headers",
+    )
+    security.add_argument(
+        "--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key"
+    )
+    security.add_argument(
+        "--ssl-certfile", default=None, metavar="FILE", help="... and this certificate (chain)"
+    )
+    security.add_argument(
+        "--ssl-ca-certs",
+        default=None,
+        metavar="FILE",
+        help="CA certificates that client certificates are checked against",
+    )
+    security.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        choices=[0, 1, 2],
+        help="client certificates: 0 not asked for, 1 checked if sent, 2 required "
+        "(Python's ssl.CERT_NONE, CERT_OPTIONAL, CERT_REQUIRED)",
     )
     security.add_argument(
         "--trust-request-chat-template",
@@ -267,17 +332,39 @@ def comma_list(values: list[str] | None) -> tuple[str, ...]:
     return tuple(item for item in items if item)
 
 
-def api_keys(flag_values: list[str] | None, environment: str | None) -> tuple[str, ...]:
-    """The keys from --api-key, else from $SERVE_API_KEY. Either given but empty (a shell
-    variable that was not set: `-e SERVE_API_KEY="$KEY"`) is an error, never a server
-    open to all."""
+def origins(values: list[str] | None) -> tuple[str, ...]:
+    """--allowed-origins: repeated, comma-separated, or a JSON list (vLLM's form)."""
+    listed = []
+    for value in values or ():
+        if value.lstrip().startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--allowed-origins {value}: not a JSON list ({e})") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise ValueError(f"--allowed-origins {value}: a JSON list of strings, please")
+            listed.extend(items)
+        else:
+            listed.append(value)
+    return comma_list(listed)
+
+
+API_KEY_VARIABLES = ("SERVE_API_KEY", "VLLM_API_KEY")  # the first set wins
+
+
+def api_keys(flag_values: list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys from --api-key, else from $SERVE_API_KEY, else vLLM's $VLLM_API_KEY. Any
+    of them given but empty (a shell variable that was not set: `-e SERVE_API_KEY="$KEY"`)
+    is an error, never a server open to all."""
     if flag_values is None:
-        if environment is None:
-            return ()
-        keys = comma_list([environment])
-        if not keys:
-            raise ValueError("SERVE_API_KEY is set but empty; give a key, or unset the variable.")
-        return keys
+        for variable in API_KEY_VARIABLES:
+            if variable not in environ:
+                continue
+            keys = comma_list([environ[variable]])
+            if not keys:
+                raise ValueError(f"{variable} is set but empty; give a key, or unset the variable.")
+            return keys
+        return ()
     keys = comma_list(flag_values)
     if not keys:
         raise ValueError("--api-key is empty; give a key, or leave the flag out.")
@@ -313,10 +400,12 @@ def main(argv: list[str] | None = None) -> None:
         from serve.api.shutdown import GracefulServer
 
         logger.info(
-            "Serving %s at http://%s:%d/v1",
+            "Serving %s at %s://%s:%d%s/v1",
             settings.served_model_name,
+            "https" if args.ssl_certfile else "http",
             f"[{args.host}]" if ":" in args.host else args.host,
             args.port,
+            args.root_path,
         )
         if not settings.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning(
@@ -325,7 +414,16 @@ def main(argv: list[str] | None = None) -> None:
                 args.port,
             )
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="warning", access_log=False
+            app,
+            host=args.host,
+            port=args.port,
+            root_path=args.root_path,
+            log_level=args.uvicorn_log_level,
+            access_log=False,  # serve's own (AccessLog) logs each request
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
         )
         engine, admission = app.state.engine, app.state.admission
         server = GracefulServer(config, engine, admission, args.shutdown_timeout)
@@ -334,6 +432,24 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)  # Ctrl-C: stopped as asked, no traceback
+
+
+def check_tls_files(args: argparse.Namespace) -> None:
+    """Load the TLS key and certificates as uvicorn will, to say what is wrong with them
+    before the model loads rather than after."""
+    if args.ssl_keyfile is None and args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile.")
+        return
+    if args.ssl_certfile is None:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile (and the other way round).")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except OSError as e:  # ssl.SSLError is one
+        raise ValueError(f"cannot use the TLS key or certificate: {e}") from None
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -350,7 +466,9 @@ def _load(args: argparse.Namespace):
             "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
             'the parser is what reads tool calls out of tool_choice "auto" output.'
         )
-    keys = api_keys(args.api_key, os.environ.get("SERVE_API_KEY"))
+    keys = api_keys(args.api_key, os.environ)
+    allowed_origins = origins(args.allowed_origins)
+    check_tls_files(args)
     try:  # before the model loads: a port in use is said at once
         sock = listening_socket(args.host, args.port)
     except OSError as e:
@@ -369,16 +487,17 @@ def _load(args: argparse.Namespace):
 
         engine = EngineCoreClient(config)
     model_path = str(engine.model_path)
-    name = args.served_model_name or (args.model or Path(model_path).name)
+    names = args.served_model_name or [args.model or Path(model_path).name]
     settings = ServerSettings(
-        name,
+        names[0],
         model_path,
+        other_model_names=tuple(dict.fromkeys(names[1:])),
         api_keys=keys,
         chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_public=args.metrics_public,
         metrics_names=args.metrics_names,
-        allowed_origins=comma_list(args.allowed_origins),
+        allowed_origins=allowed_origins,
         tool_call_parser=args.tool_call_parser,
         max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,
         max_body_bytes=args.max_request_body_bytes,
@@ -388,6 +507,9 @@ def _load(args: argparse.Namespace):
         limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
         response_store=config.responses,
         sampling_defaults=sampling_defaults(engine.model_path, config.model.generation_config),
+        access_log=not args.disable_uvicorn_access_log,
+        quiet_access_paths=frozenset(comma_list(args.disable_access_log_for_endpoints)),
+        openapi_schema=not args.disable_fastapi_docs,
     )
     return build_app(engine, settings), settings, sock
 

@@ -8,6 +8,7 @@ response is logged when it really ends.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -25,20 +26,36 @@ access_logger = logging.getLogger("serve.access")
 CLIENT_CLOSED = 499
 
 
+# A client's own X-Request-Id is taken as the request's id when it is this plain.
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+
+
 class AccessLog:
     """One line per request, the 401s of a missing key and CORS preflights included: it
-    is the outermost middleware, and sets the request id the rest of the app uses."""
+    is the outermost middleware, and sets the request id the rest of the app uses: the
+    client's X-Request-Id where it sends a plain one, else a new one. Every response
+    carries it back as X-Request-Id, so a client's report finds its line in the log.
 
-    def __init__(self, app: ASGIApp, on_response: Callable[[int], None] | None = None) -> None:
+    `quiet_paths`: paths logged only when they fail (a health probe every few seconds);
+    `enabled`: False logs no line at all (metrics still count every response)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        on_response: Callable[[int], None] | None = None,
+        quiet_paths: frozenset[str] = frozenset(),
+        enabled: bool = True,
+    ) -> None:
         self.app = app
         self.on_response = on_response  # called with each response's status (metrics)
+        self.quiet_paths, self.enabled = quiet_paths, enabled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         state: dict[str, Any] = scope.setdefault("state", {})
-        state["request_id"] = uuid.uuid4().hex[:12]
+        state["request_id"] = request_id = _request_id(scope)
         start = time.perf_counter()
         status = CLIENT_CLOSED
         is_stream = False
@@ -49,6 +66,13 @@ class AccessLog:
                 status = message["status"]
                 headers = dict(message.get("headers", []))
                 is_stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+                message = {
+                    **message,
+                    "headers": [
+                        *message.get("headers", []),
+                        (b"x-request-id", request_id.encode()),
+                    ],
+                }
             await send(message)
 
         try:
@@ -57,9 +81,31 @@ class AccessLog:
             # A stream cut short by a hang-up never records its usage (it does at its end).
             if is_stream and state.get("usage") is None:
                 status = CLIENT_CLOSED
-            _log(scope, status, start)
+            if self.enabled and (status >= 400 or not self._is_quiet(scope)):
+                _log(scope, status, start)
             if self.on_response is not None:
                 self.on_response(status)
+
+    def _is_quiet(self, scope: Scope) -> bool:
+        return route_path(scope) in self.quiet_paths
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes by: without the proxy's prefix (--root-path), which the
+    server puts in front of `scope["path"]`."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :] or "/"
+    return path
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            if _CLIENT_REQUEST_ID.fullmatch(text):
+                return text
+    return uuid.uuid4().hex[:12]
 
 
 class InternalErrors:
@@ -95,7 +141,7 @@ class InternalErrors:
                 message = (
                     f"Internal server error (request {request_id}); the server log has details."
                 )
-                body = error_body(500, message, path=scope["path"])
+                body = error_body(500, message, path=route_path(scope))
                 await JSONResponse(body, status_code=500)(scope, receive, send)
 
 

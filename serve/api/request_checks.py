@@ -148,11 +148,12 @@ class PromptCharLimit:
 
 
 def check_model(model: str | None, settings: ServerSettings) -> None:
-    if model not in (None, settings.served_model_name, settings.model_path):
+    if model is not None and model not in (*settings.model_names, settings.model_path):
         raise APIError(
             404,
             f"The model `{model}` does not exist. This server serves "
-            f"`{settings.served_model_name}`.",
+            + ", ".join(f"`{name}`" for name in settings.model_names)
+            + ".",
             param="model",
             code="model_not_found",
         )

@@ -20,7 +20,7 @@ from serve.api.auth import APIKeyAuth, public_paths
 from serve.api.errors import APIError, error_body, error_response, validation_message
 from serve.api.json_body import JSONBodyRoute
 from serve.api.metrics import ServerMetrics
-from serve.api.middleware import CLIENT_CLOSED, AccessLog, InternalErrors
+from serve.api.middleware import CLIENT_CLOSED, AccessLog, InternalErrors, route_path
 from serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +63,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         version=serve.__version__,
         docs_url=None,
         redoc_url=None,
+        openapi_url="/openapi.json" if settings.openapi_schema else None,
         lifespan=lifespan,
         strict_content_type=False,  # JSONBodyRoute answers other types; none at all is JSON
     )
@@ -80,12 +81,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc, request.scope["path"])
+        return error_response(exc, route_path(request.scope))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors(), exc.body)
-        body = error_body(400, message, param, path=request.scope["path"])
+        body = error_body(400, message, param, path=route_path(request.scope))
         return JSONResponse(body, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -93,12 +94,14 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404:
             message = f"No route {request.method} {request.url.path}."
-        body = error_body(exc.status_code, message, path=request.scope["path"])
+        body = error_body(exc.status_code, message, path=route_path(request.scope))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(error_body(503, str(exc), path=request.scope["path"]), status_code=503)
+        return JSONResponse(
+            error_body(503, str(exc), path=route_path(request.scope)), status_code=503
+        )
 
     app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
     # The last added runs first: access log → CORS → API key → admission → last word on
@@ -117,17 +120,24 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             # Content-Type (X-Stainless-*, OpenAI-Organization, ...), and no fixed list
             # keeps up with them. The API key, not CORS, is what guards the routes.
             allow_headers=["*"],
-            expose_headers=["Retry-After"],
+            expose_headers=["Retry-After", "X-Request-Id"],
         )
     app.state.metrics = metrics = ServerMetrics(
         engine, settings.served_model_name, settings.metrics_names
     )
-    app.add_middleware(AccessLog, on_response=metrics.count_response)
+    app.add_middleware(
+        AccessLog,
+        on_response=metrics.count_response,
+        quiet_paths=settings.quiet_access_paths,
+        enabled=settings.access_log,
+    )
 
     def _log_unknown(body: OpenAIModel) -> None:
         if body.unknown_fields:
             logger.debug("Ignoring unknown request fields: %s", ", ".join(body.unknown_fields))
 
+    # /ping: vLLM's (SageMaker's) name for the same probe, by GET or POST.
+    @app.api_route("/ping", methods=["GET", "POST"])
     @app.get("/health")
     async def health() -> Response:
         if engine.is_alive:
@@ -143,24 +153,27 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": serve.__version__}
 
-    def model_card() -> dict[str, Any]:
+    def model_card(name: str) -> dict[str, Any]:
+        """vLLM's card: OpenAI's fields, plus root, parent and max_model_len."""
         return {
-            "id": settings.served_model_name,
+            "id": name,
             "object": "model",
             "created": now(),
             "owned_by": "serve",
             "root": settings.served_model_name,  # never the path on this machine
+            "parent": None,
             "max_model_len": engine.max_model_len,
         }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in settings.model_names]}
 
     @app.get("/v1/models/{model_id:path}")  # the OpenAI client's models.retrieve
     async def model(model_id: str) -> dict[str, Any]:
         check_model(model_id, settings)
-        return model_card()
+        known = model_id in settings.model_names
+        return model_card(model_id if known else settings.served_model_name)
 
     async def respond(
         handler: ChatHandler | CompletionHandler | ResponsesHandler | MessagesHandler,

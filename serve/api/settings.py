@@ -11,8 +11,9 @@ from serve.config import ResponseStoreConfig
 
 @dataclass(frozen=True)
 class ServerSettings:
-    served_model_name: str
+    served_model_name: str  # the name replies carry, and metrics' model_name
     model_path: str
+    other_model_names: tuple[str, ...] = ()  # more names requests may use (aliases)
     api_keys: tuple[str, ...] = ()  # empty: no key needed
     chat_template: str | None = None
     # A request's own `chat_template` is rendered only when the operator trusts clients
@@ -32,3 +33,10 @@ class ServerSettings:
     # The model's generation_config.json values for requests that leave them out
     # (--generation-config auto): SamplingParams' names, `max_tokens` a cap on every request.
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    access_log: bool = True  # a line per request (serve.access)
+    quiet_access_paths: frozenset[str] = frozenset()  # logged only when they fail
+    openapi_schema: bool = True  # GET /openapi.json
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.other_model_names)

@@ -120,7 +120,7 @@ class StatsLogger:
 
     def record(self, core: EngineCore) -> None:
         now = time.monotonic()
-        if now - self.last_log < STATS_INTERVAL_S:
+        if now - self.last_log < STATS_INTERVAL_S or not core.config.log_stats:
             return
         stats = core.stats()
         elapsed = now - self.last_log

@@ -130,8 +130,8 @@ def start_server(
 ) -> Server:
     """Start `python -m serve.api.cli` (or `python *entry`) and wait for /health.
     `model=None` serves the default model. The environment is the test's, minus
-    SERVE_API_KEY, plus `env_overrides`."""
-    env = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"}
+    SERVE_API_KEY and VLLM_API_KEY, plus `env_overrides`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SERVE_API_KEY", "VLLM_API_KEY")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env_overrides)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     last_error: Exception | None = None

@@ -28,6 +28,7 @@ def run_serve(monkeypatch, capsys):
     SIGTERM handler, put back afterwards."""
     monkeypatch.setenv("COLUMNS", "1000")  # one help line per flag, not wrapped
     monkeypatch.delenv("SERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     handler = signal.getsignal(signal.SIGTERM)
 
     def run(*argv: str) -> tuple[int, str, str]:
@@ -230,3 +231,17 @@ def test_a_port_in_use_stops_serve_before_the_model_loads(run_serve, monkeypatch
     assert code == 1
     assert err.startswith(f"serve: error: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
+        (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
+        (["--ssl-certfile", "/no/such/cert.pem"], "cannot use the TLS key or certificate"),
+    ],
+)
+def test_tls_mistakes_stop_serve_before_the_model_loads(run_serve, argv, message):
+    code, _, err = run_serve(*argv)
+    assert code == 1
+    assert err.startswith(f"serve: error: {message}")

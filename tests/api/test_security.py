@@ -15,7 +15,7 @@ from api.openai_errors import assert_openai_error
 from tiny_models import build_tokenizer
 
 from serve.api.auth import is_authorized
-from serve.api.cli import api_keys, comma_list
+from serve.api.cli import api_keys, comma_list, origins
 from serve.chat.rendering import ChatRenderError, render_chat
 
 KEYS = ("key-one", "key-two")
@@ -163,16 +163,36 @@ def test_every_key_is_compared(monkeypatch):
 
 
 def test_api_keys_from_flags_and_environment():
-    assert api_keys(None, None) == ()
-    assert api_keys(None, "a, b,,c") == ("a", "b", "c")
-    for unset in ("", " ", ","):  # `-e SERVE_API_KEY="$UNSET"` must not open the server
-        with pytest.raises(ValueError, match="SERVE_API_KEY is set but empty"):
-            api_keys(None, unset)
-    assert api_keys(["a", "b,c"], "ignored") == ("a", "b", "c")
+    assert api_keys(None, {}) == ()
+    assert api_keys(None, {"SERVE_API_KEY": "a, b,,c"}) == ("a", "b", "c")
+    # A vLLM deployment's variable guards the server too; serve's own wins over it.
+    assert api_keys(None, {"VLLM_API_KEY": "v"}) == ("v",)
+    assert api_keys(None, {"VLLM_API_KEY": "v", "SERVE_API_KEY": "s"}) == ("s",)
+    for variable in ("SERVE_API_KEY", "VLLM_API_KEY"):
+        for unset in ("", " ", ","):  # `-e SERVE_API_KEY="$UNSET"` must not open the server
+            with pytest.raises(ValueError, match=f"{variable} is set but empty"):
+                api_keys(None, {variable: unset})
+    assert api_keys(["a", "b,c"], {"SERVE_API_KEY": "ignored"}) == ("a", "b", "c")
     with pytest.raises(ValueError, match="--api-key is empty"):
-        api_keys([""], "from-env")  # `--api-key "$UNSET"` must not open the server
+        api_keys([""], {"SERVE_API_KEY": "from-env"})  # `--api-key "$UNSET"` must not open it
     assert comma_list(["*"]) == ("*",)
     assert comma_list(None) == ()
+
+
+def test_allowed_origins_as_vllm_writes_them():
+    assert origins(['["*"]']) == ("*",)
+    assert origins(['["https://a.example", "https://b.example"]', "https://c.example"]) == (
+        "https://a.example",
+        "https://b.example",
+        "https://c.example",
+    )
+    assert origins(["https://a.example,https://b.example"]) == (
+        "https://a.example",
+        "https://b.example",
+    )
+    for bad in ('["*"', "[1, 2]"):
+        with pytest.raises(ValueError, match="--allowed-origins"):
+            origins([bad])
 
 
 # -- CORS ------------------------------------------------------------------------------

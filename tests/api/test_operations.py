@@ -1,0 +1,146 @@
+"""What an operator sets up around the API, with vLLM's flags: model aliases, probes,
+the access log and its request ids, a proxy's path prefix, TLS."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.api.conftest import REPO_ROOT, free_port, stop_process
+
+QUIET = "/health,/ping"
+
+
+@pytest.fixture(scope="module")
+def operated(server_factory):
+    return server_factory(
+        "--served-model-name",
+        "main-name",
+        "alias",
+        "--disable-access-log-for-endpoints",
+        QUIET,
+        "--root-path",
+        "/llm",
+        "--disable-fastapi-docs",
+    )
+
+
+def _wait_for_line(server, text: str) -> None:
+    deadline = time.monotonic() + 5
+    while text not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert text in server.log()
+
+
+def test_every_served_name_answers_and_replies_carry_the_first(operated):
+    client = operated.client()
+    assert operated.model == "main-name"
+    cards = client.models.list().data
+    assert [c.id for c in cards] == ["main-name", "alias"]
+    assert client.models.retrieve("alias").id == "alias"
+    reply = client.completions.create(model="alias", prompt="Once", max_tokens=2)
+    assert reply.model == "main-name"  # as in vLLM, whose metrics carry the first name too
+    missing = httpx.post(
+        f"{operated.v1}/completions", json={"model": "other", "prompt": "x"}, timeout=30
+    )
+    assert missing.status_code == 404
+    assert "`main-name`, `alias`" in missing.json()["error"]["message"]
+    card = httpx.get(f"{operated.v1}/models", timeout=30).json()["data"][0]
+    assert card["root"] == "main-name" and card["parent"] is None
+
+
+def test_ping_is_the_health_probe_by_get_and_post(operated):
+    assert httpx.get(f"{operated.url}/ping", timeout=10).status_code == 200
+    assert httpx.post(f"{operated.url}/ping", timeout=10).status_code == 200
+
+
+def test_quiet_paths_stay_out_of_the_access_log_and_request_ids_come_back(operated):
+    for _ in range(3):
+        assert httpx.get(f"{operated.url}/health", timeout=10).status_code == 200
+    own = httpx.get(f"{operated.url}/version", headers={"X-Request-Id": "trace-17"}, timeout=10)
+    assert own.headers["x-request-id"] == "trace-17"
+    _wait_for_line(operated, 'trace-17 "GET /llm/version" 200')  # the path as asked
+    assert '"GET /health"' not in operated.log()
+    # An id the log could not show as one plain word is replaced, never echoed.
+    odd = httpx.get(f"{operated.url}/version", headers={"X-Request-Id": "a b\tc"}, timeout=10)
+    assert odd.headers["x-request-id"] not in ("a b\tc", "")
+    # A quiet path that fails is still logged.
+    refused = httpx.delete(f"{operated.url}/health", timeout=10)
+    assert refused.status_code == 405
+    _wait_for_line(operated, f'{refused.headers["x-request-id"]} "DELETE /llm/health" 405')
+
+
+def test_the_proxys_prefix_is_the_apps_root_path(server_factory, operated):
+    """Behind a proxy that strips /llm, the API answers on the plain paths, and the
+    schema's servers list carries the prefix, so generated clients call through it."""
+    assert httpx.get(f"{operated.v1}/models", timeout=10).status_code == 200
+    assert httpx.get(f"{operated.url}/openapi.json", timeout=10).status_code == 404
+    prefixed = server_factory("--root-path", "/llm")
+    schema = httpx.get(f"{prefixed.url}/openapi.json", timeout=10).json()
+    assert schema["servers"] == [{"url": "/llm"}]
+    assert "/v1/chat/completions" in schema["paths"]
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    key, cert = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    return key, cert
+
+
+def test_tls_with_vllms_flags(tiny_llama, certificate, tmp_path, monkeypatch):
+    key, cert = certificate
+    port = free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k not in ("SERVE_API_KEY", "VLLM_API_KEY")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    command = [sys.executable, "-m", "serve.api.cli", "--model", str(tiny_llama)]
+    command += ["--port", str(port), "--kv-cache-memory", "64MiB"]
+    command += ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    trust = ssl.create_default_context(cafile=str(cert))
+    try:
+        url = f"https://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", verify=trust, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "Once", "max_tokens": 2},
+            verify=trust,
+            timeout=30,
+        )
+        assert reply.status_code == 200, log.read_text()
+        assert reply.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx.TransportError):  # no plain HTTP on the TLS port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert f"Serving {tiny_llama} at https://" in log.read_text()
+        # The image's health check follows serve's flags onto HTTPS.
+        monkeypatch.syspath_prepend(str(REPO_ROOT / "docker"))
+        import healthcheck
+
+        argv = ["/opt/venv/bin/serve", "--port", str(port), "--ssl-certfile", str(cert)]
+        monkeypatch.setattr(healthcheck, "serve_argv", lambda: argv)
+        assert healthcheck.main() == 0
+        monkeypatch.setattr(healthcheck, "serve_argv", lambda: argv[:3])
+        assert healthcheck.main() == 1  # plain HTTP to the TLS port: unhealthy
+    finally:
+        stop_process(process)
