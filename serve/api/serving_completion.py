@@ -132,6 +132,12 @@ class CompletionHandler:
             return None
         return self._token_logprobs(completion.token_ids, completion.logprobs, text_offset, num_top)
 
+    def _echo_offset(self, prompt_token_ids: list[int]) -> int:
+        """Where the output's text_offset starts under echo: past the prompt's tokens, each
+        counted by its own text as the logprobs list it (vLLM walks prompt and output in
+        one pass; a partial UTF-8 token counts as one "\ufffd", not as its bytes)."""
+        return sum(len(token_text(self.tokenizer, t)) for t in prompt_token_ids)
+
     def _token_logprobs(
         self,
         token_ids: list[int],
@@ -173,7 +179,8 @@ class CompletionHandler:
         completion = out.outputs[index % request.n]
         prefix = prompt_text if request.echo else ""
         num_top = request.logprobs or 0
-        logprobs = self._logprobs(completion, len(prefix), num_top)
+        start = self._echo_offset(out.prompt_token_ids) if request.echo else 0
+        logprobs = self._logprobs(completion, start, num_top)
         if request.echo and logprobs is not None and out.prompt_logprobs is not None:
             echoed = self._token_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, num_top)
             logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
@@ -265,9 +272,18 @@ class CompletionHandler:
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
         num_top = request.logprobs or 0
+        # Each choice's next text_offset: counted by the tokens' texts, as the whole
+        # response counts them, not by the text sent (the detokenizer and stop strings
+        # hold some back for a while).
+        offsets = [
+            self._echo_offset(prompts[index // request.n][1]) if request.echo else 0
+            for index in range(len(streams) * request.n)
+        ]
 
         def content(index, completion, sent_chars):
-            logprobs = self._logprobs(completion, sent_chars, num_top)
+            logprobs = self._logprobs(completion, offsets[index], num_top)
+            if logprobs is not None and logprobs["tokens"]:
+                offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             return [{"text": completion.text, "logprobs": logprobs}]
 
         def finish(index, completion):

@@ -112,18 +112,19 @@ def initial_prefix_offset(decode: TextDecoder, prompt_token_ids: list[int], skip
 def find_stop_string(
     text: str, num_new_chars: int, stops: list[str], include_stop: bool
 ) -> tuple[int, str] | None:
-    """The first stop string that the newest `num_new_chars` characters of `text`
-    completed, and how much of `text` to keep (up to the stop, or through it with
-    `include_stop`); None when they complete none."""
+    """The stop string that the newest `num_new_chars` characters of `text` completed
+    first (the match that ends earliest, as text growing a character at a time would
+    meet it; ties to the earlier in `stops`, as vLLM), and how much of `text` to keep (up
+    to the stop, or through it with `include_stop`); None when they complete none."""
     if not stops or not num_new_chars:
         return None
     matches = []
-    for stop in stops:
+    for order, stop in enumerate(stops):
         # Only a match ending in the new text is new; start the search early enough for it.
         index = text.find(stop, max(len(text) - num_new_chars - len(stop) + 1, 0))
         if index != -1:
-            matches.append((index, stop))
+            matches.append((index + len(stop), order, index, stop))
     if not matches:
         return None
-    index, stop = min(matches)
+    _, _, index, stop = min(matches)
     return (index + len(stop) if include_stop else index), stop

@@ -257,7 +257,9 @@ class RequestState:
         if core_finish not in (None, FinishReason.LENGTH):
             return False
         params = self.params
-        if len(seq.token_ids) < params.min_tokens:
+        # As vLLM: a stop string counts once it ends in text past the first min_tokens
+        # tokens (the token that makes min_tokens can complete none).
+        if len(seq.token_ids) <= params.min_tokens:
             return False
         found = find_stop_string(
             seq.text, num_new, params.stop_strings, params.include_stop_str_in_output

@@ -192,6 +192,29 @@ def test_logprobs(client, server):
         assert token_logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy: top-1
 
 
+def test_text_offsets_walk_the_tokens_streamed_or_not_echoed_or_not(client, server):
+    """Each token's text_offset counts the texts of the tokens before it: streamed, the
+    text sent so far lags behind the tokens (a stop string's holdback, partial UTF-8
+    tokens in the tiny model's output), and the offsets used to follow it; echoed, a
+    prompt with multi-byte characters put the output's first offset behind its last."""
+    prompt = "Café über naïve € Hello, world!"
+    kwargs = dict(max_tokens=16, logprobs=2, stop=["zzzz"], extra_body=IGNORE_EOS)
+    for echo in (False, True):
+        whole = greedy(client, server, prompt, echo=echo, **kwargs).choices[0].logprobs
+        offsets = [0]
+        for token in whole.tokens[:-1]:
+            offsets.append(offsets[-1] + len(token))
+        assert whole.text_offset == offsets, echo  # one walk, the prompt's tokens first
+    streamed_tokens, streamed_offsets = [], []
+    for chunk in greedy(client, server, prompt, stream=True, **kwargs):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed_tokens += chunk.choices[0].logprobs.tokens
+            streamed_offsets += chunk.choices[0].logprobs.text_offset
+    plain = greedy(client, server, prompt, **kwargs).choices[0].logprobs
+    assert streamed_tokens == plain.tokens and len(plain.tokens) == 16
+    assert streamed_offsets == plain.text_offset
+
+
 @pytest.mark.parametrize("num_top", [0, 1])
 def test_top_logprobs_hold_the_sampled_token(client, server, num_top):
     """OpenAI's legacy API always gives the sampled token's logprob among the top ones, so

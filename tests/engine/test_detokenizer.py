@@ -227,6 +227,17 @@ def test_stop_string_truncates_at_the_earliest_match():
     assert seq.stop_reason == "lo"
 
 
+def test_of_two_stops_completed_at_once_the_one_ending_first_wins():
+    """As text growing a character at a time would meet them (vLLM's rule): "n" ends
+    inside " into" before it does."""
+    seq = StopText([" into", "n"])
+    assert seq.push("yle into")
+    assert (seq.text, seq.stop_reason) == ("yle i", "n")
+    tie = StopText(["bc", "abc"])  # both end at the same character: the first listed
+    assert tie.push("xabcx")
+    assert (tie.text, tie.stop_reason) == ("xa", "bc")
+
+
 def test_stop_string_split_across_two_updates():
     seq = StopText("STOP")
     assert not seq.push("foo ST")

@@ -223,6 +223,14 @@ def test_min_tokens_holds_stop_strings_back(tokenizer):
     assert texts[-1] == "a sea, a "  # the first "sea" came too early
 
 
+def test_the_token_that_makes_min_tokens_completes_no_stop_string(tokenizer):
+    """vLLM's rule: a stop string must end in text after the first min_tokens tokens."""
+    ids = _ids(tokenizer, "a sea, a sea, a sky")
+    processor = _processor(tokenizer, stop=["sea"], min_tokens=len(_ids(tokenizer, "a sea")))
+    texts = [o.outputs[0].text for t in ids for o in _step(processor, _token(0, t)).outputs]
+    assert texts[-1] == "a sea, a "  # the first "sea" ended with the min_tokens-th token
+
+
 @pytest.mark.parametrize("include_stop", [False, True])
 def test_a_stop_token_finish_is_not_searched_for_stop_strings(tokenizer, include_stop):
     """The token that stopped the sequence is kept, its text only with
