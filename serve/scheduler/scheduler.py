@@ -432,10 +432,10 @@ class Scheduler:
 
     def _plan_speculation(self, decodes: dict[SequenceGroup, Plan], budget: int) -> dict[int, int]:
         """Room for proposals after each decode, in rank order, from `budget`: as many as
-        the method makes, fewer near the sequence's token limits, none for beams or a
+        the method makes, fewer near the sequence's token limits, none for beams, a
         first sample that forks (`best_of`: its last prompt token may be left alone for
-        a step, after a chunk), and none at all in a step with more running sequences
-        than `disable_by_batch_size`.
+        a step, after a chunk) or a seeded sample, and none at all in a step with more
+        running sequences than `disable_by_batch_size`.
         Grows the plans; returns the room by seq id."""
         spec = self.speculation
         if spec is None:
@@ -448,6 +448,11 @@ class Scheduler:
             params = group.sampling_params
             if params.use_beam_search or group.needs_fork:
                 continue  # beams are scored, not sampled; a first sample forks
+            if params.seed is not None and params.temperature > 0:
+                # A seeded sample's tokens must not depend on its neighbours, and the
+                # verifier's random draws follow its drafts, whose number does (the budget
+                # left, disable_by_batch_size): it decodes plainly.
+                continue
             for i, (seq, n) in enumerate(plan):
                 # After this step the sequence holds up to its tokens + k + 1 (a bonus token).
                 num_tokens = seq.num_tokens + seq.num_pending_tokens

@@ -11,6 +11,8 @@ proposals asserts that some were accepted.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from tiny_models import random_prompts
 
@@ -313,3 +315,19 @@ def test_disable_by_batch_size_stops_drafts_while_the_batch_is_larger(tiny_llama
     assert drafts_at_most_two > 0
     plain = _drive(_llm(tiny_llama, None), arrivals)
     _assert_same(finals, plain)
+
+
+def test_a_seeded_samples_tokens_do_not_depend_on_its_neighbours(tiny_llama):
+    """How many drafts a sequence gets depends on its neighbours (the token budget they
+    leave, disable_by_batch_size), and the verifier's random draws follow the drafts: a
+    seeded sample decodes plainly, so its tokens are those it gets alone."""
+    llm = _llm(tiny_llama, NGRAM, max_num_batched_tokens=10)
+    rng = random.Random(0)
+    target = rng.sample(range(3, 512), 150)  # a sampled token often recurs in it: drafts
+    others = [[rng.randrange(3, 512) for _ in range(3)] for _ in range(6)]
+    seeded = SamplingParams(temperature=1.0, seed=42, max_tokens=30, ignore_eos=True)
+    (alone,) = llm.generate([target], seeded, use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    *_, beside = llm.generate(others + [target], [greedy] * 6 + [seeded], use_tqdm=False)
+    assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.stats().spec_decode.num_draft_tokens > 0  # the neighbours speculated
