@@ -77,6 +77,10 @@ class BlockManager:
         return self.block_pool.num_free_blocks
 
     @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free_blocks
+
+    @property
     def usage(self) -> float:
         """Fraction of device blocks held by some sequence, in [0, 1]."""
         return self.block_pool.num_used_blocks / self.num_blocks

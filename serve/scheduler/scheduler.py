@@ -221,6 +221,30 @@ class Scheduler:
             group.max_num_seqs,
             group.sampling_params.is_prefill_only,
         )
+        self._check_blocks(group)
+
+    def _check_blocks(self, group: SequenceGroup) -> None:
+        """Refuse a group whose sequences (n, best_of, beams) could not all reach
+        max_tokens within the whole cache, even sharing their prompt: run, it would be
+        ended short, with finish reason "length", however long it waited. (One sequence
+        always fits: max_model_len is fitted to the cache.)"""
+        params, num_seqs = group.sampling_params, group.max_num_seqs
+        if num_seqs == 1 or params.max_tokens is None or params.is_prefill_only:
+            return
+        if params.use_beam_search:  # beams share far more than the prompt, as a rule
+            return
+        num_prompt = len(group.prompt_token_ids)
+        longest = min(num_prompt + params.max_tokens, self.max_model_len)
+        block_size = self.block_manager.block_size
+        shared = num_prompt // block_size  # the prompt's full blocks, held once
+        needed = shared + num_seqs * (-(-longest // block_size) - shared)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"The request's {num_seqs} sequences (n, best_of or the beam width) of up to "
+                f"{longest} tokens need up to {needed} KV-cache blocks of {block_size} tokens, "
+                f"more than the whole cache holds ({self.block_manager.num_blocks}). Ask for "
+                "fewer sequences or tokens, or give the server a larger KV cache."
+            )
 
     def check_request(
         self, num_prompt: int, max_num_seqs: int, is_prefill_only: bool = False
@@ -294,16 +318,11 @@ class Scheduler:
         yielded = self._preempt_for_waiting(out) if self.policy.preempts_for_waiting else []
         self.waiting = deque(self.policy.order(self.waiting))
         plans, spec_slots = self._plan_running()
-        # Blocks in rank order, so that preemption takes the worst-ranked: those after `i`,
-        # which have allocated nothing yet this step.
-        i = 0
-        while i < len(self.running):
-            group = self.running[i]
-            if group in plans and not self._allocate_or_preempt(
-                group, plans[group], out, preempted, cannot_fit
-            ):
-                break  # `group` itself was preempted (and all after it)
-            i += 1
+        # Blocks in rank order, so that preemption takes the worst-ranked, mostly those after
+        # the group that needs blocks, which have allocated nothing yet this step.
+        for group in list(self.running):
+            if group in plans and group in self.running:  # not preempted for another
+                self._allocate_or_preempt(group, plans[group], out, preempted, cannot_fit)
         gone = set(preempted) | set(cannot_fit)
         for group, plan in plans.items():  # decodes first, then prefills
             if group not in gone:
@@ -538,9 +557,9 @@ class Scheduler:
         out: SchedulerOutput,
         preempted: list[SequenceGroup],
         cannot_fit: list[SequenceGroup],
-    ) -> bool:
-        """Grow `group`'s blocks for `plan`, preempting the worst-ranked until they fit.
-        Returns False if `group` itself had to go."""
+    ) -> None:
+        """Grow `group`'s blocks for `plan`, preempting others (`_victim`) until they fit,
+        or `group` itself."""
         totals = [(seq, seq.num_planned_tokens + n) for seq, n in plan]
         while not self.block_manager.can_allocate(totals):
             if self.running == [group]:
@@ -548,14 +567,50 @@ class Scheduler:
                 # for its sequences together, however long it waits.
                 self.running.pop()
                 cannot_fit.append(group)
-                return False
-            victim = self.running.pop()
+                return
+            victim = self._victim(group)
+            self.running.remove(victim)
             self._preempt(victim, out)
             preempted.append(victim)
             if victim is group:
-                return False
+                return
         self._allocate(plan, out)
-        return True
+
+    def _victim(self, group: SequenceGroup) -> SequenceGroup:
+        """Whom to preempt for `group`'s blocks: the worst-ranked from `group` on (the
+        groups after it have allocated nothing this step), passing over a group that
+        preemption would cut short (`_would_be_cut_short`) while another is there. Where
+        every one from `group` on is such a group, a better-ranked one of a single
+        sequence that never forked goes instead: its blocks this step were fresh (no
+        copy-on-write), so freeing them undoes its allocation whole."""
+        at = self.running.index(group)
+        for victim in reversed(self.running[at:]):
+            if not self._would_be_cut_short(victim):
+                return victim
+        for victim in reversed(self.running[:at]):
+            params = victim.sampling_params
+            if victim.num_live_seqs == 1 and params.best_of == 1 and not params.use_beam_search:
+                return victim
+        return self.running[-1]
+
+    def _would_be_cut_short(self, group: SequenceGroup) -> bool:
+        """Whether preempting `group` would end it short of its max_tokens: a group of
+        several sequences that cannot be swapped out is recomputed, its sequences then
+        come back as separate prompts that no longer share their blocks, and unshared
+        they may outgrow the whole cache (it is then ended, "length")."""
+        live, params = group.live_seqs, group.sampling_params
+        if len(live) == 1 or params.max_tokens is None:
+            return False
+        if (self.preemption_mode or "swap") == "swap":
+            needed = self.block_manager.num_swap_blocks(live, swapped_out=False)
+            if needed <= self.block_manager.num_free_cpu_blocks:
+                return False
+        block_size = self.block_manager.block_size
+        unshared = sum(
+            -(-min(s.num_prompt_tokens + params.max_tokens, self.max_model_len) // block_size)
+            for s in live
+        )
+        return unshared > self.block_manager.num_blocks
 
     def _swap_in_blocks(self, group: SequenceGroup, plan: Plan) -> int:
         """Device blocks that swapping `group` back in and running `plan` would take."""

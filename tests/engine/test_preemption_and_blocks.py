@@ -70,3 +70,42 @@ def test_max_model_len_ends_generation_with_length(tiny_llama):
     out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 12  # 20 prompt + 12 output = 32
     assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param(
+            {"preemption_mode": "recompute", "enable_prefix_caching": False}, id="recompute"
+        ),
+        pytest.param({"preemption_mode": "swap", "swap_space": 0.00001}, id="swap-space-full"),
+    ],
+)
+def test_a_group_that_fits_alone_is_not_cut_short_by_a_neighbour(tiny_llama, engine_kwargs):
+    """Recomputed, a group of n sequences comes back as n prompts that no longer share
+    their blocks; on a small cache it then never fits again and was ended short, as if
+    by max_tokens. The neighbour of one sequence is preempted instead."""
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=30, block_size=4, **engine_kwargs)
+    neighbour, target = random_prompts(512, 2, 20, 44, seed=3)
+    neighbour, target = neighbour[:20], (target * 3)[:44]
+    sampled = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=24, ignore_eos=True)
+    (alone,) = llm.generate([target], sampled, use_tqdm=False)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    first, beside = llm.generate([neighbour, target], [greedy, sampled], use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in beside.outputs] == [c.token_ids for c in alone.outputs]
+    assert [c.finish_reason for c in beside.outputs] == ["length", "length"]
+    assert len(first.outputs[0].token_ids) == 40
+
+
+def test_a_group_that_could_never_fit_is_refused_up_front(tiny_llama):
+    """Its sequences could not all reach max_tokens in the whole cache, even sharing the
+    prompt: refused, where it used to end short with finish reason "length"."""
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=24, block_size=4)
+    (prompt,) = random_prompts(512, 1, 80, 80, seed=4)
+    with pytest.raises(ValueError, match=r"3 sequences .* need up to 26 KV-cache blocks"):
+        llm.generate([prompt], SamplingParams(n=3, max_tokens=8), use_tqdm=False)
+    # Two fit (20 shared prompt blocks and 2 more each), and run to max_tokens.
+    two = SamplingParams(n=2, max_tokens=8, ignore_eos=True)
+    (out,) = llm.generate([prompt], two, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [8, 8]
