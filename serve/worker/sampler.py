@@ -187,21 +187,22 @@ class Sampler:
 
     def probabilities(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The distribution each row's token is drawn from, [num_seqs, vocab]: processed
-        logits under the row's temperature, top-k, top-p and min-p."""
+        logits under the row's temperature, then min-p, top-k and top-p, in vLLM's order
+        (min-p first: top-p's nucleus is then taken from what min-p left, renormalised)."""
         params = [s.sampling_params for s in seqs]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
         logits = logits / temperature[:, None]
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)
+            probs = torch.softmax(logits, dim=-1)
+            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         if any(p.top_k for p in params):
             logits = _apply_top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
             logits = _apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+        return torch.softmax(logits, dim=-1)
 
     def uniform(self, seqs: list[Sequence], device: torch.device) -> torch.Tensor:
         """One uniform number per row, [num_seqs]: a seeded sequence's from its own

@@ -1,6 +1,7 @@
-"""The sampler's logprobs: computed only for the rows whose request needs them
-(`SamplingParams.needs_logprobs`), in one logsumexp over just those rows; the others get
-None, and the tokens chosen do not depend on who asked."""
+"""The sampler: min-p, top-k and top-p in vLLM's order; its logprobs, computed only for
+the rows whose request needs them (`SamplingParams.needs_logprobs`), in one logsumexp
+over just those rows; the others get None, and the tokens chosen do not depend on who
+asked."""
 
 from __future__ import annotations
 
@@ -104,3 +105,19 @@ def test_tokens_do_not_depend_on_who_asks_for_logprobs():
     ]
     assert tokens[0] == tokens[1] == tokens[2]
     assert tokens[0][0] == logits[0].argmax().item()
+
+
+def test_min_p_goes_before_top_p_as_in_vllm():
+    """Two likely tokens and a long tail: min-p drops the tail first, so top-p's nucleus
+    (0.5 of what is left) is the first token alone; the other way round, top-p took the
+    first two from the full distribution and min-p kept them both."""
+    probs = torch.tensor([0.30, 0.25] + [0.01] * 45)
+    logits = probs.log()[None, :]
+    seq = _seq(0, temperature=1.0, top_p=0.5, min_p=0.05)
+    got = Sampler(seed=0).probabilities(logits, [seq])[0]
+    assert got[0] == pytest.approx(1.0) and got[1:].sum() == 0
+    # Alone, each keeps what it always did.
+    top_p_only = Sampler(seed=0).probabilities(logits, [_seq(1, temperature=1.0, top_p=0.5)])
+    assert (top_p_only[0] > 0).nonzero().flatten().tolist() == [0, 1]
+    min_p_only = Sampler(seed=0).probabilities(logits, [_seq(2, temperature=1.0, min_p=0.05)])
+    assert (min_p_only[0] > 0).nonzero().flatten().tolist() == [0, 1]
