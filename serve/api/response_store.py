@@ -3,9 +3,11 @@ number (`--response-store-max-entries`, least recently used dropped first) and i
 (`--response-store-ttl-s`, counted from when it was stored). In memory: a restart forgets
 them, and replicas behind a load balancer do not share them.
 
-Each entry holds the response as GET returns it and the conversation a continuation
-(`previous_response_id`) starts from: every input item of the chain so far and this
-response's output, as input items. It is used from the event loop's thread only.
+Each entry holds the response as GET returns it, the conversation a continuation
+(`previous_response_id`) starts from (every input item of the chain so far and this
+response's output, as input items), and the items GET .../input_items lists (the chain's
+inputs and earlier outputs, as OpenAI lists them, each with its id). It is used from the
+event loop's thread only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class StoredResponse:
     body: dict[str, Any]  # the response object
     conversation: tuple[ConversationItem, ...]  # instructions left out, as OpenAI does
     expires_at: float  # on the store's clock
+    listed_inputs: tuple[dict[str, Any], ...] = ()  # GET input_items's, oldest first
 
 
 class ResponseStore:
@@ -45,11 +48,16 @@ class ResponseStore:
         return len(self._entries)
 
     def put(
-        self, response_id: str, body: dict[str, Any], conversation: list[ConversationItem]
+        self,
+        response_id: str,
+        body: dict[str, Any],
+        conversation: list[ConversationItem],
+        listed_inputs: list[dict[str, Any]] | None = None,
     ) -> None:
         self._drop_expired()
         self._remove(response_id)
-        entry = StoredResponse(body, tuple(conversation), self.clock() + self.ttl_s)
+        expires_at = self.clock() + self.ttl_s
+        entry = StoredResponse(body, tuple(conversation), expires_at, tuple(listed_inputs or ()))
         self._entries[response_id] = entry
         self._by_age[response_id] = entry.expires_at
         while len(self._entries) > self.max_entries:

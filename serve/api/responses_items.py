@@ -138,6 +138,27 @@ def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
     return items
 
 
+def listed_input(item: ConversationItem) -> dict[str, Any]:
+    """An input item as GET .../input_items lists it: with an id of its own, its text as
+    parts, its status completed."""
+    if isinstance(item, MessageItem):
+        parts = item.content
+        if isinstance(parts, str):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            parts = [ContentPart(type=kind, text=parts)]
+        content = [p.model_dump(exclude_none=True) for p in parts]
+        fields = {"type": "message", "role": item.role, "content": content}
+        return {"id": new_id("msg"), **fields, "status": "completed"}
+    if isinstance(item, FunctionCallItem):
+        fields = {k: getattr(item, k) for k in ("type", "call_id", "name", "arguments")}
+        return {"id": new_id("fc"), **fields, "status": "completed"}
+    output = item.output
+    if not isinstance(output, str):
+        output = [p.model_dump(exclude_none=True) for p in output]
+    fields = {"type": "function_call_output", "call_id": item.call_id, "output": output}
+    return {"id": new_id("fco"), **fields, "status": "completed"}
+
+
 def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     """The Responses API's usage; serve keeps no per-request count of cached tokens."""
     return {

@@ -210,6 +210,15 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def retrieve_response(response_id: str) -> dict[str, Any]:
         return responses.retrieve(response_id)
 
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(
+        response_id: str,
+        after: str | None = None,
+        limit: int = 20,
+        order: str = "desc",
+    ) -> dict[str, Any]:
+        return responses.input_items(response_id, after, limit, order)
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:
         return responses.delete(response_id)

@@ -19,10 +19,11 @@ from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest, now
 from serve.api.protocol_responses import ResponsesRequest
 from serve.api.request_checks import check_structured_output
-from serve.api.response_store import ConversationItem, ResponseStore
+from serve.api.response_store import ConversationItem, ResponseStore, StoredResponse
 from serve.api.responses_items import (
     chat_messages,
     conversation_items,
+    listed_input,
     new_id,
     output_items,
     usage,
@@ -58,6 +59,7 @@ class Turn:
     request: ResponsesRequest
     conversation: list[ConversationItem]
     chat: ChatCompletionRequest
+    previous: StoredResponse | None  # the response it continues
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=now)
 
@@ -127,6 +129,33 @@ class ResponsesHandler:
             raise _not_found(response_id, "response_id")
         return stored.body
 
+    def input_items(
+        self, response_id: str, after: str | None, limit: int, order: str
+    ) -> dict[str, Any]:
+        """GET /v1/responses/{id}/input_items: the items the response was made from, its
+        chain's earlier inputs and outputs included, newest first unless `order` is asc."""
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise _not_found(response_id, "response_id")
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be 1 to 100, got {limit}.", param="limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r}.", param="order")
+        items = list(stored.listed_inputs if order == "asc" else reversed(stored.listed_inputs))
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(404, f"No input item {after!r} in {response_id}.", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
     def delete(self, response_id: str) -> dict[str, Any]:
         if not self.store.delete(response_id):
             raise _not_found(response_id, "response_id")
@@ -144,6 +173,7 @@ class ResponsesHandler:
 
     def _turn(self, request: ResponsesRequest) -> Turn:
         previous: tuple[ConversationItem, ...] = ()
+        stored = None
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
             if stored is None:
@@ -153,7 +183,7 @@ class ResponsesHandler:
         fields = _chat_fields(request, chat_messages(request.instructions, conversation))
         with _responses_params():
             chat = chat_request_from(fields)
-        return Turn(request, conversation, chat)
+        return Turn(request, conversation, chat, stored)
 
     def _open(
         self, turn: Turn, prompt: ChatPrompt, output_kind: OutputKind = OutputKind.DELTA
@@ -228,7 +258,11 @@ class ResponsesHandler:
     def _remember(self, turn: Turn, body: dict[str, Any]) -> None:
         if turn.request.store:
             conversation = turn.conversation + conversation_items(body["output"])
-            self.store.put(turn.id, body, conversation)
+            listed = []
+            if turn.previous is not None:
+                listed += [*turn.previous.listed_inputs, *turn.previous.body["output"]]
+            listed += [listed_input(item) for item in turn.request.input_items]
+            self.store.put(turn.id, body, conversation, listed)
 
     def _response(
         self,

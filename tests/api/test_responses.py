@@ -273,6 +273,37 @@ def test_previous_response_id_continues_the_conversation(client, server):
     assert third.usage.input_tokens == count_tokens(server, longer)
 
 
+def test_input_items_list_the_chain_newest_first_through_the_sdk(client, server):
+    kwargs = dict(model=server.model, max_output_tokens=4, extra_body=IGNORE_EOS, **GREEDY)
+    first = client.responses.create(input="Hello!", instructions=INSTRUCTIONS, **kwargs)
+    follow_up = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Tell me more."}]},
+        {"role": "user", "content": "Briefly."},
+    ]
+    second = client.responses.create(input=follow_up, previous_response_id=first.id, **kwargs)
+    listed = client.responses.input_items.list(second.id).data
+    # Newest first: this turn's two inputs, the first turn's output, then its input (the
+    # instructions are no item).
+    assert [item.type for item in listed] == ["message"] * 4
+    assert [item.role for item in listed] == ["user", "user", "assistant", "user"]
+    texts = [item.content[0].text for item in listed]
+    assert texts == ["Briefly.", "Tell me more.", first.output_text, "Hello!"]
+    assert listed[2].id == first.output[0].id  # an output keeps its id
+    assert len({item.id for item in listed}) == 4
+    oldest = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [item.content[0].text for item in oldest.data] == ["Hello!", first.output_text]
+    assert oldest.has_more and oldest.last_id == listed[2].id
+    rest = client.responses.input_items.list(second.id, order="asc", after=oldest.last_id)
+    assert [item.content[0].text for item in rest.data] == ["Tell me more.", "Briefly."]
+    assert not rest.has_more
+    assert client.responses.input_items.list(first.id).data[0].content[0].text == "Hello!"
+    for query, param in (("limit=0", "limit"), ("order=sideways", "order")):
+        reply = httpx.get(f"{server.v1}/responses/{second.id}/input_items?{query}", timeout=30)
+        assert_openai_error(reply, 400, param)
+    missing = httpx.get(f"{server.v1}/responses/resp_unknown/input_items", timeout=30)
+    assert_openai_error(missing, 404, "response_id")
+
+
 def test_retrieve_and_delete(client, server):
     resp = client.responses.create(
         model=server.model, input="Hello!", max_output_tokens=4, metadata={"topic": "greeting"}
