@@ -221,30 +221,6 @@ class Scheduler:
             group.max_num_seqs,
             group.sampling_params.is_prefill_only,
         )
-        self._check_blocks(group)
-
-    def _check_blocks(self, group: SequenceGroup) -> None:
-        """Refuse a group whose sequences (n, best_of, beams) could not all reach
-        max_tokens within the whole cache, even sharing their prompt: run, it would be
-        ended short, with finish reason "length", however long it waited. (One sequence
-        always fits: max_model_len is fitted to the cache.)"""
-        params, num_seqs = group.sampling_params, group.max_num_seqs
-        if num_seqs == 1 or params.max_tokens is None or params.is_prefill_only:
-            return
-        if params.use_beam_search:  # beams share far more than the prompt, as a rule
-            return
-        num_prompt = len(group.prompt_token_ids)
-        longest = min(num_prompt + params.max_tokens, self.max_model_len)
-        block_size = self.block_manager.block_size
-        shared = num_prompt // block_size  # the prompt's full blocks, held once
-        needed = shared + num_seqs * (-(-longest // block_size) - shared)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"The request's {num_seqs} sequences (n, best_of or the beam width) of up to "
-                f"{longest} tokens need up to {needed} KV-cache blocks of {block_size} tokens, "
-                f"more than the whole cache holds ({self.block_manager.num_blocks}). Ask for "
-                "fewer sequences or tokens, or give the server a larger KV cache."
-            )
 
     def check_request(
         self, num_prompt: int, max_num_seqs: int, is_prefill_only: bool = False

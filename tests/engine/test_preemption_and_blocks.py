@@ -97,15 +97,3 @@ def test_a_group_that_fits_alone_is_not_cut_short_by_a_neighbour(tiny_llama, eng
     assert [c.finish_reason for c in beside.outputs] == ["length", "length"]
     assert len(first.outputs[0].token_ids) == 40
 
-
-def test_a_group_that_could_never_fit_is_refused_up_front(tiny_llama):
-    """Its sequences could not all reach max_tokens in the whole cache, even sharing the
-    prompt: refused, where it used to end short with finish reason "length"."""
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=24, block_size=4)
-    (prompt,) = random_prompts(512, 1, 80, 80, seed=4)
-    with pytest.raises(ValueError, match=r"3 sequences .* need up to 26 KV-cache blocks"):
-        llm.generate([prompt], SamplingParams(n=3, max_tokens=8), use_tqdm=False)
-    # Two fit (20 shared prompt blocks and 2 more each), and run to max_tokens.
-    two = SamplingParams(n=2, max_tokens=8, ignore_eos=True)
-    (out,) = llm.generate([prompt], two, use_tqdm=False)
-    assert [len(c.token_ids) for c in out.outputs] == [8, 8]

@@ -282,10 +282,9 @@ def test_recompute_reuses_the_preempted_sequences_cached_blocks():
 
 
 def test_a_group_that_cannot_grow_holding_the_whole_cache_is_given_up():
-    # 4 blocks: two sequences of up to 16 tokens each need 1 shared + 2 x 3 blocks. With
-    # no max_tokens (a max would have it refused up front), it runs until it cannot grow.
+    # 4 blocks: two sequences of up to 16 tokens each need 1 shared + 2 x 3 blocks.
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
-    (group,) = add_all(sched, [make_group(0, prompt_of(0, 4), max_tokens=None, best_of=2)])
+    (group,) = add_all(sched, [make_group(0, prompt_of(0, 4), max_tokens=12, best_of=2)])
     (late,) = add_all(sched, make_groups([3], first_id=1))
     outs, deltas = [], []
     while not group.is_finished:
@@ -310,11 +309,8 @@ def test_a_swapped_group_that_fits_exactly_is_swapped_back_in():
     # needs exactly its 3 blocks (each next token fits its own block), but the swap-in
     # check asks for 3 + 2.
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
-    early = make_group(0, prompt_of(0, 1), 8)
-    group = make_group(1, prompt_of(1, 4), 4, 2)
-    add_all(sched, [early, group])
+    add_all(sched, [make_group(0, prompt_of(0, 1), 8), make_group(1, prompt_of(1, 4), 6, 2)])
     run_to_completion(sched, max_steps=100)
-    assert [s.num_output_tokens for s in group.seqs] == [4, 4]
     assert_all_free(sched)
 
 
@@ -322,7 +318,7 @@ def test_a_swapped_group_that_can_never_fit_again_is_given_up():
     # 4 blocks. Swapped out holding 3 (a shared block and one per sequence), each sequence's
     # next token needs a new block: 5 blocks, more than the cache, even once alone.
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, num_cpu_blocks=8)
-    add_all(sched, [make_group(0, prompt_of(0, 1), 8), make_group(1, prompt_of(1, 5), None, 2)])
+    add_all(sched, [make_group(0, prompt_of(0, 1), 8), make_group(1, prompt_of(1, 5), 10, 2)])
     run_to_completion(sched, max_steps=100)
     assert_all_free(sched)
 
@@ -331,8 +327,7 @@ def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
     # 8 blocks. Forked, the group holds its 2-block prompt once and a block per sequence
     # (6 blocks); the early request's growth preempts it. Recomputed, each of its 4
     # sequences needs the prompt again (12 blocks): rather than wait forever, it ends
-    # (cannot_fit) once nothing else runs. (Without max_tokens: with one, preemption passes
-    # it over, and one this large is refused up front.)
+    # (cannot_fit) once nothing else runs.
     sched = make_scheduler(
         num_blocks=8,
         block_size=4,
@@ -341,15 +336,15 @@ def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
         preemption_mode="recompute",
         enable_prefix_caching=False,
     )
-    add_all(sched, [make_group(0, prompt_of(0, 5), 12), make_group(1, prompt_of(1, 8), None, 4)])
+    add_all(sched, [make_group(0, prompt_of(0, 5), 12), make_group(1, prompt_of(1, 8), 5, 4)])
     run_to_completion(sched, max_steps=100)
     assert_all_free(sched)
 
 
 @pytest.mark.parametrize("preemption_mode", [None, "swap", "recompute"])
 def test_a_group_given_up_takes_no_one_with_it(preemption_mode):
-    # 24 blocks. The first group's two samples, without max_tokens, outgrow the cache (2 x
-    # 24 blocks); each of the three after it needs 12 at most. Ending the first, the step must not read its
+    # 24 blocks. The first group's two samples outgrow the cache (2 x 22 blocks); each of
+    # the three after it needs 12 at most. Ending the first, the step must not read its
     # still-held blocks with nothing running as "even an empty cache is too small" for the
     # swapped or recomputed groups waiting to come back: they fit once it is gone.
     sched = make_scheduler(
@@ -360,11 +355,11 @@ def test_a_group_given_up_takes_no_one_with_it(preemption_mode):
         preemption_mode=preemption_mode,
         enable_prefix_caching=False,
     )
-    big = make_group(0, prompt_of(0, 8), None, best_of=2)
+    big = make_group(0, prompt_of(0, 8), 80, best_of=2)
     small = [make_group(i, prompt_of(i, 8), 20, best_of=2) for i in (1, 2, 3)]
     add_all(sched, [big, *small])
     run_to_completion(sched, max_steps=1000)
-    assert all(s.num_output_tokens < 88 for s in big.seqs)  # given up
+    assert all(s.num_output_tokens < 80 for s in big.seqs)  # given up
     for group in small:
         assert [s.num_output_tokens for s in group.seqs] == [20, 20], group.request_id
     assert_all_free(sched)
