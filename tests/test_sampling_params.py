@@ -1,13 +1,19 @@
-"""SamplingParams: validated at construction, greedy normalised, stop strings collected."""
+"""SamplingParams: validated at construction, greedy normalised, stop strings collected;
+StructuredOutputsParams: vLLM's fields, and schemas the grammar engine would not enforce."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from serve.pooling_params import PoolingParams
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    unenforceable_json_schema,
+)
 
 
 @pytest.mark.parametrize(
@@ -160,3 +166,69 @@ def test_stop_token_ids_none_becomes_empty_list():
 )
 def test_needs_logprobs_when_asked_or_ranked(kwargs, needs):
     assert SamplingParams(**kwargs).needs_logprobs is needs
+
+
+# ---- StructuredOutputsParams: vLLM's fields ----
+
+
+@pytest.mark.parametrize("option", ["disable_any_whitespace", "disable_additional_properties"])
+def test_structured_outputs_take_vllms_options(option):
+    """What serve's grammars always do: JSON on one line, only the properties allowed."""
+    for value in (True, False):
+        spec = StructuredOutputsParams(json={"type": "object"}, **{option: value})
+        assert spec.kind == "json" and getattr(spec, option) is value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag is not supported"),
+        ({"regex": "a", "whitespace_pattern": r"[ ]?"}, "whitespace_pattern is not supported"),
+        ({"regex": "a", "structural_tag": "{}"}, "exactly one of"),
+        ({"choice": []}, "non-empty list"),
+        ({}, "got none"),
+    ],
+)
+def test_structured_outputs_refuse_what_serve_cannot_do(kwargs, words):
+    """A ValueError saying why, never a TypeError for one of vLLM's keywords."""
+    with pytest.raises(ValueError, match=words):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_a_schema_xgrammar_would_not_enforce_is_refused_when_built():
+    """Given as a dict or as text; nested schemas are checked (tests/worker/
+    test_structured_output.py holds the evidence, keyword by keyword)."""
+    schema = {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}}},
+        "$defs": {"t": {"type": "array", "uniqueItems": True}},
+    }
+    for given in (schema, json.dumps(schema)):
+        with pytest.raises(ValueError, match=r"`uniqueItems` at /\$defs/t is not supported"):
+            StructuredOutputsParams(json=given)
+    assert StructuredOutputsParams(json="{not json").json == "{not json"  # the compiler's
+
+
+def test_schemas_pydantic_writes_are_let_through():
+    from enum import Enum
+
+    from pydantic import BaseModel, Field
+
+    class Color(Enum):
+        RED = "red"
+        GREEN = "green"
+
+    class Point(BaseModel):
+        x: int = Field(ge=0, le=100)
+        y: float | None = None
+
+    class Item(BaseModel):
+        name: str = Field(max_length=20)
+        code: str = Field(pattern="^[A-Z]{3}$")
+        tags: list[str] = Field(min_length=1, max_length=3)
+        color: Color = Color.RED
+        points: list[Point] = []
+        extra: dict[str, int] = {}
+
+    assert unenforceable_json_schema(Item.model_json_schema()) is None
+    assert StructuredOutputsParams(json=Item.model_json_schema()).kind == "json"

@@ -26,7 +26,13 @@ from pydantic_core import PydanticCustomError
 from serve.chat.rendering import RENDERING_ARGUMENTS
 from serve.chat.tool_parsers.base import load_json
 from serve.chat.tool_parsers.forced import named_function_schema, required_tool_calls_schema
-from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
+from serve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    REFUSED_OPTIONS,
+    SamplingParams,
+    StructuredOutputsParams,
+    unenforceable_json_schema,
+)
 
 MAX_LENGTH_PENALTY = 10.0
 
@@ -78,6 +84,100 @@ class ResponseFormat(OpenAIModel):
         return self
 
 
+def enforceable(schema: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+    """`schema` if the grammar engine can hold output to it; a ValueError naming the
+    keyword it would ignore if not."""
+    problem = None if schema is None else unenforceable_json_schema(schema)
+    if problem is not None:
+        raise ValueError(problem)
+    return schema
+
+
+def non_empty(choice: list[str] | None) -> list[str] | None:
+    if choice is not None and not choice:
+        raise ValueError("must be a non-empty list of strings")
+    return choice
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar or
+    json_object) with vLLM's options, as StructuredOutputsParams holds them. A key serve
+    does not know is refused, not ignored: ignored, it would leave the output free."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        # "_"-prefixed keys are vLLM's private dataclass fields (dataclasses.asdict has them).
+        if not isinstance(data, dict):
+            return data
+        known = {field.alias or name for name, field in cls.model_fields.items()}
+        unknown = [k for k in data if k not in known and not str(k).startswith("_")]
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]!r} is not a structured_outputs key: give one of json, regex, "
+                "choice, grammar or json_object"
+            )
+        return data
+
+    _json = field_validator("json_")(enforceable)
+    _choice = field_validator("choice")(non_empty)
+
+    @field_validator("structural_tag", "whitespace_pattern")
+    @classmethod
+    def _refused(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(REFUSED_OPTIONS[info.field_name])
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of json, regex, choice, grammar or json_object; got "
+                + (" and ".join(name.rstrip("_") for name in given) or "none")
+            )
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(
+            json=self.json_,
+            json_object=bool(self.json_object),
+            regex=self.regex,
+            choice=tuple(self.choice) if self.choice is not None else None,
+            grammar=self.grammar,
+            disable_any_whitespace=self.disable_any_whitespace,
+            disable_additional_properties=self.disable_additional_properties,
+        )
+
+
+# The fields that constrain the output, at most one a request (a `response_format` of type
+# "text" constrains nothing).
+FORMAT_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def constrains(value: Any) -> bool:
+    return value is not None and not (isinstance(value, ResponseFormat) and value.type == "text")
+
+
 # vLLM's extras, on every request that takes a prompt. A priority is a 64-bit integer, as
 # in vLLM; truncate_prompt_tokens keeps the prompt's last N tokens (-1: the context's worth).
 Priority = Field(default=0, ge=-(2**63), le=2**63 - 1)
@@ -118,11 +218,13 @@ class SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0)
     response_format: ResponseFormat | None = None
-    # vLLM's structured-output extras; at most one of these and response_format.
+    # vLLM's structured-output extras: `structured_outputs` (vLLM 0.32's) or its older
+    # guided_* fields; at most one of these and response_format.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -140,37 +242,52 @@ class SamplingRequest(OpenAIModel):
                 raise ValueError(f"values must be in [-100, 100], got {bias} for token {key}")
         return v
 
-    @model_validator(mode="after")
-    def _one_structured_output(self) -> SamplingRequest:
-        self.structured_outputs_params()  # raises on a conflict or an empty choice list
-        return self
+    @field_validator("response_format")
+    @classmethod
+    def _enforceable_format(cls, fmt: ResponseFormat) -> ResponseFormat:
+        if fmt.type == "json_schema" and fmt.json_schema is not None:
+            enforceable(fmt.json_schema.schema_)
+        return fmt
+
+    _guided_json = field_validator("guided_json")(enforceable)
+    _guided_choice = field_validator("guided_choice")(non_empty)
+
+    @field_validator(*FORMAT_FIELDS[1:])
+    @classmethod
+    def _one_structured_output(cls, value: Any, info: ValidationInfo) -> Any:
+        earlier = FORMAT_FIELDS[: FORMAT_FIELDS.index(info.field_name)]
+        given = next((name for name in earlier if constrains(info.data.get(name))), None)
+        if given is not None:
+            raise ValueError(
+                "give at most one of response_format, structured_outputs and the guided_* "
+                f"fields; {given} is given too"
+            )
+        return value
 
     @property
     def num_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The grammar the output must follow, from `response_format` or a `guided_*` field."""
-        given: dict[str, StructuredOutputsParams] = {}
+        """The grammar the output must follow, from whichever field sets one (validation
+        let one at most through)."""
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
-            given["response_format"] = StructuredOutputsParams(json_object=True)
-        elif fmt is not None and fmt.type == "json_schema":
+            return StructuredOutputsParams(json_object=True)
+        if fmt is not None and fmt.type == "json_schema":
             schema = fmt.json_schema.schema_ if fmt.json_schema else None
-            given["response_format"] = StructuredOutputsParams(json=schema or {})
+            return StructuredOutputsParams(json=schema or {})
         if self.guided_json is not None:
-            given["guided_json"] = StructuredOutputsParams(json=self.guided_json)
+            return StructuredOutputsParams(json=self.guided_json)
         if self.guided_regex is not None:
-            given["guided_regex"] = StructuredOutputsParams(regex=self.guided_regex)
+            return StructuredOutputsParams(regex=self.guided_regex)
         if self.guided_choice is not None:
-            given["guided_choice"] = StructuredOutputsParams(choice=tuple(self.guided_choice))
+            return StructuredOutputsParams(choice=tuple(self.guided_choice))
         if self.guided_grammar is not None:
-            given["guided_grammar"] = StructuredOutputsParams(grammar=self.guided_grammar)
-        if len(given) > 1:
-            raise ValueError(
-                f"give at most one of response_format and the guided_* fields; got {sorted(given)}"
-            )
-        return next(iter(given.values()), None)
+            return StructuredOutputsParams(grammar=self.guided_grammar)
+        if self.structured_outputs is not None:
+            return self.structured_outputs.params()
+        return None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -255,9 +372,18 @@ class FunctionDefinition(OpenAIModel):
     @field_validator("parameters")
     @classmethod
     def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type") != "object":
+        # Without a type it is read as an object, as vLLM reads it (`object_parameters`).
+        if v and v.get("type", "object") != "object":
             raise ValueError('must be a JSON schema of type "object" (arguments are named)')
         return v
+
+    @property
+    def object_parameters(self) -> dict[str, Any] | None:
+        """The parameters' schema with its type: a schema written without one is an
+        object's (a grammar would read it as any JSON value)."""
+        if self.parameters and "type" not in self.parameters:
+            return {"type": "object", **self.parameters}
+        return self.parameters
 
 
 class ChatTool(OpenAIModel):
@@ -366,6 +492,8 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tools")
     @classmethod
     def _unique_tool_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        if tools == []:  # OpenAI's and vLLM's rule
+            raise ValueError("must not be an empty array: give at least one tool, or leave it out")
         names = [tool.function.name for tool in tools or []]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -385,6 +513,8 @@ class ChatCompletionRequest(SamplingRequest):
                 f"names the function {choice.function.name!r}, which is not among the tools "
                 f"({', '.join(names)})"
             )
+        if choice not in (None, "none", "auto"):
+            _check_forced_format(choice, info.data)
         return choice
 
     @property
@@ -396,16 +526,10 @@ class ChatCompletionRequest(SamplingRequest):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """Tool choice "required" or a named function constrains the output to a JSON
         schema (see tool_parsers/forced.py), as vLLM does; else what the parent finds."""
-        given = super().structured_outputs_params()
         choice = self.effective_tool_choice
         if choice in ("none", "auto"):
-            return given
-        if given is not None:
-            raise ValueError(
-                'tool_choice "required" or a named function sets the output\'s format itself; '
-                "it cannot be combined with response_format or the guided_* fields"
-            )
-        functions = {tool.function.name: tool.function.parameters for tool in self.tools or []}
+            return super().structured_outputs_params()
+        functions = _forced_functions(self.tools or [], choice)
         if choice == "required":
             schema = required_tool_calls_schema(functions, self.parallel_tool_calls)
         else:
@@ -419,6 +543,39 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _forced_functions(
+    tools: list[ChatTool], choice: Literal["required"] | NamedToolChoice
+) -> dict[str, dict[str, Any] | None]:
+    """The parameters of the functions a forced tool choice may call, by name."""
+    return {
+        tool.function.name: tool.function.object_parameters
+        for tool in tools
+        if choice == "required" or tool.function.name == choice.function.name
+    }
+
+
+def _check_forced_format(choice: Literal["required"] | NamedToolChoice, fields: dict) -> None:
+    """A forced tool choice sets the output's format itself: a ValueError if another field
+    sets one too, or a function's parameters are a schema the grammar cannot enforce."""
+    given = next((name for name in FORMAT_FIELDS if constrains(fields.get(name))), None)
+    if given is not None:
+        raise ValueError(
+            f'"required" or a named function sets the output\'s format itself; it cannot be '
+            f"combined with {given}"
+        )
+    tools: list[ChatTool] = fields["tools"] or []
+    functions = _forced_functions(tools, choice)
+    for index, tool in enumerate(tools):
+        problem = unenforceable_json_schema(functions.get(tool.function.name) or {})
+        if problem is not None:
+            raise ValueError(
+                f"forces a call of {tool.function.name!r}, whose parameters "
+                f"(tools.{index}.function.parameters) cannot be enforced. {problem}"
+            )
+    if choice == "required":
+        required_tool_calls_schema(functions, True)  # two functions' $defs may clash
 
 
 class CompletionRequest(SamplingRequest):

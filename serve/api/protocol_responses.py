@@ -41,6 +41,7 @@ SAMPLING_EXTRAS = frozenset(
         "guided_regex",
         "guided_choice",
         "guided_grammar",
+        "structured_outputs",
     }
 )
 TEXT_PARTS = ("input_text", "output_text", "refusal")

@@ -9,7 +9,7 @@ import asyncio
 from typing import Any
 
 from serve.api.errors import APIError
-from serve.api.protocol import SamplingRequest
+from serve.api.protocol import FORMAT_FIELDS, SamplingRequest
 from serve.api.settings import ServerSettings
 from serve.engine.protocol import EngineClient
 from serve.engine.validation import check_priority
@@ -189,11 +189,4 @@ async def _compile_within(
         ) from None
 
 
-STRUCTURED_OUTPUT_FIELDS = (
-    "response_format",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "tool_choice",
-)
+STRUCTURED_OUTPUT_FIELDS = (*FORMAT_FIELDS, "tool_choice")

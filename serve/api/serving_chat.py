@@ -53,10 +53,15 @@ class ChatPrompt:
     output_parser: OutputParser | None  # None: the output is all content
 
 
-def tool_finish_reason(finish_reason: str | None, has_calls: bool) -> str | None:
-    """OpenAI's "tool_calls" for an output that ended with calls; one cut short by its
-    token budget stays "length"."""
-    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+def tool_finish_reason(
+    finish_reason: str | None, has_calls: bool, parser: OutputParser | None
+) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended with calls the model chose to make
+    (tool_choice "auto" or "required"); the call of a function tool_choice names ends
+    with "stop", as OpenAI's and vLLM's do. One cut short by its token budget stays
+    "length"."""
+    chosen = has_calls and not isinstance(parser, NamedFunctionParser)
+    return "tool_calls" if chosen and finish_reason == "stop" else finish_reason
 
 
 def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any]]:
@@ -174,7 +179,8 @@ class ChatHandler:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         elif parsed.content is None:
             message["content"] = ""
-        return message, tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls))
+        reason = tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls), parser)
+        return message, reason
 
     def token_logprobs(self, completion: CompletionOutput, num_top: int):
         """OpenAI's logprobs of the output's tokens (a DELTA output's: the new ones):
@@ -303,7 +309,7 @@ class ChatHandler:
                 return [finish_chunk(completion, delta={})]
             reader = readers[index]
             held_back = [{**f, "finish_reason": None} for f in event_fields(reader.finish(), None)]
-            reason = tool_finish_reason(completion.finish_reason, reader.num_calls > 0)
+            reason = tool_finish_reason(completion.finish_reason, reader.num_calls > 0, parser)
             return [*held_back, finish_chunk(completion, reason, delta={})]
 
         async for event in stream_choices(

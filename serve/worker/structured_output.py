@@ -10,7 +10,12 @@ token and frees it when the sequence ends.
 
 Choices made for every request:
 - JSON schemas and `json_object` compile with `any_whitespace=False`: json.dumps's layout
-  (`", "` and `": "`, no newlines), so a small model cannot loop on whitespace.
+  (`", "` and `": "`, no newlines), so a small model cannot loop on whitespace. vLLM's
+  `disable_any_whitespace` asks for this; left false, it gets this too.
+- Strict mode (xgrammar's default): an object holds only the properties its schema
+  names, unless `additionalProperties` allows more (vLLM's `disable_additional_properties`).
+  Schemas using keywords xgrammar would ignore never get here (StructuredOutputsParams
+  refuses them, `unenforceable_json_schema`).
 - `json_object` is the schema `{"type": "object"}`: any object, any keys and values.
 - `choice` is an EBNF alternation of the strings as escaped literals.
 After the structure is complete the grammar allows only the stop tokens (`eos_token_ids`).

@@ -122,7 +122,8 @@ def test_forced_choice_gives_a_valid_call(default_server, stream, tool_choice):
     if tool_choice == "required":
         kwargs["parallel_tool_calls"] = False  # greedy decoding would repeat calls
     (choice,) = create(default_server.client(), default_server, stream, **kwargs)
-    assert choice.finish_reason == "tool_calls"
+    # OpenAI's and vLLM's: "tool_calls" when the model chose to call, "stop" when named.
+    assert choice.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
     assert not choice.content
     (call,) = choice.calls
     assert_weather_call(call)
@@ -368,6 +369,11 @@ def assert_400(resp, param: str | None, *words: str) -> None:
 
 
 STRING_FUNCTION = {"name": "f", "parameters": {"type": "string"}}
+UNIQUE_IDS = {
+    "type": "object",
+    "properties": {"ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+}
+UNIQUE_IDS_TOOL = {"type": "function", "function": {"name": "f", "parameters": UNIQUE_IDS}}
 BROKEN_CALL = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
 
 
@@ -384,6 +390,8 @@ BROKEN_CALL = {"id": "c", "type": "function", "function": {"name": "f", "argumen
             ["get_weather", "get_time"],
         ),
         ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", ["unique", "get_weather"]),
+        ({"tools": []}, "tools", ["empty array"]),
+        ({"tools": [], "tool_choice": "none"}, "tools", ["empty array"]),
         (
             {"tools": [{"type": "function", "function": STRING_FUNCTION}]},
             "tools.0.function.parameters",
@@ -395,13 +403,23 @@ BROKEN_CALL = {"id": "c", "type": "function", "function": {"name": "f", "argumen
                 "tool_choice": "required",
                 "response_format": {"type": "json_object"},
             },
-            None,
+            "tool_choice",
             ["response_format"],
         ),
         (
             {"tools": [WEATHER_TOOL], "tool_choice": NAMED, "guided_regex": "a+"},
-            None,
-            ["guided_"],
+            "tool_choice",
+            ["guided_regex"],
+        ),
+        (
+            {"tools": [WEATHER_TOOL], "tool_choice": NAMED, "structured_outputs": {"regex": "a"}},
+            "tool_choice",
+            ["structured_outputs"],
+        ),
+        (
+            {"tools": [WEATHER_TOOL, UNIQUE_IDS_TOOL], "tool_choice": "required"},
+            "tool_choice",
+            ["tools.1.function.parameters", "`uniqueItems` at /properties/ids", "xgrammar"],
         ),
         (
             {"messages": [{"role": "tool", "content": "22"}]},
@@ -421,9 +439,13 @@ BROKEN_CALL = {"id": "c", "type": "function", "function": {"name": "f", "argumen
         "named-without-tools",
         "named-not-in-tools",
         "duplicate-names",
+        "empty-tools",
+        "empty-tools-choice-none",
         "parameters-not-object",
         "required-and-response-format",
         "named-and-guided",
+        "named-and-structured-outputs",
+        "required-parameters-not-enforceable",
         "tool-message-without-id",
         "arguments-not-json",
     ],
@@ -432,6 +454,38 @@ BROKEN_CALL = {"id": "c", "type": "function", "function": {"name": "f", "argumen
 def test_bad_tool_requests_are_400(server, http, fields, param, words, stream):
     body = {"model": server.model, "messages": WEATHER_QUESTION, "max_tokens": 2, **fields}
     assert_400(http.post("/v1/chat/completions", json={**body, "stream": stream}), param, *words)
+
+
+UNIT_PARAMETERS = {
+    "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"],
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+@pytest.mark.parametrize("typed", [True, False], ids=["typed", "untyped"])
+def test_forced_call_finish_reason(client, server, stream, tool_choice, typed):
+    """The tiny model, held to the call's schema: a named function's call ends with "stop",
+    a call tool_choice "required" made with "tool_calls" (OpenAI's and vLLM's rule).
+    Parameters written without "type" are an object's, as vLLM reads them."""
+    parameters = {"type": "object", **UNIT_PARAMETERS} if typed else UNIT_PARAMETERS
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": parameters}}
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    (choice,) = create(
+        client,
+        server,
+        stream,
+        messages=WEATHER_QUESTION,
+        tools=[tool],
+        tool_choice=named if tool_choice == "named" else "required",
+        parallel_tool_calls=False,
+        max_tokens=100,  # the tools' block fills some 390 of the tiny model's 512
+    )
+    (call,) = choice.calls
+    assert call["name"] == "set_unit"
+    jsonschema.validate(json.loads(call["arguments"]), {"type": "object", **UNIT_PARAMETERS})
+    assert choice.finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
 
 
 def test_tool_choice_none_needs_no_parser(client, server):
