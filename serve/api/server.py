@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
+from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -165,15 +166,28 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             "max_model_len": engine.max_model_len,
         }
 
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+    def anthropic_card(name: str) -> dict[str, Any]:
+        """Anthropic's model object (its SDK's models.list / retrieve)."""
+        return {"type": "model", "id": name, "display_name": name, "created_at": started_at}
+
+    # One path, two APIs: Anthropic's SDK sends anthropic-version on every request.
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in settings.model_names]}
+    async def models(request: Request) -> dict[str, Any]:
+        names = settings.model_names
+        if "anthropic-version" in request.headers:
+            data = [anthropic_card(name) for name in names]
+            return {"data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{model_id:path}")  # the OpenAI client's models.retrieve
-    async def model(model_id: str) -> dict[str, Any]:
+    async def model(model_id: str, request: Request) -> dict[str, Any]:
         check_model(model_id, settings)
-        known = model_id in settings.model_names
-        return model_card(model_id if known else settings.served_model_name)
+        name = model_id if model_id in settings.model_names else settings.served_model_name
+        if "anthropic-version" in request.headers:
+            return anthropic_card(name)
+        return model_card(name)
 
     async def respond(
         handler: ChatHandler | CompletionHandler | ResponsesHandler | MessagesHandler,

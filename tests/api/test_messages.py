@@ -518,3 +518,13 @@ def test_admission_refusals_take_the_path_shape():
     capped = TestClient(AdmissionGate(ok, Admission(max_body_bytes=10)))
     assert_anthropic_error(capped.post("/v1/messages", content=b"x" * 11), 413, "request_too_large")
     assert capped.post("/v1/messages", content=b"x" * 10).text == "ok"
+
+
+def test_models_in_anthropics_shape_for_its_sdk(server):
+    client = anthropic_client(server)
+    (model,) = client.models.list().data
+    assert model.type == "model" and model.id == server.model
+    assert model.display_name == server.model and model.created_at.year >= 2025
+    assert client.models.retrieve(server.model).id == server.model
+    # The OpenAI shape stays for everyone else.
+    assert httpx.get(f"{server.v1}/models", timeout=30).json()["object"] == "list"
