@@ -25,7 +25,17 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_DIR = REPO_ROOT / "serve"
 
-LEAVES = frozenset({"config", "sampling_params", "pooling_params", "sequence", "outputs", "step"})
+LEAVES = frozenset(
+    {
+        "config",
+        "sampling_params",
+        "structured_outputs",
+        "pooling_params",
+        "sequence",
+        "outputs",
+        "step",
+    }
+)
 LAYERS = frozenset(
     {"api", "engine", "scheduler", "kv_cache", "executor", "worker", "models", "distributed"}
     | {"kernels", "bench", "chat"}
@@ -252,6 +262,7 @@ TORCH_FREE_AT_RUNTIME = [
     "serve",
     "serve.config",
     "serve.sampling_params",
+    "serve.structured_outputs",
     "serve.sequence",
     "serve.outputs",
     "serve.step",

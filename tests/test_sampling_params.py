@@ -9,11 +9,8 @@ import math
 import pytest
 
 from serve.pooling_params import PoolingParams
-from serve.sampling_params import (
-    SamplingParams,
-    StructuredOutputsParams,
-    unenforceable_json_schema,
-)
+from serve.sampling_params import SamplingParams, StructuredOutputsParams
+from serve.structured_outputs import unenforceable_json_schema
 
 
 @pytest.mark.parametrize(

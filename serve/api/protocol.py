@@ -26,10 +26,9 @@ from pydantic_core import PydanticCustomError
 from serve.chat.rendering import RENDERING_ARGUMENTS
 from serve.chat.tool_parsers.base import load_json
 from serve.chat.tool_parsers.forced import named_function_schema, required_tool_calls_schema
-from serve.sampling_params import (
-    MAX_LOGIT_BIAS,
+from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from serve.structured_outputs import (
     REFUSED_OPTIONS,
-    SamplingParams,
     StructuredOutputsParams,
     unenforceable_json_schema,
 )

@@ -96,4 +96,3 @@ def test_a_group_that_fits_alone_is_not_cut_short_by_a_neighbour(tiny_llama, eng
     assert [c.token_ids for c in beside.outputs] == [c.token_ids for c in alone.outputs]
     assert [c.finish_reason for c in beside.outputs] == ["length", "length"]
     assert len(first.outputs[0].token_ids) == 40
-

@@ -15,7 +15,7 @@ import xgrammar as xgr
 from tiny_models import VOCAB_SIZE, build_tokenizer
 
 from serve.sampling_params import StructuredOutputsParams as Spec
-from serve.sampling_params import unenforceable_json_schema
+from serve.structured_outputs import unenforceable_json_schema
 from serve.worker.structured_output import StructuredOutputManager, json_schema_grammar
 
 TINY_EOS = 0
