@@ -37,9 +37,16 @@ import xgrammar as xgr
 
 from serve.sampling_params import StructuredOutputsParams
 
-# Compiled grammars kept (least recently submitted dropped first). A nested JSON schema
-# over a 49k vocabulary compiles to ~1 MB, so this bounds the cache to ~100 MB.
+# Compiled grammars kept (least recently submitted dropped first), by count and by their
+# serialized size all told. A nested JSON schema over a 49k vocabulary compiles to ~1 MB;
+# a schema of hundreds of enum properties, 37 KB as text, to 133 MB, and takes seconds to
+# load into a matcher: one past MAX_GRAMMAR_BYTES is refused (a 400).
 MAX_CACHED_GRAMMARS = 128
+MAX_CACHED_GRAMMAR_BYTES = 256 << 20
+MAX_GRAMMAR_BYTES = 32 << 20
+# Grammars loaded for matchers, kept for the next request of the same spec (loading a
+# 1 MB one takes the engine thread milliseconds, every other stream waiting).
+MAX_LOADED_GRAMMARS = 16
 
 # xgrammar's C++ errors read "[19:07:34] /project/cpp/regex_converter.cc:83: <message>",
 # some with "Check failed: (error.empty()) is false: " before the message.
@@ -82,9 +89,12 @@ class StructuredOutputManager:
             self._tokenizer_info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False
         )
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()  # guards _compiled, written by submit's callers
+        # Guards _compiled, written by submit's callers and by finished compiles (reentrant:
+        # a compile done already runs its callback inside submit).
+        self._lock = threading.RLock()
         self._compiled: OrderedDict[SpecKey, Future] = OrderedDict()
         # Engine thread only.
+        self._loaded: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()  # by serialized
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab_size / 32)] int32, CPU
 
@@ -108,10 +118,26 @@ class StructuredOutputManager:
             if future is None or _has_failed(future):
                 future = self._executor.submit(self._compile, key)
                 self._compiled[key] = future
-                if len(self._compiled) > MAX_CACHED_GRAMMARS:
-                    self._compiled.popitem(last=False)
+                future.add_done_callback(self._bound_cache)
             self._compiled.move_to_end(key)
+            self._bound_cache()
             return future
+
+    def _bound_cache(self, _done: Future | None = None) -> None:
+        """Drop the least recently submitted grammars past the count or the bytes (a
+        compile still running counts as none: its size is not known yet; it is counted
+        again when it is)."""
+        if _done is not None:  # a compile finished, on the pool's thread
+            with self._lock:
+                self._bound_cache()
+            return
+        sizes = {key: _serialized_size(future) for key, future in self._compiled.items()}
+        total = sum(sizes.values())
+        while len(self._compiled) > 1 and (
+            len(self._compiled) > MAX_CACHED_GRAMMARS or total > MAX_CACHED_GRAMMAR_BYTES
+        ):
+            key, _ = self._compiled.popitem(last=False)
+            total -= sizes[key]
 
     def _compile(self, key: SpecKey) -> str:
         kind, spec = key
@@ -127,14 +153,31 @@ class StructuredOutputManager:
         except (RuntimeError, ValueError, TypeError) as e:
             message = _CPP_ERROR_PREFIX.sub("", str(e)).strip()
             raise ValueError(f"{_ERROR_NAMES[kind]}: {message}") from None
-        return compiled.serialize_json()
+        serialized = compiled.serialize_json()
+        if len(serialized) > MAX_GRAMMAR_BYTES:
+            raise ValueError(
+                f"{_ERROR_NAMES[kind]}: it compiles to a grammar of "
+                f"{len(serialized) / (1 << 20):.0f} MiB over this model's vocabulary, more "
+                f"than serve takes ({MAX_GRAMMAR_BYTES >> 20} MiB). Simplify it: fewer "
+                "properties or enum values, shorter alternatives."
+            )
+        return serialized
 
     # ---- matchers (engine thread) ----
 
     def start(self, seq_id: int, grammar: str) -> None:
         """Constrain `seq_id` from its next token on, at the start of `grammar` (as
         `submit` gives it, from this manager or another built from the same tokenizer)."""
-        compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._tokenizer_info)
+        compiled = self._loaded.get(grammar)
+        if compiled is None:
+            compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._tokenizer_info)
+            self._loaded[grammar] = compiled
+            loaded_bytes = sum(len(g) for g in self._loaded)
+            while len(self._loaded) > 1 and (
+                len(self._loaded) > MAX_LOADED_GRAMMARS or loaded_bytes > MAX_CACHED_GRAMMAR_BYTES
+            ):
+                loaded_bytes -= len(self._loaded.popitem(last=False)[0])
+        self._loaded.move_to_end(grammar)
         self._matchers[seq_id] = xgr.GrammarMatcher(compiled)
 
     def fork(self, parent_seq_id: int, child_seq_id: int) -> None:
@@ -314,6 +357,12 @@ def _spec_key(params: StructuredOutputsParams) -> SpecKey:
     if kind == "json_object":
         return kind, '{"type": "object"}'
     return kind, getattr(params, kind)
+
+
+def _serialized_size(future: Future) -> int:
+    if not future.done() or _has_failed(future):
+        return 0
+    return len(future.result())
 
 
 def _has_failed(future: Future) -> bool:

@@ -16,6 +16,7 @@ from tiny_models import VOCAB_SIZE, build_tokenizer
 
 from serve.sampling_params import StructuredOutputsParams as Spec
 from serve.structured_outputs import unenforceable_json_schema
+from serve.worker import structured_output
 from serve.worker.structured_output import StructuredOutputManager, json_schema_grammar
 
 TINY_EOS = 0
@@ -192,6 +193,37 @@ def test_a_failed_compile_is_not_cached(tiny):
     assert second is not first
     with pytest.raises(ValueError, match="Invalid regex"):
         second.result(timeout=60)
+
+
+def test_a_grammar_too_large_is_refused_and_the_cache_is_bounded_by_bytes(tiny, monkeypatch):
+    """A schema of many enum properties compiles to a grammar of hundreds of MB over a
+    real vocabulary: refused past MAX_GRAMMAR_BYTES, and the cache holds so many bytes."""
+    size = len(compiled(tiny, Spec(json=NESTED_SCHEMA)))
+    monkeypatch.setattr(structured_output, "MAX_GRAMMAR_BYTES", size - 1)
+    with pytest.raises(ValueError, match=r"compiles to a grammar of .* Simplify it"):
+        compiled(tiny, Spec(json={**NESTED_SCHEMA, "title": "another"}))
+    monkeypatch.setattr(structured_output, "MAX_GRAMMAR_BYTES", 1 << 30)
+    monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMAR_BYTES", 3 * size)
+    for i in range(6):
+        compiled(tiny, Spec(json={**NESTED_SCHEMA, "title": f"schema {i}"}))
+    assert 1 < len(tiny._compiled) <= 3  # the newest, within the bytes
+
+
+def test_a_grammar_is_loaded_once_for_the_requests_that_share_it(tiny, monkeypatch):
+    loads = []
+    deserialize = xgr.CompiledGrammar.deserialize_json
+
+    def counting(grammar, tokenizer_info):
+        loads.append(len(grammar))
+        return deserialize(grammar, tokenizer_info)
+
+    monkeypatch.setattr(xgr.CompiledGrammar, "deserialize_json", staticmethod(counting))
+    grammar = compiled(tiny, Spec(json=NESTED_SCHEMA))
+    for seq_id in range(3):
+        tiny.start(seq_id, "".join(grammar))  # a copy of the text, as it arrives in a step
+    assert len(loads) == 1
+    tiny.start(3, compiled(tiny, Spec(regex="a+")))
+    assert len(loads) == 2
 
 
 # ---- masks ----
