@@ -34,6 +34,14 @@ def test_compose_mounts_files_that_exist():
     assert (DOCKER.parent / services["serve"]["build"]["dockerfile"]).exists()
 
 
+def test_every_port_is_published_on_loopback_only():
+    """The API has no key and Grafana the default password in this file: nothing of it
+    may face the network until the user says so."""
+    for name, service in _compose()["services"].items():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+
+
 def test_prometheus_scrapes_the_serve_service():
     config = yaml.safe_load((DOCKER / "prometheus/prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
