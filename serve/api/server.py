@@ -263,7 +263,10 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         if body.prompt is not None:  # tokenizing megabytes holds up every prompt behind it
             prompt_chars.check(body.prompt, "prompt")
         ids = await off_the_loop(_tokenize, body)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        reply = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if body.return_token_strs:  # vLLM's: each id's token as the vocabulary writes it
+            reply["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+        return reply
 
     def _tokenize(body: TokenizeRequest) -> list[int]:
         if body.messages is not None:

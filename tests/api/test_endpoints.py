@@ -35,6 +35,10 @@ def test_tokenize_prompt_and_detokenize(http, tokenizer):
     assert resp["tokens"] == tokenizer(text).input_ids
     assert resp["count"] == len(resp["tokens"]) and resp["max_model_len"] > 0
     assert http.post("/detokenize", json={"tokens": resp["tokens"]}).json() == {"prompt": text}
+    assert "token_strs" not in resp
+    with_strs = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert with_strs["tokens"] == resp["tokens"]
+    assert with_strs["token_strs"] == tokenizer.convert_ids_to_tokens(resp["tokens"])
 
 
 def test_tokenize_messages(http, tokenizer):
