@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve no /openapi.json (the API's schema); serve has no /docs or /redoc pages",
     )
     server.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed chat or completion carries usage, on each chunk and at the "
+        "end, as if it asked (stream_options include_usage and continuous_usage_stats)",
+    )
+    server.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="accepted so vLLM command lines run: every response carries X-Request-Id (the "
@@ -510,6 +516,7 @@ def _load(args: argparse.Namespace):
         access_log=not args.disable_uvicorn_access_log,
         quiet_access_paths=frozenset(comma_list(args.disable_access_log_for_endpoints)),
         openapi_schema=not args.disable_fastapi_docs,
+        force_include_usage=args.enable_force_include_usage,
     )
     return build_app(engine, settings), settings, sock
 

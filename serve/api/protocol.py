@@ -294,10 +294,12 @@ class SamplingRequest(OpenAIModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    @property
-    def usage_in_stream(self) -> tuple[bool, bool]:
+    def usage_in_stream(self, forced: bool = False) -> tuple[bool, bool]:
         """Whether a stream ends with a usage chunk, and whether every chunk carries its
-        choice's usage so far (vLLM's `continuous_usage_stats`, which needs the first)."""
+        choice's usage so far (vLLM's `continuous_usage_stats`, which needs the first).
+        `forced` (--enable-force-include-usage): both, whatever the request asks."""
+        if forced:
+            return True, True
         options = self.stream_options
         if options is None or not options.include_usage:
             return False, False

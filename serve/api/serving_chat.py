@@ -255,7 +255,7 @@ class ChatHandler:
             random_id("chatcmpl"),
             "chat.completion.chunk",
             self.settings.served_model_name,
-            *request.usage_in_stream,
+            *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=(len(prompt.token_ids),),
             n=request.n,
         )

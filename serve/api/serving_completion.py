@@ -230,7 +230,7 @@ class CompletionHandler:
             random_id("cmpl"),
             "text_completion",
             self.settings.served_model_name,
-            *request.usage_in_stream,
+            *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=tuple(len(ids) for _, ids, _ in prompts),
             n=request.n,
         )

@@ -36,6 +36,7 @@ class ServerSettings:
     access_log: bool = True  # a line per request (serve.access)
     quiet_access_paths: frozenset[str] = frozenset()  # logged only when they fail
     openapi_schema: bool = True  # GET /openapi.json
+    force_include_usage: bool = False  # every stream carries usage, as if asked for
 
     @property
     def model_names(self) -> tuple[str, ...]:

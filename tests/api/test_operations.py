@@ -15,6 +15,7 @@ import pytest
 from tests.api.conftest import REPO_ROOT, free_port, stop_process
 
 QUIET = "/health,/ping"
+IGNORE_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,7 @@ def operated(server_factory):
         "--root-path",
         "/llm",
         "--disable-fastapi-docs",
+        "--enable-force-include-usage",
     )
 
 
@@ -53,6 +55,17 @@ def test_every_served_name_answers_and_replies_carry_the_first(operated):
     assert "`main-name`, `alias`" in missing.json()["error"]["message"]
     card = httpx.get(f"{operated.v1}/models", timeout=30).json()["data"][0]
     assert card["root"] == "main-name" and card["parent"] is None
+
+
+def test_forced_usage_comes_with_every_stream(operated):
+    stream = operated.client().completions.create(
+        model=operated.model, prompt="Once", max_tokens=3, stream=True, extra_body=IGNORE_EOS
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 3 and not chunks[-1].choices
+    # Each chunk its choice's usage so far, as continuous_usage_stats gives it.
+    counted = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counted == sorted(counted) and counted[-1] == 3 and counted[0] >= 1
 
 
 def test_ping_is_the_health_probe_by_get_and_post(operated):
