@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve no /openapi.json (the API's schema); serve has no /docs or /redoc pages",
     )
     server.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprobs name each token "token_id:N" rather than by its text (a request\'s '
+        "own return_tokens_as_token_ids wins)",
+    )
+    server.add_argument(
         "--enable-force-include-usage",
         action="store_true",
         help="every streamed chat or completion carries usage, on each chunk and at the "
@@ -517,6 +523,7 @@ def _load(args: argparse.Namespace):
         quiet_access_paths=frozenset(comma_list(args.disable_access_log_for_endpoints)),
         openapi_schema=not args.disable_fastapi_docs,
         force_include_usage=args.enable_force_include_usage,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     return build_app(engine, settings), settings, sock
 

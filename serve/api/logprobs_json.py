@@ -23,6 +23,12 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return text_decoder(tokenizer)([token_id], False)
 
 
+def token_label(tokenizer: Any, token_id: int, as_id: bool) -> str:
+    """A logprobs entry's `token`: its text, or with vLLM's `return_tokens_as_token_ids`
+    "token_id:N", which names a token even where texts collide or a byte is split."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+
+
 def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
     """OpenAI's `bytes` of a token whose text is `text`: its UTF-8, or, for a token that
     holds part of a character (its text U+FFFD), the bytes it holds, which joined with its

@@ -224,6 +224,8 @@ class SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: logprobs name tokens "token_id:N"; None: the server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -293,6 +295,10 @@ class SamplingRequest(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    def tokens_as_ids(self, server_default: bool) -> bool:
+        asked = self.return_tokens_as_token_ids
+        return server_default if asked is None else asked
 
     def usage_in_stream(self, forced: bool = False) -> tuple[bool, bool]:
         """Whether a stream ends with a usage chunk, and whether every chunk carries its

@@ -16,7 +16,7 @@ from serve.api.logprobs_json import (
     prompt_logprobs_json,
     ranked_alternatives,
     token_bytes,
-    token_text,
+    token_label,
 )
 from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
 from serve.api.request_checks import (
@@ -182,28 +182,25 @@ class ChatHandler:
         reason = tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls), parser)
         return message, reason
 
-    def token_logprobs(self, completion: CompletionOutput, num_top: int):
+    def token_logprobs(self, completion: CompletionOutput, num_top: int, as_ids: bool = False):
         """OpenAI's logprobs of the output's tokens (a DELTA output's: the new ones):
-        `{"content": [...]}`, or None when the request asked for none."""
+        `{"content": [...]}`, or None when the request asked for none. `as_ids`: tokens
+        named "token_id:N" (vLLM's return_tokens_as_token_ids), their bytes that text's."""
         if completion.logprobs is None:
             return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = token_label(self.tokenizer, token_id, as_ids)
+            held = list(token.encode()) if as_ids else token_bytes(self.tokenizer, token_id, token)
+            return {"token": token, "logprob": logprob, "bytes": held}
+
         content = []
         for token_id, top in zip(completion.token_ids, completion.logprobs):
-            token = token_text(self.tokenizer, token_id)
             ranked = ranked_alternatives(top, num_top)
             content.append(
                 {
-                    "token": token,
-                    "logprob": top[token_id],
-                    "bytes": token_bytes(self.tokenizer, token_id, token),
-                    "top_logprobs": [
-                        {
-                            "token": (t := token_text(self.tokenizer, tid)),
-                            "logprob": lp,
-                            "bytes": token_bytes(self.tokenizer, tid, t),
-                        }
-                        for tid, lp in ranked
-                    ],
+                    **entry(token_id, top[token_id]),
+                    "top_logprobs": [entry(tid, lp) for tid, lp in ranked],
                 }
             )
         return {"content": content}
@@ -223,7 +220,11 @@ class ChatHandler:
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self.token_logprobs(completion, request.top_logprobs or 0),
+                    "logprobs": self.token_logprobs(
+                        completion,
+                        request.top_logprobs or 0,
+                        request.tokens_as_ids(self.settings.return_tokens_as_token_ids),
+                    ),
                     "finish_reason": finish_reason,
                     "stop_reason": completion.stop_reason,
                 }
@@ -295,11 +296,12 @@ class ChatHandler:
             role = {"role": "assistant", "content": ""}
             yield writer.chunk(index, delta=role, logprobs=None, finish_reason=None)
         num_top = request.top_logprobs or 0
+        as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
         parser = prompt.output_parser
         readers = defaultdict(parser.stream) if parser is not None else None  # per choice
 
         def content(index, completion, sent_chars):
-            logprobs = self.token_logprobs(completion, num_top)
+            logprobs = self.token_logprobs(completion, num_top, as_ids)
             if readers is None:
                 return [{"delta": {"content": completion.text}, "logprobs": logprobs}]
             return event_fields(readers[index].feed(completion.text), logprobs)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from serve.api.errors import APIError
-from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_text
+from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_label
 from serve.api.protocol import CompletionRequest, now, random_id
 from serve.api.request_checks import (
     PromptCharLimit,
@@ -124,19 +124,21 @@ class CompletionHandler:
         ]
 
     def _logprobs(
-        self, completion: CompletionOutput, text_offset: int, num_top: int
+        self, completion: CompletionOutput, text_offset: int, num_top: int, as_ids: bool
     ) -> dict[str, Any] | None:
         """The logprobs of the output's tokens (a DELTA output's: the new ones), their text
         starting at `text_offset`."""
         if completion.logprobs is None:
             return None
-        return self._token_logprobs(completion.token_ids, completion.logprobs, text_offset, num_top)
+        return self._token_logprobs(
+            completion.token_ids, completion.logprobs, text_offset, num_top, as_ids
+        )
 
-    def _echo_offset(self, prompt_token_ids: list[int]) -> int:
+    def _echo_offset(self, prompt_token_ids: list[int], as_ids: bool) -> int:
         """Where the output's text_offset starts under echo: past the prompt's tokens, each
         counted by its own text as the logprobs list it (vLLM walks prompt and output in
         one pass; a partial UTF-8 token counts as one "\ufffd", not as its bytes)."""
-        return sum(len(token_text(self.tokenizer, t)) for t in prompt_token_ids)
+        return sum(len(token_label(self.tokenizer, t, as_ids)) for t in prompt_token_ids)
 
     def _token_logprobs(
         self,
@@ -144,12 +146,13 @@ class CompletionHandler:
         logprobs: list[dict[int, float] | None],
         text_offset: int,
         num_top: int,
+        as_ids: bool,
     ) -> dict[str, Any]:
         """The legacy completions shape; a position with no logprobs (the first prompt
         token, under echo) has null ones."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for token_id, top in zip(token_ids, logprobs):
-            token = token_text(self.tokenizer, token_id)
+            token = token_label(self.tokenizer, token_id, as_ids)
             tokens.append(token)
             offsets.append(text_offset)
             text_offset += len(token)
@@ -164,7 +167,7 @@ class CompletionHandler:
             # else the best (`ranked` is sorted best first).
             by_text: dict[str, float] = {token: top[token_id]}
             for t, lp in ranked_alternatives(top, num_top):
-                by_text.setdefault(token_text(self.tokenizer, t), lp)
+                by_text.setdefault(token_label(self.tokenizer, t, as_ids), lp)
             top_logprobs.append(by_text)
         return {
             "tokens": tokens,
@@ -178,11 +181,15 @@ class CompletionHandler:
     ) -> dict[str, Any]:
         completion = out.outputs[index % request.n]
         prefix = prompt_text if request.echo else ""
-        num_top = request.logprobs or 0
-        start = self._echo_offset(out.prompt_token_ids) if request.echo else 0
-        logprobs = self._logprobs(completion, start, num_top)
+        num_top, as_ids = (
+            request.logprobs or 0,
+            request.tokens_as_ids(self.settings.return_tokens_as_token_ids),
+        )
+        start = self._echo_offset(out.prompt_token_ids, as_ids) if request.echo else 0
+        logprobs = self._logprobs(completion, start, num_top, as_ids)
         if request.echo and logprobs is not None and out.prompt_logprobs is not None:
-            echoed = self._token_logprobs(out.prompt_token_ids, out.prompt_logprobs, 0, num_top)
+            prompt = (out.prompt_token_ids, out.prompt_logprobs)
+            echoed = self._token_logprobs(*prompt, 0, num_top, as_ids)
             logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         choice = {
             "index": index,
@@ -271,17 +278,20 @@ class CompletionHandler:
             for index in range(len(streams) * request.n):
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
-        num_top = request.logprobs or 0
+        num_top, as_ids = (
+            request.logprobs or 0,
+            request.tokens_as_ids(self.settings.return_tokens_as_token_ids),
+        )
         # Each choice's next text_offset: counted by the tokens' texts, as the whole
         # response counts them, not by the text sent (the detokenizer and stop strings
         # hold some back for a while).
         offsets = [
-            self._echo_offset(prompts[index // request.n][1]) if request.echo else 0
+            self._echo_offset(prompts[index // request.n][1], as_ids) if request.echo else 0
             for index in range(len(streams) * request.n)
         ]
 
         def content(index, completion, sent_chars):
-            logprobs = self._logprobs(completion, offsets[index], num_top)
+            logprobs = self._logprobs(completion, offsets[index], num_top, as_ids)
             if logprobs is not None and logprobs["tokens"]:
                 offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             return [{"text": completion.text, "logprobs": logprobs}]

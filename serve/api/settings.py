@@ -37,6 +37,7 @@ class ServerSettings:
     quiet_access_paths: frozenset[str] = frozenset()  # logged only when they fail
     openapi_schema: bool = True  # GET /openapi.json
     force_include_usage: bool = False  # every stream carries usage, as if asked for
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ def operated(server_factory):
         "/llm",
         "--disable-fastapi-docs",
         "--enable-force-include-usage",
+        "--return-tokens-as-token-ids",
     )
 
 
@@ -66,6 +67,34 @@ def test_forced_usage_comes_with_every_stream(operated):
     # Each chunk its choice's usage so far, as continuous_usage_stats gives it.
     counted = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counted == sorted(counted) and counted[-1] == 3 and counted[0] >= 1
+
+
+def test_tokens_as_token_ids_by_flag_and_by_request(operated):
+    """vLLM's return_tokens_as_token_ids, as RL trainers read logprobs: "token_id:N"."""
+    client = operated.client()
+    kwargs = dict(model=operated.model, prompt="Once", max_tokens=5, logprobs=2, temperature=0)
+    by_id = client.completions.create(**kwargs, extra_body=IGNORE_EOS).choices[0]
+    ids = [int(token.removeprefix("token_id:")) for token in by_id.logprobs.tokens]
+    assert all(key.startswith("token_id:") for top in by_id.logprobs.top_logprobs for key in top)
+    as_text = client.completions.create(
+        **kwargs, extra_body={**IGNORE_EOS, "return_tokens_as_token_ids": False}
+    ).choices[0]
+    assert as_text.text == by_id.text  # greedy: the same tokens, named two ways
+    texts = [
+        httpx.post(f"{operated.url}/detokenize", json={"tokens": [i]}, timeout=10).json()["prompt"]
+        for i in ids
+    ]
+    assert texts == as_text.logprobs.tokens
+    chat = client.chat.completions.create(
+        model=operated.model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and bytes(entry.bytes) == entry.token.encode()
+        assert all(alt.token.startswith("token_id:") for alt in entry.top_logprobs)
 
 
 def test_ping_is_the_health_probe_by_get_and_post(operated):
