@@ -180,6 +180,8 @@ def _ignored_keyword(schema: dict[str, Any], is_property_name: bool) -> tuple[st
     if bound and shape and (not types or "string" in types):
         hint = "Write the length into the pattern (e.g. {1,20})." if shape == "pattern" else ""
         return f"`{bound}` beside `{shape}`", hint
+    if "pattern" in schema and "format" in schema and (not types or "string" in types):
+        return "`pattern` beside `format`", "Keep one of them (the format is what is written)."
     required = schema.get("required")
     if isinstance(required, list) and (not types or "object" in types):
         properties = schema.get("properties")
@@ -216,7 +218,16 @@ def _branches_within(schema: dict[str, Any], combinator: str, types: set[str]) -
         isinstance(branch, dict)
         and (
             any(k in branch for k in ("$ref", "enum", "const"))
-            or bool(_types(branch) and _types(branch) <= types)
+            or bool(_typed_as(branch) and _typed_as(branch) <= types)
         )
         for branch in schema.get(combinator) or []
     )
+
+
+def _typed_as(schema: dict[str, Any]) -> set[str]:
+    """The types a schema holds its values to: declared, or as xgrammar infers them (an
+    object from `properties`, an array from `items`)."""
+    declared = _types(schema)
+    if declared:
+        return declared
+    return {kind for kind, hints in _INFERRED_TYPES.items() if hints & schema.keys()}

@@ -555,6 +555,7 @@ IGNORED = [
         1,
         ["beside `$ref`"],
     ),
+    ({"type": "string", "format": "date", "pattern": "^2"}, "1914-11-24", ["`pattern` beside"]),
     (
         {
             "type": "object",
@@ -586,6 +587,17 @@ ENFORCED = [
         {"x": 0},
     ),
     (NESTED_SCHEMA, {"name": "a", "age": 130, "point": {"x": 1, "y": True}}),
+    # "a or b": the object branches without a type of their own are objects all the same.
+    (
+        {
+            "type": "object",
+            "anyOf": [
+                {"properties": {"a": {"type": "string"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "string"}}, "required": ["b"]},
+            ],
+        },
+        {"c": "x"},
+    ),
 ]
 
 
