@@ -139,8 +139,13 @@ def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
 
 
 def listed_input(item: ConversationItem) -> dict[str, Any]:
-    """An input item as GET .../input_items lists it: with an id of its own, its text as
-    parts, its status completed."""
+    """An input item as GET .../input_items lists it: with its id (the client's, else a new
+    one), its text as parts, its status completed."""
+    given = (item.model_extra or {}).get("id")
+
+    def item_id(prefix: str) -> str:
+        return given if isinstance(given, str) and given else new_id(prefix)
+
     if isinstance(item, MessageItem):
         parts = item.content
         if isinstance(parts, str):
@@ -148,15 +153,15 @@ def listed_input(item: ConversationItem) -> dict[str, Any]:
             parts = [ContentPart(type=kind, text=parts)]
         content = [p.model_dump(exclude_none=True) for p in parts]
         fields = {"type": "message", "role": item.role, "content": content}
-        return {"id": new_id("msg"), **fields, "status": "completed"}
+        return {"id": item_id("msg"), **fields, "status": "completed"}
     if isinstance(item, FunctionCallItem):
         fields = {k: getattr(item, k) for k in ("type", "call_id", "name", "arguments")}
-        return {"id": new_id("fc"), **fields, "status": "completed"}
+        return {"id": item_id("fc"), **fields, "status": "completed"}
     output = item.output
     if not isinstance(output, str):
         output = [p.model_dump(exclude_none=True) for p in output]
     fields = {"type": "function_call_output", "call_id": item.call_id, "output": output}
-    return {"id": new_id("fco"), **fields, "status": "completed"}
+    return {"id": item_id("fco"), **fields, "status": "completed"}
 
 
 def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:

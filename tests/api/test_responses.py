@@ -278,7 +278,7 @@ def test_input_items_list_the_chain_newest_first_through_the_sdk(client, server)
     first = client.responses.create(input="Hello!", instructions=INSTRUCTIONS, **kwargs)
     follow_up = [
         {"role": "user", "content": [{"type": "input_text", "text": "Tell me more."}]},
-        {"role": "user", "content": "Briefly."},
+        {"role": "user", "content": "Briefly.", "id": "msg_mine"},  # kept, as OpenAI keeps it
     ]
     second = client.responses.create(input=follow_up, previous_response_id=first.id, **kwargs)
     listed = client.responses.input_items.list(second.id).data
@@ -289,6 +289,7 @@ def test_input_items_list_the_chain_newest_first_through_the_sdk(client, server)
     texts = [item.content[0].text for item in listed]
     assert texts == ["Briefly.", "Tell me more.", first.output_text, "Hello!"]
     assert listed[2].id == first.output[0].id  # an output keeps its id
+    assert listed[0].id == "msg_mine"
     assert len({item.id for item in listed}) == 4
     oldest = client.responses.input_items.list(second.id, order="asc", limit=2)
     assert [item.content[0].text for item in oldest.data] == ["Hello!", first.output_text]
