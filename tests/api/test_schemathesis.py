@@ -21,6 +21,8 @@ from schemathesis.generation import GenerationMode
 
 OPERATIONS = [
     ("GET", "/health"),
+    ("GET", "/ping"),
+    ("POST", "/ping"),
     ("GET", "/version"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
@@ -30,6 +32,7 @@ OPERATIONS = [
     ("POST", "/v1/responses"),
     ("GET", "/v1/responses/{response_id}"),
     ("DELETE", "/v1/responses/{response_id}"),
+    ("GET", "/v1/responses/{response_id}/input_items"),
     ("POST", "/v1/embeddings"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
