@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -18,7 +18,13 @@ from starlette.middleware.cors import CORSMiddleware
 import serve
 from serve.api.admission import Admission, AdmissionGate
 from serve.api.auth import APIKeyAuth, public_paths
-from serve.api.errors import APIError, error_body, error_response, validation_message
+from serve.api.errors import (
+    APIError,
+    anthropic_error_body,
+    error_body,
+    error_response,
+    validation_message,
+)
 from serve.api.json_body import JSONBodyRoute
 from serve.api.metrics import ServerMetrics
 from serve.api.middleware import CLIENT_CLOSED, AccessLog, InternalErrors, route_path
@@ -174,20 +180,39 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     # One path, two APIs: Anthropic's SDK sends anthropic-version on every request.
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        names = settings.model_names
-        if "anthropic-version" in request.headers:
-            data = [anthropic_card(name) for name in names]
-            return {"data": data, "has_more": False, "first_id": names[0], "last_id": names[-1]}
-        return {"object": "list", "data": [model_card(name) for name in names]}
+    async def models(
+        request: Request,
+        limit: int = Query(20, ge=1, le=1000),
+        after_id: str | None = None,
+        before_id: str | None = None,
+    ) -> dict[str, Any]:
+        names = list(settings.model_names)
+        if "anthropic-version" not in request.headers:
+            return {"object": "list", "data": [model_card(name) for name in names]}
+        # Anthropic's pages: `limit` names after `after_id`, or the last before `before_id`.
+        if after_id in names:
+            names = names[names.index(after_id) + 1 :]
+        if before_id in names:
+            names = names[: names.index(before_id)]
+        page = names[-limit:] if before_id is not None else names[:limit]
+        return {
+            "data": [anthropic_card(name) for name in page],
+            "has_more": len(page) < len(names),
+            "first_id": page[0] if page else None,
+            "last_id": page[-1] if page else None,
+        }
 
     @app.get("/v1/models/{model_id:path}")  # the OpenAI client's models.retrieve
-    async def model(model_id: str, request: Request) -> dict[str, Any]:
-        check_model(model_id, settings)
+    async def model(model_id: str, request: Request) -> Any:
+        anthropic = "anthropic-version" in request.headers
+        try:
+            check_model(model_id, settings)
+        except APIError as e:
+            if not anthropic:
+                raise
+            return JSONResponse(anthropic_error_body(e.status, e.message), status_code=e.status)
         name = model_id if model_id in settings.model_names else settings.served_model_name
-        if "anthropic-version" in request.headers:
-            return anthropic_card(name)
-        return model_card(name)
+        return anthropic_card(name) if anthropic else model_card(name)
 
     async def respond(
         handler: ChatHandler | CompletionHandler | ResponsesHandler | MessagesHandler,

@@ -526,5 +526,9 @@ def test_models_in_anthropics_shape_for_its_sdk(server):
     assert model.type == "model" and model.id == server.model
     assert model.display_name == server.model and model.created_at.year >= 2025
     assert client.models.retrieve(server.model).id == server.model
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["type"] == "error"  # Anthropic's shape, which its SDK reads
+    assert client.models.list(limit=1, after_id=server.model).data == []
     # The OpenAI shape stays for everyone else.
     assert httpx.get(f"{server.v1}/models", timeout=30).json()["object"] == "list"

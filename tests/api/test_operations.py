@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import anthropic
 import httpx
 import pytest
 
@@ -56,6 +57,12 @@ def test_every_served_name_answers_and_replies_carry_the_first(operated):
     assert "`main-name`, `alias`" in missing.json()["error"]["message"]
     card = httpx.get(f"{operated.v1}/models", timeout=30).json()["data"][0]
     assert card["root"] == "main-name" and card["parent"] is None
+    # Anthropic's SDK pages them.
+    claude = anthropic.Anthropic(base_url=operated.url, api_key="unused", max_retries=0)
+    first = claude.models.list(limit=1)
+    assert [m.id for m in first.data] == ["main-name"] and first.has_more
+    assert [m.id for m in claude.models.list(limit=1)] == ["main-name", "alias"]  # page by page
+    assert [m.id for m in claude.models.list(before_id="alias").data] == ["main-name"]
 
 
 def test_forced_usage_comes_with_every_stream(operated):
