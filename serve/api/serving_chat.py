@@ -300,7 +300,7 @@ class ChatHandler:
         parser = prompt.output_parser
         readers = defaultdict(parser.stream) if parser is not None else None  # per choice
 
-        def content(index, completion, sent_chars):
+        def content(index, completion):
             logprobs = self.token_logprobs(completion, num_top, as_ids)
             if readers is None:
                 return [{"delta": {"content": completion.text}, "logprobs": logprobs}]

@@ -181,10 +181,8 @@ class CompletionHandler:
     ) -> dict[str, Any]:
         completion = out.outputs[index % request.n]
         prefix = prompt_text if request.echo else ""
-        num_top, as_ids = (
-            request.logprobs or 0,
-            request.tokens_as_ids(self.settings.return_tokens_as_token_ids),
-        )
+        num_top = request.logprobs or 0
+        as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
         start = self._echo_offset(out.prompt_token_ids, as_ids) if request.echo else 0
         logprobs = self._logprobs(completion, start, num_top, as_ids)
         if request.echo and logprobs is not None and out.prompt_logprobs is not None:
@@ -278,10 +276,8 @@ class CompletionHandler:
             for index in range(len(streams) * request.n):
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
-        num_top, as_ids = (
-            request.logprobs or 0,
-            request.tokens_as_ids(self.settings.return_tokens_as_token_ids),
-        )
+        num_top = request.logprobs or 0
+        as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
         # Each choice's next text_offset: counted by the tokens' texts, as the whole
         # response counts them, not by the text sent (the detokenizer and stop strings
         # hold some back for a while).
@@ -290,7 +286,7 @@ class CompletionHandler:
             for index in range(len(streams) * request.n)
         ]
 
-        def content(index, completion, sent_chars):
+        def content(index, completion):
             logprobs = self._logprobs(completion, offsets[index], num_top, as_ids)
             if logprobs is not None and logprobs["tokens"]:
                 offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])

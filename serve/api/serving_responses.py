@@ -172,13 +172,12 @@ class ResponsesHandler:
         return turn, prompt
 
     def _turn(self, request: ResponsesRequest) -> Turn:
-        previous: tuple[ConversationItem, ...] = ()
         stored = None
         if request.previous_response_id is not None:
             stored = self.store.get(request.previous_response_id)
             if stored is None:
                 raise _not_found(request.previous_response_id, "previous_response_id")
-            previous = stored.conversation
+        previous = stored.conversation if stored is not None else ()
         conversation = [*previous, *request.input_items]
         fields = _chat_fields(request, chat_messages(request.instructions, conversation))
         with _responses_params():

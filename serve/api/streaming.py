@@ -66,7 +66,6 @@ async def merge_streams(
 class ChoiceProgress:
     """What one streamed choice has sent so far."""
 
-    num_chars: int = 0
     num_tokens: int = 0
     finish_reason: str | None = None
 
@@ -79,14 +78,11 @@ class StreamState:
     def __post_init__(self) -> None:
         self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
 
-    def take(self, index: int, delta: CompletionOutput) -> int:
-        """Count choice `index`'s next DELTA output; the characters it had sent before."""
+    def take(self, index: int, delta: CompletionOutput) -> None:
+        """Count choice `index`'s next DELTA output."""
         progress = self.choices[index]
-        sent_chars = progress.num_chars
-        progress.num_chars += len(delta.text)
         progress.num_tokens += len(delta.token_ids)
         progress.finish_reason = delta.finish_reason
-        return sent_chars
 
     @property
     def completion_tokens(self) -> int:
@@ -138,9 +134,9 @@ async def guard_stream(path: str = "") -> AsyncIterator[StreamFailure]:
         failure.error = error_body(_engine_error_status(e), str(e), path=path)
 
 
-# (index, DELTA output, chars sent before) -> the choice's fields in each content chunk to
-# send (none, one or several).
-ContentFields = Callable[[int, CompletionOutput, int], list[dict[str, Any]]]
+# (index, DELTA output) -> the choice's fields in each content chunk to send (none, one or
+# several).
+ContentFields = Callable[[int, CompletionOutput], list[dict[str, Any]]]
 
 
 # (index, finished completion) -> the choice's fields in each last chunk: anything held
@@ -200,10 +196,10 @@ async def stream_choices(
         async for index, completion in choice_outputs(streams, n):
             if state.choices[index].finish_reason is not None:
                 continue  # said all it had
-            sent_chars = state.take(index, completion)
+            state.take(index, completion)
             num_tokens = state.choices[index].num_tokens
             if completion.text or (completion.logprobs is not None and completion.token_ids):
-                for fields in content_fields(index, completion, sent_chars):
+                for fields in content_fields(index, completion):
                     yield writer.chunk(index, num_tokens, **fields, finish_reason=None)
             if completion.finished():
                 for fields in finish_fields(index, completion):
