@@ -178,26 +178,32 @@ class ModelConfig:
             )
 
 
+# vLLM's suffixes for a number of tokens: lower case decimal, upper case binary.
+_TOKEN_SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
 def _token_count(value: int | str | None) -> int | None:
     """max_model_len as vLLM reads it: an int, or text like 2048, 25.6k (x1000) or 4K
     (x1024); -1 or "auto" is None, the model's own."""
     if isinstance(value, str):
         text = value.strip()
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text)
         if text.lower() == "auto" or text == "-1":
             return None
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG]?)", text)
         if match is None:
             raise InvalidSettingError(
                 "max_model_len", f"must be a number of tokens like 4096, 4k or 4K; got {value!r}."
             )
         number, suffix = match.groups()
-        scale = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "K": 1 << 10, "M": 1 << 20}
-        scale["G"] = 1 << 30
-        if suffix.isupper() and "." in number:
+        scale = _TOKEN_SCALES[suffix]
+        if "." not in number:
+            value = int(number) * scale
+        elif suffix.isupper():
             raise InvalidSettingError(
                 "max_model_len", f"binary suffixes take whole numbers; got {value!r}."
             )
-        value = int(float(number) * scale[suffix]) if "." in number else int(number) * scale[suffix]
+        else:
+            value = int(float(number) * scale)
     if value == -1:
         return None
     if value is not None and value < 1:
