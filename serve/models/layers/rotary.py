@@ -25,15 +25,16 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
+def _frequencies(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor: what cos and sin are multiplied by, 1 but for YaRN)."""
     base = float(params.get("rope_theta", 10000.0))
     # float32 throughout, as HF computes it, so positions rotate bit-for-bit alike.
     inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
     rope_type = params["rope_type"]
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(params["factor"])
+        return inv_freq / float(params["factor"]), 1.0
     if rope_type == "llama3":
         # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
         factor = float(params["factor"])
@@ -43,19 +44,15 @@ def _inv_freq(rotary_dim: int, params: dict[str, Any]) -> torch.Tensor:
         smooth = (old_len / wavelen - low) / (high - low)
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(is_mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+        mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(is_mid, mid, scaled), 1.0
     if rope_type == "yarn":
-        return yarn_inv_freq(rotary_dim, params)[0]
+        return yarn_inv_freq(rotary_dim, params)
     raise ValueError(
         f"rope type {rope_type!r} is not supported natively (supported: "
         f"{', '.join(SUPPORTED_ROPE_TYPES)}); --model-impl transformers serves the model with "
         "transformers' own rotary code."
     )
-
-
-def _attention_factor(params: dict[str, Any]) -> float:
-    """What cos and sin are multiplied by: 1 but for YaRN."""
-    return yarn_inv_freq(2, params)[1] if params["rope_type"] == "yarn" else 1.0
 
 
 def yarn_inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -113,9 +110,8 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         rotary_dim = rotary_dim or head_dim
-        inv_freq = _inv_freq(rotary_dim, params)
+        inv_freq, scale = _frequencies(rotary_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        scale = _attention_factor(params)
         cache = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1)
         # cache: [max_position, rotary_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
