@@ -118,26 +118,24 @@ class StructuredOutputManager:
             if future is None or _has_failed(future):
                 future = self._executor.submit(self._compile, key)
                 self._compiled[key] = future
-                future.add_done_callback(self._bound_cache)
+                future.add_done_callback(self._on_compiled)
             self._compiled.move_to_end(key)
-            self._bound_cache()
+            self._bound_compiled()
             return future
 
-    def _bound_cache(self, _done: Future | None = None) -> None:
-        """Drop the least recently submitted grammars past the count or the bytes (a
-        compile still running counts as none: its size is not known yet; it is counted
-        again when it is)."""
-        if _done is not None:  # a compile finished, on the pool's thread
-            with self._lock:
-                self._bound_cache()
-            return
-        sizes = {key: _serialized_size(future) for key, future in self._compiled.items()}
-        total = sum(sizes.values())
-        while len(self._compiled) > 1 and (
-            len(self._compiled) > MAX_CACHED_GRAMMARS or total > MAX_CACHED_GRAMMAR_BYTES
-        ):
-            key, _ = self._compiled.popitem(last=False)
-            total -= sizes[key]
+    def _on_compiled(self, _future: Future) -> None:
+        """A compile finished (on the pool's thread): its size now counts."""
+        with self._lock:
+            self._bound_compiled()
+
+    def _bound_compiled(self) -> None:
+        """Under the lock. A compile still running counts as no bytes until it is done."""
+        _drop_oldest(
+            self._compiled,
+            lambda _, future: _serialized_size(future),
+            MAX_CACHED_GRAMMARS,
+            MAX_CACHED_GRAMMAR_BYTES,
+        )
 
     def _compile(self, key: SpecKey) -> str:
         kind, spec = key
@@ -172,11 +170,12 @@ class StructuredOutputManager:
         if compiled is None:
             compiled = xgr.CompiledGrammar.deserialize_json(grammar, self._tokenizer_info)
             self._loaded[grammar] = compiled
-            loaded_bytes = sum(len(g) for g in self._loaded)
-            while len(self._loaded) > 1 and (
-                len(self._loaded) > MAX_LOADED_GRAMMARS or loaded_bytes > MAX_CACHED_GRAMMAR_BYTES
-            ):
-                loaded_bytes -= len(self._loaded.popitem(last=False)[0])
+            _drop_oldest(
+                self._loaded,
+                lambda serialized, _: len(serialized),
+                MAX_LOADED_GRAMMARS,
+                MAX_CACHED_GRAMMAR_BYTES,
+            )
         self._loaded.move_to_end(grammar)
         self._matchers[seq_id] = xgr.GrammarMatcher(compiled)
 
@@ -357,6 +356,16 @@ def _spec_key(params: StructuredOutputsParams) -> SpecKey:
     if kind == "json_object":
         return kind, '{"type": "object"}'
     return kind, getattr(params, kind)
+
+
+def _drop_oldest(
+    cache: OrderedDict, size_of: Callable[[Any, Any], int], max_entries: int, max_bytes: int
+) -> None:
+    """Drop `cache`'s oldest entries (never its newest) while it holds more than
+    `max_entries` or more than `max_bytes` by `size_of(key, value)`."""
+    total = sum(size_of(key, value) for key, value in cache.items())
+    while len(cache) > 1 and (len(cache) > max_entries or total > max_bytes):
+        total -= size_of(*cache.popitem(last=False))
 
 
 def _serialized_size(future: Future) -> int:
