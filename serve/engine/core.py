@@ -197,7 +197,13 @@ class EngineCore:
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
-        check_params(params, self.vocab_size, self.config.model.max_logprobs, self.pooling)
+        check_params(
+            params,
+            self.vocab_size,
+            self.config.model.max_logprobs,
+            self.pooling,
+            self.eos_token_ids,
+        )
 
     @property
     def structured_output(self) -> StructuredOutputManager:

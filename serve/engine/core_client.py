@@ -108,7 +108,7 @@ class EngineCoreClient(EngineFrontEnd):
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
-        check_params(params, self.vocab_size, self.max_logprobs, self.pooling)
+        check_params(params, self.vocab_size, self.max_logprobs, self.pooling, self.eos_token_ids)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar here, off the event loop, so that an invalid one is

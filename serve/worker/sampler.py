@@ -132,6 +132,13 @@ class Sampler:
                 row_bans += [*self._eos_token_ids, *p.stop_token_ids]
             if row_bans:
                 banned[i] = row_bans
+                if p.allowed_token_ids and set(p.allowed_token_ids) <= set(row_bans):
+                    # Sampled anyway, the row would yield a token outside allowed_token_ids.
+                    raise ValueError(
+                        "Every token in allowed_token_ids is banned at this point of the "
+                        "output (by bad_words, or held back by min_tokens): no token can "
+                        "be generated."
+                    )
             if p.logit_bias:
                 biased.append(i)
             if p.has_penalties:

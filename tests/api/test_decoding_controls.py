@@ -153,6 +153,7 @@ def test_structured_output_streams(client, server):
         ({"allowed_token_ids": [100000]}, "allowed_token_ids"),
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+        ({"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 2}, "allowed_token_ids"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),

@@ -8,7 +8,7 @@ import torch
 import transformers
 from tiny_models import random_prompts
 
-from serve import LLM, SamplingParams
+from serve import LLM, RequestsFailedError, SamplingParams
 
 EOS = 0  # the tiny tokenizer's <|endoftext|>
 
@@ -71,6 +71,36 @@ def test_allowed_token_ids_restrict_the_output(llm, prompts, temperature):
     assert all(set(tokens) <= set(allowed) for tokens in outputs)
     if temperature:
         assert len({t for tokens in outputs for t in tokens}) > 2  # really sampled
+
+
+def test_allowed_tokens_that_min_tokens_holds_back_are_refused(llm, prompts):
+    """Only EOS and stop tokens allowed, and min_tokens holding them back: no token could
+    be generated, so the request is refused rather than given a token outside the set."""
+    for allowed, stops in (([EOS], []), ([EOS, 90], [90])):
+        params = SamplingParams(allowed_token_ids=allowed, stop_token_ids=stops, min_tokens=2)
+        with pytest.raises(ValueError, match="allowed_token_ids"):
+            llm.generate(prompts[:1], params, use_tqdm=False)
+    # One more allowed token is enough: the first two tokens are it.
+    params = SamplingParams(
+        temperature=0.0, allowed_token_ids=[EOS, 90, 41], stop_token_ids=[90], min_tokens=2
+    )
+    tokens = _tokens(llm, prompts[:1], params)[0]
+    assert tokens[:2] == [41, 41] and set(tokens) <= {EOS, 90, 41}
+
+
+def test_allowed_tokens_all_banned_by_bad_words_fail_that_request_alone(llm, prompts):
+    tokenizer = llm.get_tokenizer()
+    (spaced,) = tokenizer.encode(" the", add_special_tokens=False)
+    doomed = SamplingParams(allowed_token_ids=[spaced], bad_words=["the"], max_tokens=4)
+    fine = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(RequestsFailedError, match="failed 1 of") as raised:
+        llm.generate(prompts[:2], [doomed, fine], use_tqdm=False)
+    failed, healthy = raised.value.outputs
+    assert failed.error is not None and "allowed_token_ids is banned" in failed.error
+    assert (
+        healthy.error is None
+        and healthy.outputs[0].token_ids == _tokens(llm, prompts[1:2], fine)[0]
+    )
 
 
 def test_bad_words_never_appear(llm, prompts):
