@@ -150,12 +150,56 @@ def test_llama3_python_tag_several_calls_and_arguments_key():
         '{"nome": "a"}',
         "<|python_tag|>print('hi')",
         "{}",
+        '{"name": "Bob"}',  # no "parameters" or "arguments": not a call, as in vLLM
         "",
     ],
 )
 def test_llama3_anything_else_is_content(text):
     parsed = LLAMA3.parse(text)
     assert parsed.tool_calls == [] and parsed.content == (text or None)
+
+
+A_CALL = '{"name": "a", "parameters": {"x": 1}}'
+B_CALL = '{"name": "b", "arguments": {"s": "} {"}}'
+CALLS_READ = {A_CALL: ("a", '{"x": 1}'), B_CALL: ("b", '{"s": "} {"}')}  # (name, arguments)
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "names"),
+    [
+        (f"I will check the weather.\n{A_CALL}", "I will check the weather.", ["a"]),
+        (f"Two calls: {A_CALL}; {B_CALL}", "Two calls:", ["a", "b"]),
+        (f"One per line:\n{A_CALL}\n{B_CALL}\n", "One per line:", ["a", "b"]),
+        (f"Tagged. <|python_tag|>{A_CALL};\n", "Tagged.", ["a"]),
+        (f"Wait.\n\n{B_CALL}{A_CALL}", "Wait.", ["b", "a"]),
+    ],
+)
+def test_llama3_calls_after_preamble(text, content, names):
+    parsed = LLAMA3.parse(text)
+    assert parsed.content == content and [c.name for c in parsed.tool_calls] == names
+    for deltas in (list(text), [text], split_at(text, [5, 13, 21, 34, 55])):
+        assert streamed(LLAMA3, deltas) == whole(LLAMA3, text)
+
+
+@pytest.mark.parametrize(
+    "prose",
+    [
+        'Reply as {"name": "Bob"}',
+        '{"name": "Bob"}',
+        f"In JSON, {A_CALL} is how a call looks.",
+        "The set {1, 2} is {x | x < 3}",
+        '{"a": {"b": [1, 2]}} is nested',
+        'Say {"hi" to me}',
+    ],
+)
+def test_llama3_braces_in_prose_are_content_before_a_call(prose):
+    assert whole(LLAMA3, prose) == (prose, [])
+    reader = LLAMA3.stream()
+    assert "".join(reader.feed(prose)) == prose  # known not to be calls before the end
+    assert reader.finish() == []
+    text = f"{prose}\n{A_CALL}"
+    assert whole(LLAMA3, text) == (prose, [CALLS_READ[A_CALL]])
+    assert streamed(LLAMA3, list(text)) == whole(LLAMA3, text)
 
 
 # --- forced choices -----------------------------------------------------------------------
@@ -276,6 +320,10 @@ HERMES_PIECES = [
 LLAMA3_PIECES = [
     json.dumps({"name": "get_weather", "parameters": WEATHER_ARGS}),
     '{"name": "f", "arguments": {}}',
+    '{"name": "g", "parameters": {"s": "}{\\""}}',
+    '{"name": "Bob"}',
+    '{"a": 1}',
+    "Sure. ",
     "<|python_tag|>",
     "<|python",
     ";",
@@ -285,6 +333,8 @@ LLAMA3_PIECES = [
     "}",
     "Hello",
     "<",
+    '"',
+    "\\",
 ]
 REQUIRED_PIECES = ["[", "]", ",", '{"name": "f", "parameters": {"x": 1}}', " ", "oops"]
 
@@ -328,6 +378,56 @@ def test_hermes_stream_sends_content_before_a_call_closes():
     header, arguments = reader.feed("</tool_call>")
     assert (header.name, header.arguments, arguments.arguments) == ("f", "", "{}")
     assert reader.finish() == []
+
+
+def test_llama3_stream_sends_preamble_before_the_call():
+    reader = LLAMA3.stream()
+    assert reader.feed("Let me check.") == ["Let me check."]
+    assert reader.feed(' {"name": "a", "param') == []  # the space may be spacing
+    assert reader.feed('eters": {"x": 1}}') == []  # text may follow: then it is content
+    header, arguments = reader.finish()
+    assert (header.name, arguments.arguments) == ("a", '{"x": 1}')
+
+    reader = LLAMA3.stream()
+    assert reader.feed("Sure <|pyth") == ["Sure"]
+    assert reader.feed("on_tag|>" + A_CALL) == []
+    assert [e.name for e in reader.finish()] == ["a", None]
+
+
+PROSE_PIECES = [
+    "Let me check.",
+    "The set {1, 2}",
+    'Reply as {"name": "Bob"}',
+    '{"a": 1} is JSON',
+    "a < b",
+    "{x}",
+    "}",
+    "<|python",
+    "<|python_tag|>",
+    A_CALL + " is a call",
+]
+
+
+@st.composite
+def preamble_and_calls(draw) -> tuple[str, list[str], list[tuple[str, str]]]:
+    """Prose (braces, JSON, a call quoted mid-sentence), then calls that end the output."""
+    prose = draw(st.lists(st.sampled_from(PROSE_PIECES), max_size=5))
+    text = draw(st.sampled_from([" ", "\n"])).join([*prose, "Done."])
+    text += draw(st.sampled_from(["", " ", "\n\n", " <|python_tag|>"]))
+    calls = draw(st.lists(st.sampled_from([A_CALL, B_CALL]), min_size=1, max_size=3))
+    text += draw(st.sampled_from(["; ", ";", "\n", ";\n", ""])).join(calls)
+    text += draw(st.sampled_from(["", ";", "\n"]))
+    cuts = draw(st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+    return text, split_at(text, cuts), [CALLS_READ[call] for call in calls]
+
+
+@settings(max_examples=200, deadline=None)
+@given(preamble_and_calls())
+def test_llama3_finds_calls_after_any_preamble(output):
+    text, deltas, calls = output
+    preamble = text[: text.index("Done.") + len("Done.")]
+    assert whole(LLAMA3, text) == (preamble, calls)
+    assert streamed(LLAMA3, deltas) == whole(LLAMA3, text)
 
 
 def test_named_stream_sends_arguments_as_they_grow():
