@@ -18,7 +18,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from serve.api.errors import error_body
 from serve.api.middleware import route_path
 
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
+# The probes a load balancer polls without a key (vLLM guards only /v1/...).
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/load"})
 METRICS_PATH = "/metrics"
 
 UNAUTHORIZED_MESSAGE = (

@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "llama3_json (Llama 3.x JSON calls); without it such requests get a 400",
     )
     model.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of a chat completion's message (and of its first streamed delta) "
+        "when the request asks for a generation prompt (add_generation_prompt, true unless "
+        "it says false); otherwise the role of the request's last message",
+    )
+    model.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='vLLM\'s switch for tool_choice "auto", accepted so vLLM command lines run: '
@@ -197,9 +204,32 @@ def build_parser() -> argparse.ArgumentParser:
         "request gets a 400",
     )
     server.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request as the engine gets it, one INFO line (serve.api.request_log): "
+        "its id, prompt text and token ids, and sampling params; never headers or keys "
+        "(default: off, no request content is logged)",
+    )
+    server.add_argument(
         "--disable-log-requests",
         action="store_true",
-        help="accepted so vLLM command lines run: serve never logs requests' contents",
+        help="vLLM's older switch, accepted so its command lines run: requests are not "
+        "logged (so by default; with --enable-log-requests too, this one wins)",
+    )
+    server.add_argument(
+        "--max-log-len",
+        type=_non_negative_int,
+        default=None,
+        help="with --enable-log-requests, the most prompt characters and prompt token ids "
+        "a line shows (default: all)",
+    )
+    server.add_argument(
+        "--enable-server-load-tracking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="GET /load answers the generation and embedding requests in flight, "
+        '{"server_load": N} (default: off, /load answers 0)',
     )
     server.add_argument(
         "--disable-frontend-multiprocessing",
@@ -213,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every path but /health and /version; "
-        "repeat or comma-separate for several keys; without the flag, keys come from "
+        help="require 'Authorization: Bearer KEY' on every path but the probes (/health, "
+        "/ping, /load, /version); repeat or comma-separate for several keys; without the "
+        "flag, keys come from "
         "$SERVE_API_KEY (comma-separated)",
     )
     security.add_argument(
@@ -419,6 +450,12 @@ def main(argv: list[str] | None = None) -> None:
             args.port,
             args.root_path,
         )
+        if settings.request_log.enabled and args.log_level in ("warning", "error"):
+            logger.warning(
+                "--enable-log-requests is set, but requests are logged at INFO, below "
+                "--log-level %s: none will be.",
+                args.log_level,
+            )
         if not settings.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning(
                 "No --api-key: anyone who can reach %s:%d can use this server.",
@@ -486,6 +523,7 @@ def _load(args: argparse.Namespace):
     except OSError as e:
         raise OSError(f"cannot listen on {args.host}:{args.port}: {e}") from None
 
+    from serve.api.request_log import RequestLog
     from serve.api.server import build_app
     from serve.api.settings import ServerSettings
     from serve.models.generation_config import sampling_defaults
@@ -524,6 +562,12 @@ def _load(args: argparse.Namespace):
         openapi_schema=not args.disable_fastapi_docs,
         force_include_usage=args.enable_force_include_usage,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        request_log=RequestLog(
+            args.enable_log_requests and not args.disable_log_requests, args.max_log_len
+        ),
+        response_role=args.response_role,
+        server_load_tracking=args.enable_server_load_tracking,
+        cache=config.cache,
     )
     return build_app(engine, settings), settings, sock
 

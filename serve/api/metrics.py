@@ -4,11 +4,11 @@ counters, and HTTP answers.
 Two kinds of series:
 - vLLM's: the request-level histograms (time to first token, inter-token and end-to-end
   latency, queue, prefill and decode time, tokens per request), the token and finished
-  request counters, the scheduler's queue lengths, KV cache use, prefix cache hits and
-  preemptions. Their names and meanings are vLLM's and they carry its `model_name`
-  label; the prefix is `serve_` by default (Prometheus reserves `:` for recording rules)
-  and `vllm:` with `--metrics-names vllm`, under which vLLM's dashboards and autoscaling
-  rules work unchanged (the older names its example dashboard still reads come too).
+  request counters, the scheduler's queue lengths, KV cache use, prefix cache hits,
+  preemptions, and the cache's settings (`cache_config_info`, a gauge at 1). Their names
+  and meanings are vLLM's and they carry its `model_name` label; the prefix is `serve_` by
+  default (Prometheus reserves `:` for recording rules) and `vllm:` with `--metrics-names
+  vllm`, under which vLLM's dashboards and autoscaling rules work unchanged (the older names its example dashboard still reads come too).
 - serve's own, always `serve_`: engine liveness, KV blocks, step phases, HTTP statuses.
 
 The request metrics are the front end's (engine/request_metrics.py), read at scrape time;
@@ -30,6 +30,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from serve.config import CacheConfig
 from serve.engine.protocol import EngineClient
 from serve.engine.request_metrics import HISTOGRAMS, Histogram
 from serve.outputs import QUEUE_TIME_BUCKETS_S, QueueTimes, SpecDecodeStats
@@ -45,9 +46,12 @@ DEFAULT_PRIORITY_LABEL = "0"  # the queue time's priority label of a request tha
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: EngineClient, model_name: str, names: str) -> None:
+    def __init__(
+        self, engine: EngineClient, model_name: str, names: str, cache: CacheConfig
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.cache = cache
         self.prefix = METRIC_PREFIXES[names]
         self.aliases = names == "vllm"
 
@@ -63,6 +67,7 @@ class _EngineCollector(Collector):
             return
         yield from self._engine_metrics()
         e = stats.engine
+        yield self._cache_config_info(e.num_blocks_total, e.num_cpu_blocks_total)
         for name, doc, value in (
             ("serve_kv_cache_blocks_total", "KV cache blocks on the device.", e.num_blocks_total),
             ("serve_kv_cache_blocks_used", "KV blocks held by sequences.", e.num_blocks_used),
@@ -176,6 +181,32 @@ class _EngineCollector(Collector):
         if e.spec_decode is not None:
             yield from self._spec_decode_metrics(e.spec_decode)
 
+    def _cache_config_info(self, num_gpu_blocks: int, num_cpu_blocks: int) -> Metric:
+        """vLLM's info series: a gauge at 1 whose labels are the KV cache's settings (as
+        Python writes them: "True", "None"), with the block counts the engine found at
+        start (`num_gpu_blocks` on any device, `num_cpu_blocks` the swap space's), one
+        engine ("0"). No model_name label, as vLLM's has none."""
+        c = self.cache
+        labels = {
+            "block_size": c.block_size,
+            "cache_dtype": c.kv_cache_dtype,
+            "enable_prefix_caching": c.enable_prefix_caching,
+            "gpu_memory_utilization": c.gpu_memory_utilization,
+            "kv_cache_memory_bytes": c.kv_cache_memory_bytes,
+            "num_cpu_blocks": num_cpu_blocks,
+            "num_gpu_blocks": num_gpu_blocks,
+            "num_gpu_blocks_override": c.num_gpu_blocks_override,
+            "swap_space": c.swap_space,
+            "engine": 0,
+        }
+        gauge = GaugeMetricFamily(
+            self.prefix + "cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(labels),
+        )
+        gauge.add_metric([str(value) for value in labels.values()], 1)
+        return gauge
+
     def _spec_decode_metrics(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's speculative decoding counters; the acceptance rate is accepted over draft
         tokens, the mean accepted length 1 + accepted over drafts (as rates of these)."""
@@ -248,11 +279,18 @@ def _histogram(
 class ServerMetrics:
     CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: EngineClient, model_name: str, names: str = "serve") -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        model_name: str,
+        names: str = "serve",
+        cache: CacheConfig | None = None,
+    ) -> None:
         if names not in METRIC_PREFIXES:
             raise ValueError(f"metrics names must be one of {sorted(METRIC_PREFIXES)}")
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, model_name, names))
+        collector = _EngineCollector(engine, model_name, names, cache or CacheConfig())
+        self.registry.register(collector)
         self.http_responses = Counter(
             "serve_http_responses",
             "HTTP responses by status code (499: the client hung up first).",

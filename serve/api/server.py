@@ -110,11 +110,13 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             error_body(503, str(exc), path=route_path(request.scope)), status_code=503
         )
 
-    app.state.admission = Admission(settings.max_generating_requests, settings.max_body_bytes)
+    app.state.admission = admission = Admission(
+        settings.max_generating_requests, settings.max_body_bytes
+    )
     # The last added runs first: access log → CORS → API key → admission → last word on
     # unexpected errors → routes.
     app.add_middleware(InternalErrors)
-    app.add_middleware(AdmissionGate, admission=app.state.admission)
+    app.add_middleware(AdmissionGate, admission=admission)
     app.add_middleware(
         APIKeyAuth, keys=settings.api_keys, public=public_paths(settings.metrics_public)
     )
@@ -130,7 +132,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             expose_headers=["Retry-After", "X-Request-Id"],
         )
     app.state.metrics = metrics = ServerMetrics(
-        engine, settings.served_model_name, settings.metrics_names
+        engine, settings.served_model_name, settings.metrics_names, settings.cache
     )
     app.add_middleware(
         AccessLog,
@@ -159,6 +161,13 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": serve.__version__}
+
+    @app.get("/load")
+    async def server_load() -> dict[str, int]:
+        """vLLM's load: with --enable-server-load-tracking, the generation and embedding
+        requests in flight (admitted, until their response has been sent or the client
+        left); without it, 0 always, as vLLM answers."""
+        return {"server_load": admission.num_generating if settings.server_load_tracking else 0}
 
     def model_card(name: str) -> dict[str, Any]:
         """vLLM's card: OpenAI's fields, plus root, parent and max_model_len."""

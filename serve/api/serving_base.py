@@ -1,16 +1,17 @@
 """Starting engine work for a request: prompts rendered and tokenized on one thread off
 the event loop, and one engine request per prompt, its sampling parameters checked first
-(a 400 naming the field)."""
+(a 400 naming the field) and the request logged where the server logs them."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
 from serve.api.errors import APIError
 from serve.api.protocol import SamplingRequest
+from serve.api.settings import ServerSettings
 from serve.engine.protocol import EngineClient
 from serve.outputs import OutputKind, RequestOutput
 
@@ -30,31 +31,32 @@ async def off_the_loop(fn: Callable[..., T], *args: Any) -> T:
 
 def open_stream(
     engine: EngineClient,
+    settings: ServerSettings,
     request: SamplingRequest,
     request_id: str,
     prompt_token_ids: list[int],
     prompt: str | None,
     max_tokens: int,
     num_logprobs: int | None,
-    timeout_s: float | None = None,
     output_kind: OutputKind = OutputKind.DELTA,
-    defaults: Mapping[str, Any] | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
-    it is stopped with RequestTimeoutError after `timeout_s`. It gives what is new at each
-    step (DELTA, a streamed response's), or the finished output alone (FINAL_ONLY).
-    `defaults`: the model's sampling defaults, for the fields the request leaves out."""
+    it is stopped with RequestTimeoutError after the server's `--request-timeout`. It
+    gives what is new at each step (DELTA, a streamed response's), or the finished output
+    alone (FINAL_ONLY). The fields the request leaves out take the model's sampling
+    defaults; the request is logged as it goes in (`--enable-log-requests`)."""
     try:
-        params = request.sampling_params(max_tokens, num_logprobs, defaults)
+        params = request.sampling_params(max_tokens, num_logprobs, settings.sampling_defaults)
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
+    settings.request_log.log(request_id, prompt, prompt_token_ids, params)
     return engine.generate(
         request_id,
         prompt_token_ids,
         params,
         prompt,
-        timeout_s,
+        settings.request_timeout_s,
         priority=request.priority,
         output_kind=output_kind,
     )

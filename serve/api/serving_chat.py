@@ -166,15 +166,23 @@ class ChatHandler:
             )
         return self.tool_parser if request.parallel_tool_calls else FirstCallOnly(self.tool_parser)
 
+    def response_role(self, request: ChatCompletionRequest) -> str:
+        """The role a reply's message carries, by vLLM's rule: the server's
+        `--response-role` after a generation prompt; without one the model continues the
+        last message, so its role."""
+        if request.add_generation_prompt:
+            return self.settings.response_role
+        return request.messages[-1].role
+
     def _message(
-        self, parser: OutputParser | None, completion: CompletionOutput
+        self, parser: OutputParser | None, completion: CompletionOutput, role: str
     ) -> tuple[dict[str, Any], str | None]:
         """The choice's message and finish reason."""
         if parser is None:
-            message = {"role": "assistant", "content": completion.text}
+            message = {"role": role, "content": completion.text}
             return message, completion.finish_reason
         parsed = parser.parse(completion.text)
-        message = {"role": "assistant", "content": parsed.content}
+        message = {"role": role, "content": parsed.content}
         if parsed.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         elif parsed.content is None:
@@ -214,8 +222,9 @@ class ChatHandler:
         (out,) = await final_outputs([stream])
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
+        role = self.response_role(request)
         for index, completion in enumerate(finals):
-            message, finish_reason = self._message(prompt.output_parser, completion)
+            message, finish_reason = self._message(prompt.output_parser, completion, role)
             choices.append(
                 {
                     "index": index,
@@ -273,15 +282,14 @@ class ChatHandler:
         """The engine request for a prepared prompt: deltas to stream, or the final output."""
         return open_stream(
             self.engine,
+            self.settings,
             request,
             request_id,
             prompt.token_ids,
             prompt.text,
             prompt.max_tokens,
             request.num_logprobs,
-            self.settings.request_timeout_s,
             output_kind,
-            self.settings.sampling_defaults,
         )
 
     async def _events(
@@ -292,8 +300,9 @@ class ChatHandler:
         prompt: ChatPrompt,
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[bytes]:
+        role_name = self.response_role(request)
         for index in range(request.n):
-            role = {"role": "assistant", "content": ""}
+            role = {"role": role_name, "content": ""}
             yield writer.chunk(index, delta=role, logprobs=None, finish_reason=None)
         num_top = request.top_logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)

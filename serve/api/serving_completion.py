@@ -110,15 +110,14 @@ class CompletionHandler:
         return [
             open_stream(
                 self.engine,
+                self.settings,
                 request,
                 f"{request_id}-{i}",
                 ids,
                 text,
                 max_tokens,
                 request.num_logprobs,
-                self.settings.request_timeout_s,
                 output_kind,
-                self.settings.sampling_defaults,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]

@@ -83,6 +83,9 @@ class EmbeddingHandler:
         params = self.params(request)
         prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("embd")
+        for i, (ids, item) in enumerate(zip(prompts, request.inputs)):
+            text = item if isinstance(item, str) else None
+            self.settings.request_log.log(f"{request_id}-{i}", text, ids, params)
         streams = [
             self.engine.generate(
                 f"{request_id}-{i}",

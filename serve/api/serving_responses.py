@@ -190,15 +190,14 @@ class ResponsesHandler:
         with _responses_params():
             return open_stream(
                 self.engine,
+                self.settings,
                 turn.chat,
                 turn.id,
                 prompt.token_ids,
                 prompt.text,
                 prompt.max_tokens,
                 turn.chat.num_logprobs,
-                self.settings.request_timeout_s,
                 output_kind,
-                self.settings.sampling_defaults,
             )
 
     # -- the response -------------------------------------------------------------------------

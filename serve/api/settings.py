@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from serve.api.limits import RequestLimits
-from serve.config import ResponseStoreConfig
+from serve.api.request_log import RequestLog
+from serve.config import CacheConfig, ResponseStoreConfig
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,12 @@ class ServerSettings:
     openapi_schema: bool = True  # GET /openapi.json
     force_include_usage: bool = False  # every stream carries usage, as if asked for
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests
+    # A chat completion's role after a generation prompt (without one: the last message's).
+    response_role: str = "assistant"
+    server_load_tracking: bool = False  # GET /load counts generation requests in flight
+    # The engine's KV cache settings, which /metrics shows as cache_config_info.
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     @property
     def model_names(self) -> tuple[str, ...]:

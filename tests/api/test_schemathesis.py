@@ -24,6 +24,7 @@ OPERATIONS = [
     ("GET", "/ping"),
     ("POST", "/ping"),
     ("GET", "/version"),
+    ("GET", "/load"),
     ("GET", "/metrics"),
     ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"),
