@@ -27,8 +27,8 @@ def request_error_message(error: BaseException) -> str:
 
 class Logprob(float):
     """One token's logprob as vLLM's offline API gives it: `.logprob`, `.rank` (1 for the
-    most likely token; None where unknown: a chosen token outside the top ones asked for)
-    and `.decoded_token`. Still a float, for code that reads it as one."""
+    most likely token; None where unknown) and `.decoded_token`. Still a float, for code
+    that reads it as one."""
 
     __slots__ = ("rank", "decoded_token")
 
@@ -46,14 +46,18 @@ class Logprob(float):
 
 
 def ranked_logprobs(
-    entries: dict[int, float], num_top: int | None, decode: Callable[[int], str]
+    entries: dict[int, float],
+    num_top: int | None,
+    decode: Callable[[int], str],
+    rank: int | None = None,
 ) -> dict[int, Logprob]:
-    """`entries` ({token id: logprob}: the `num_top` most likely tokens and the chosen one)
-    as `Logprob`s. Ranks come from the order; an entry past the first `num_top` is a chosen
-    token outside them, whose rank is unknown (None). `num_top` None: all are the best."""
-    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)
+    """`entries` ({token id: logprob}: the `num_top` most likely tokens, then the chosen
+    one) as `Logprob`s, as vLLM ranks them: the top ones by their order; an entry past the
+    first `num_top` is the chosen token outside them, whose rank is `rank` (its place in
+    the vocabulary, from the worker; None: unknown). `num_top` None: all are the best."""
+    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)  # stable on ties
     return {
-        token: Logprob(lp, i + 1 if num_top is None or i < num_top else None, decode(token))
+        token: Logprob(lp, i + 1 if num_top is None or i < num_top else rank, decode(token))
         for i, (token, lp) in enumerate(ranked)
     }
 
@@ -71,6 +75,10 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # Per output token, with `logprobs`: the sampled token's rank under the model (vLLM's
+    # `Logprob.rank`: the tokens at least as likely, itself included). None for beam
+    # search, whose entries are all among the best, ranked by their order.
+    ranks: list[int] | None = None
 
     def finished(self) -> bool:
         """A method, as vLLM's `CompletionOutput.finished()` is (`RequestOutput.finished`
@@ -86,8 +94,10 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     # With `prompt_logprobs`: None for the first prompt token (nothing predicts it), then
-    # {token_id: logprob} with the prompt token and the top alternatives, per position.
+    # {token_id: logprob} with the prompt token and the top alternatives, per position;
+    # and each prompt token's rank there (vLLM's `Logprob.rank`; None for the first).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     # Set when the engine failed this request alone (its other requests ran on): why.
     # The request is finished, its blocks freed; `outputs` may be cut short or empty.
     error: str | None = None
@@ -112,6 +122,8 @@ class RequestOutput:
             old.token_ids = old.token_ids + new.token_ids
             if old.logprobs is not None and new.logprobs is not None:
                 old.logprobs = old.logprobs + new.logprobs
+            if old.ranks is not None and new.ranks is not None:
+                old.ranks = old.ranks + new.ranks
             old.cumulative_logprob = new.cumulative_logprob
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         self.finished = later.finished

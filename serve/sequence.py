@@ -64,8 +64,10 @@ class Sequence:
     # Each output token's logprob, when its request needs them
     # (`SamplingParams.needs_logprobs`); empty otherwise.
     output_logprobs: list[float] = field(default_factory=list)
-    # Top-`logprobs` alternatives per output token, when the request asked for them.
+    # Top-`logprobs` alternatives per output token, when the request asked for them, and
+    # each sampled token's rank (not for beams: their entries are ranked by their order).
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_ranks: list[int] = field(default_factory=list)
     # Beam search: the running beam's score (its cumulative logprob, summed in float32).
     beam_score: float = 0.0
     # Tokens whose K/V are in the cache. Reset to 0 by a recompute preemption.
@@ -96,6 +98,7 @@ class Sequence:
         child.output_token_ids = list(self.output_token_ids)
         child.output_logprobs = list(self.output_logprobs)
         child.output_top_logprobs = list(self.output_top_logprobs)
+        child.output_ranks = list(self.output_ranks)
         return child
 
     @property
@@ -152,7 +155,11 @@ class Sequence:
         return self.output_token_ids[position - self.num_prompt_tokens]
 
     def append_token(
-        self, token_id: int, logprob: float | None, top_logprobs: dict[int, float] | None
+        self,
+        token_id: int,
+        logprob: float | None,
+        top_logprobs: dict[int, float] | None,
+        rank: int | None = None,
     ) -> None:
         self.output_token_ids.append(token_id)
         self.num_pending_tokens = max(0, self.num_pending_tokens - 1)
@@ -160,6 +167,8 @@ class Sequence:
             self.output_logprobs.append(logprob)
         if top_logprobs is not None:
             self.output_top_logprobs.append(top_logprobs)
+        if rank is not None:
+            self.output_ranks.append(rank)
 
 
 @dataclass(eq=False)
@@ -182,8 +191,9 @@ class SequenceGroup:
     # Set once the prompt sequence has been forked into `best_of` samples or beams.
     forked: bool = False
     # With `prompt_logprobs`: [None, then one entry per prompt token after the first],
-    # filled as the prompt is computed (chunk by chunk).
+    # filled as the prompt is computed (chunk by chunk), and the prompt tokens' ranks alike.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     # Structured output: the compiled grammar (xgrammar's serialized JSON) the workers
     # constrain each sequence's tokens with.
     grammar: str | None = None

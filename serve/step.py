@@ -132,11 +132,14 @@ class SchedulerOutput:
 @dataclass
 class PromptLogprobs:
     """`prompt_logprobs` entries of a sequence's prompt positions [start + 1, start + 1 +
-    len(entries)): each {token id: logprob} holds the prompt token and the top ones."""
+    len(entries)): each {token id: logprob} holds the prompt token and the top ones; `ranks`
+    are the prompt tokens' ranks there (vLLM's: the tokens at least as likely, itself
+    included)."""
 
     seq_id: int
     start: int
     entries: list[dict[int, float]]
+    ranks: list[int]
 
 
 @dataclass
@@ -167,6 +170,9 @@ class ModelRunnerOutput:
     # (SamplingParams.needs_logprobs: neither asked for nor ranked by them).
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    # Each token's rank under the model (vLLM's: the tokens at least as likely, itself
+    # included); None where its request did not ask for `logprobs`.
+    ranks: list[int | None] = field(default_factory=list)
     beam_candidates: list[BeamCandidates] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # Sequences whose grammar is complete (it took a stop token) or refused the token.

@@ -72,20 +72,22 @@ def prompt_logprobs_json(
     tokenizer: Any, out: RequestOutput, num_top: int
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs` field: per prompt token, null for the first, else
-    {token id: {logprob, decoded_token}} for the prompt token and the `num_top` best."""
+    {token id: {logprob, rank, decoded_token}} for the `num_top` best (ranked by their
+    order) and the prompt token (outside them: its rank under the model)."""
     if out.prompt_logprobs is None:
         return None
+    prompt_ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
     result: list[dict[str, dict[str, Any]] | None] = []
-    for token_id, top in zip(out.prompt_token_ids, out.prompt_logprobs):
+    for token_id, top, rank in zip(out.prompt_token_ids, out.prompt_logprobs, prompt_ranks):
         if top is None:
             result.append(None)
             continue
-        entries = dict(ranked_alternatives(top, num_top))
-        entries[token_id] = top[token_id]
+        entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(ranked_alternatives(top, num_top))}
+        entries.setdefault(token_id, (top[token_id], rank))
         result.append(
             {
-                str(t): {"logprob": lp, "decoded_token": token_text(tokenizer, t)}
-                for t, lp in entries.items()
+                str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(tokenizer, t)}
+                for t, (lp, r) in entries.items()
             }
         )
     return result

@@ -336,17 +336,21 @@ class LLM:
         def decoded(token_id: int) -> str:
             return decode([token_id], False)
 
-        # A beam's entries are the step's best tokens, the chosen among them: all ranked.
+        # A beam's entries are the step's best tokens, the chosen among them: all ranked by
+        # their order. Elsewhere a chosen token outside the top ones has the worker's rank.
         num_top = None if params.use_beam_search else params.logprobs
         for completion in out.outputs:
             if completion.logprobs is not None:
+                ranks = completion.ranks or [None] * len(completion.logprobs)
                 completion.logprobs = [
-                    ranked_logprobs(entries, num_top, decoded) for entries in completion.logprobs
+                    ranked_logprobs(entries, num_top, decoded, rank)
+                    for entries, rank in zip(completion.logprobs, ranks, strict=True)
                 ]
         if out.prompt_logprobs is not None:
+            prompt_ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
             out.prompt_logprobs = [
                 None
                 if entries is None
-                else ranked_logprobs(entries, params.prompt_logprobs, decoded)
-                for entries in out.prompt_logprobs
+                else ranked_logprobs(entries, params.prompt_logprobs, decoded, rank)
+                for entries, rank in zip(out.prompt_logprobs, prompt_ranks, strict=True)
             ]

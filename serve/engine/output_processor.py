@@ -60,6 +60,10 @@ class _SeqOutput:
         # Summed token by token; None for a request that needs no logprobs (vLLM's too).
         self.cumulative_logprob: float | None = 0.0 if params.needs_logprobs else None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Each token's rank, beside its entry (a beam's entries are ranked by their order).
+        self.ranks: list[int] | None = (
+            [] if params.logprobs is not None and not params.use_beam_search else None
+        )
         # All of it; for a DELTA request, what has not been handed out yet (the held-back
         # tail), so that neither keeping nor sending it costs more as the output grows.
         self.text = ""
@@ -78,6 +82,7 @@ class _SeqOutput:
             None if self.logprobs is None else list(self.logprobs),
             None if self.finish_reason is None else self.finish_reason.value,
             self.stop_reason,
+            None if self.ranks is None else list(self.ranks),
         )
 
     def delta(self, holdback: int) -> CompletionOutput | None:
@@ -100,6 +105,7 @@ class _SeqOutput:
             None if self.logprobs is None else self.logprobs[start:],
             None if self.finish_reason is None else self.finish_reason.value,
             self.stop_reason,
+            None if self.ranks is None else self.ranks[start:],
         )
 
 
@@ -130,6 +136,7 @@ class RequestState:
         self.tokenizer = tokenizer
         self.seqs: dict[int, _SeqOutput] = {}  # by index, in the order the core made them
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_ranks: list[int | None] | None = None
         self.pooled: list[float] | None = None
         self.is_finished = False
         # time.monotonic() of its arrival here, its first and its latest output tokens.
@@ -153,6 +160,7 @@ class RequestState:
         """Take one message: whether the output changed, and what the core must stop."""
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_ranks = delta.prompt_ranks
         if delta.pooled is not None:
             self.pooled = delta.pooled
         changed = False
@@ -210,6 +218,7 @@ class RequestState:
             completions,
             self.is_finished,
             self.prompt_logprobs,
+            self.prompt_ranks,
             pooled=self.pooled,
         )
 
@@ -235,6 +244,8 @@ class RequestState:
                 seq.cumulative_logprob += d.logprobs[i]
             if seq.logprobs is not None and d.top_logprobs is not None:
                 seq.logprobs.append(d.top_logprobs[i])
+            if seq.ranks is not None and d.ranks is not None:
+                seq.ranks.append(d.ranks[i])
             core_finish = d.finish_reason if i == len(d.token_ids) - 1 else None
             if core_finish is not None and drops_stop_text:
                 break

@@ -42,14 +42,19 @@ class SeqDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     # A finished beam's score sum (float32, as the search ranks it), which the front end
     # reports instead of summing `logprobs` (a hypothesis keeps none).
     cumulative_logprob: float | None = None
+    # Each new token's rank under the model, with `top_logprobs` (None for beams: their
+    # entries are all among the best, ranked by their order).
+    ranks: list[int] | None = None
 
 
 class RequestDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     seqs: list[SeqDelta]  # only the sequences with news
     finished: bool  # the core has ended the request and freed its blocks
-    # Sent with the request's first message (the prompt is computed by then).
+    # Sent with the request's first message (the prompt is computed by then), with the
+    # prompt tokens' ranks (None for the first, as its entry).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     error: str | None = None  # the core failed this request alone (RequestOutput.error)
     times: RequestTimes | None = None  # with the final message of a request that finished
     # A pooling request's final message: its pooled vector (RequestOutput.pooled).
@@ -60,16 +65,17 @@ def step_delta(group: SequenceGroup) -> RequestDelta:
     """The sampled sequences' new tokens and finishes (not for beam search: its beams are
     rewritten every step, and only `whole_delta` is sent, at the end)."""
     prompt_logprobs = group.prompt_logprobs  # with the request's first message alone
+    prompt_ranks = group.prompt_ranks
     if prompt_logprobs is not None and any(
         s.num_sent_tokens or s.is_finish_sent for s in group.seqs
     ):
-        prompt_logprobs = None
+        prompt_logprobs = prompt_ranks = None
     seqs = []
     for index, seq in enumerate(group.seqs):
         has_news = seq.num_output_tokens > seq.num_sent_tokens
         if has_news or (seq.finish_reason is not None and not seq.is_finish_sent):
             seqs.append(_seq_delta(index, seq, seq.num_sent_tokens))
-    return RequestDelta(group.request_id, seqs, group.is_finished, prompt_logprobs)
+    return RequestDelta(group.request_id, seqs, group.is_finished, prompt_logprobs, prompt_ranks)
 
 
 def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> RequestDelta:
@@ -95,7 +101,9 @@ def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> Reques
 
 def whole_delta(group: SequenceGroup, seqs: list[SeqDelta]) -> RequestDelta:
     """A request's only message, with complete sequences (beam search's results)."""
-    return RequestDelta(group.request_id, seqs, group.is_finished, group.prompt_logprobs)
+    return RequestDelta(
+        group.request_id, seqs, group.is_finished, group.prompt_logprobs, group.prompt_ranks
+    )
 
 
 def whole_seq_delta(index: int, seq: Sequence) -> SeqDelta:
@@ -112,7 +120,11 @@ def mark_sent(seq: Sequence) -> None:
 def _seq_delta(index: int, seq: Sequence, start: int) -> SeqDelta:
     end = seq.num_output_tokens
     params = seq.sampling_params
-    top = seq.output_top_logprobs[start:end] if params.logprobs is not None else None
+    top = ranks = None
+    if params.logprobs is not None:
+        top = seq.output_top_logprobs[start:end]
+        if not params.use_beam_search:
+            ranks = seq.output_ranks[start:end]
     logprobs = seq.output_logprobs[start:end] if params.needs_logprobs else None
     seq.num_sent_tokens = end
     seq.is_finish_sent = seq.finish_reason is not None
@@ -123,4 +135,5 @@ def _seq_delta(index: int, seq: Sequence, start: int) -> SeqDelta:
         top,
         seq.finish_reason,
         seq.stop_reason,
+        ranks=ranks,
     )

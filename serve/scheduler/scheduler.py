@@ -202,7 +202,7 @@ class Scheduler:
                 params, set(self.eos_token_ids), max_output
             )
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None]
+            group.prompt_logprobs, group.prompt_ranks = [None], [None]
         for seq in group.seqs:
             seq.status = SequenceStatus.WAITING
             self._seqs[seq.seq_id] = seq
@@ -836,14 +836,16 @@ class Scheduler:
         for span in result.prompt_logprobs:
             seq = self._seqs.get(span.seq_id)
             group = None if seq is None else self._groups.get(seq.request_id)
-            if group is None or group.prompt_logprobs is None:
+            if group is None or group.prompt_logprobs is None or group.prompt_ranks is None:
                 continue  # ended while its step ran
-            recorded = group.prompt_logprobs
+            recorded, ranks = group.prompt_logprobs, group.prompt_ranks
             end = span.start + 1 + len(span.entries)
             if len(recorded) >= end:
                 continue  # recomputed after a preemption: already known
             with self._request_scope(group, failed):
-                recorded.extend(span.entries[len(recorded) - 1 - span.start :])
+                new = len(recorded) - 1 - span.start
+                recorded.extend(span.entries[new:])
+                ranks.extend(span.ranks[new:])
 
     def _append_sampled(
         self,
@@ -857,7 +859,9 @@ class Scheduler:
         seq_rows = rows[seq.seq_id]  # KeyError: the worker did not sample it (fails it)
         for i, row in enumerate(seq_rows):
             token = result.token_ids[row]
-            seq.append_token(token, result.logprobs[row], result.top_logprobs[row])
+            seq.append_token(
+                token, result.logprobs[row], result.top_logprobs[row], result.ranks[row]
+            )
             self.num_generated_tokens += 1
             seq.finish_reason = self._stop_reason(
                 seq, token, grammar_ended and i == len(seq_rows) - 1

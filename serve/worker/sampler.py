@@ -32,6 +32,10 @@ class SamplerOutput:
     # none (SamplingParams.needs_logprobs).
     logprobs: list[float | None]
     top_logprobs: list[dict[int, float] | None]  # per sequence that asked for `logprobs`
+    # Each sampled token's rank in the model's distribution, as vLLM counts it: the tokens
+    # whose logit is at least its own, itself included (1: the most likely). Only for the
+    # sequences that asked for `logprobs`; None for the others.
+    ranks: list[int | None]
 
 
 class Sampler:
@@ -77,24 +81,40 @@ class Sampler:
     def report(
         self, logits: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
     ) -> SamplerOutput:
-        """Row i's token `token_ids[i]` with its logprob, and the top logprobs its sequence
-        asked for, under the model's own distribution (before temperature and filters),
-        as vLLM reports them. Only the rows whose request needs a logprob
+        """Row i's token `token_ids[i]` with its logprob, and the top logprobs and rank its
+        sequence asked for, under the model's own distribution (before temperature and
+        filters), as vLLM reports them. Only the rows whose request needs a logprob
         (`SamplingParams.needs_logprobs`) are log-normalised, in one logsumexp over just
-        those rows (logit - logsumexp avoids a full log_softmax); the others get None, so
-        a step where nobody needs one does no vocabulary-wide work here."""
+        those rows (logit - logsumexp avoids a full log_softmax), and only the rows that
+        asked for `logprobs` are ranked (one comparison and sum over their row); the
+        others get None, so a step where nobody needs one does no vocabulary-wide work
+        here."""
         params = [s.sampling_params for s in seqs]
         logprobs: list[float | None] = [None] * len(seqs)
         top_logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+        ranks: list[int | None] = [None] * len(seqs)
         needing = [i for i, p in enumerate(params) if p.needs_logprobs]
         if not needing:
-            return SamplerOutput(token_ids, logprobs, top_logprobs)
+            return SamplerOutput(token_ids, logprobs, top_logprobs, ranks)
+        device = logits.device
         rows = logits  # every row needs one: no copy
         if len(needing) < len(seqs):
-            rows = logits.index_select(0, torch.tensor(needing, device=logits.device))
+            rows = logits.index_select(0, torch.tensor(needing, device=device))
         log_normalizer = torch.logsumexp(rows, dim=-1, keepdim=True)  # [num_needing, 1]
-        index = torch.tensor([token_ids[i] for i in needing], device=logits.device)[:, None]
-        sampled = (rows.gather(1, index) - log_normalizer).squeeze(1).tolist()
+        index = torch.tensor([token_ids[i] for i in needing], device=device)[:, None]
+        chosen = rows.gather(1, index)  # [num_needing, 1]
+        sampled = (chosen - log_normalizer).squeeze(1).tolist()
+        # vLLM's rank: the tokens at least as likely, itself included (ties share the
+        # worst place). Compared as logits, which order the vocabulary as logprobs do.
+        asking = [j for j, i in enumerate(needing) if params[i].logprobs is not None]
+        if asking:
+            if len(asking) < len(needing):
+                at = torch.tensor(asking, device=device)
+                counts = (rows.index_select(0, at) >= chosen.index_select(0, at)).sum(dim=-1)
+            else:
+                counts = (rows >= chosen).sum(dim=-1)  # [num_asking]
+            for j, rank in zip(asking, counts.tolist()):
+                ranks[needing[j]] = rank
         num_top = max(params[i].logprobs or 0 for i in needing)
         if num_top:
             top = rows.topk(num_top, dim=-1)
@@ -107,7 +127,7 @@ class Sampler:
             entry = dict(zip(top_ids[j][:num], top_values[j][:num])) if num else {}
             entry[token_ids[i]] = sampled[j]
             top_logprobs[i] = entry
-        return SamplerOutput(token_ids, logprobs, top_logprobs)
+        return SamplerOutput(token_ids, logprobs, top_logprobs, ranks)
 
     def process_logits(
         self, logits: torch.Tensor, seqs: list[Sequence], logits_mask: LogitsMask | None = None

@@ -164,6 +164,7 @@ def verify(
             reported.token_ids[start:end],
             reported.logprobs[start:end],
             reported.top_logprobs[start:end],
+            reported.ranks[start:end],
         )
         results.append(Verified(a, kept))
         start = end

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 PLACEHOLDER_TOKEN = 0  # a failed request's rows: ended by the scheduler, never read
 
+# One sampled row: its sequence, token, logprob, top logprobs and rank (None: not asked).
+_Sampled = tuple[MirroredSequence, int, float | None, dict[int, float] | None, int | None]
+
 
 class StepSampler:
     def __init__(
@@ -94,11 +97,12 @@ class StepSampler:
                 continue
             sample_rows += [row] * len(row_seqs)
             seqs += row_seqs
-        for seq, token, logprob, top in self._sample_rows(logits, sample_rows, seqs, failed):
+        for seq, token, logprob, top, rank in self._sample_rows(logits, sample_rows, seqs, failed):
             output.seq_ids.append(seq.seq_id)
             output.token_ids.append(token)
             output.logprobs.append(logprob)
             output.top_logprobs.append(top)
+            output.ranks.append(rank)
             if seq.sampling_params.structured_outputs is not None and seq.request_id not in failed:
                 with _request_scope(seq.request_id, failed):
                     if self._grammar_ended(seq, token):
@@ -143,6 +147,7 @@ class StepSampler:
                 output.token_ids.append(PLACEHOLDER_TOKEN)
                 output.logprobs.append(None)
                 output.top_logprobs.append(None)
+                output.ranks.append(None)
                 continue
             output.spec_accepted[seq.seq_id] = result.num_accepted
             sampled = result.sampled
@@ -151,6 +156,7 @@ class StepSampler:
                 output.token_ids.append(token)
                 output.logprobs.append(sampled.logprobs[j])
                 output.top_logprobs.append(sampled.top_logprobs[j])
+                output.ranks.append(sampled.ranks[j])
                 if seq.sampling_params.structured_outputs is not None:
                     ended = False
                     with _request_scope(seq.request_id, output.failed_requests):
@@ -178,10 +184,10 @@ class StepSampler:
         rows: list[int],
         seqs: list[MirroredSequence],
         failed: dict[str, str],
-    ) -> list[tuple[MirroredSequence, int, float | None, dict[int, float] | None]]:
-        """Each sequence's token, logprob and top logprobs, in order. If the batch raises,
-        each sequence is sampled alone to find the requests at fault: they fail (their
-        rows get the placeholder token), the rest of the batch runs on."""
+    ) -> list[_Sampled]:
+        """Each sequence's token, logprob, top logprobs and rank, in order. If the batch
+        raises, each sequence is sampled alone to find the requests at fault: they fail
+        (their rows get the placeholder token), the rest of the batch runs on."""
         if not seqs:
             return []
         try:
@@ -189,7 +195,7 @@ class StepSampler:
             if rows != list(range(len(logits))):  # forks share a row; beams have none
                 batch = logits.index_select(0, torch.tensor(rows, device=logits.device))
             out = self.sampler(batch, seqs, self._grammar_mask(seqs))
-            return list(zip(seqs, out.token_ids, out.logprobs, out.top_logprobs))
+            return list(zip(seqs, out.token_ids, out.logprobs, out.top_logprobs, out.ranks))
         except Exception:
             logger.warning(
                 "Sampling a batch of %d sequences failed; sampling them one at a time",
@@ -202,8 +208,14 @@ class StepSampler:
             if seq.request_id not in failed:
                 with _request_scope(seq.request_id, failed):
                     one = self.sampler(logits[row : row + 1], [seq], self._grammar_mask([seq]))
-                    sampled = (seq, one.token_ids[0], one.logprobs[0], one.top_logprobs[0])
-            results.append(sampled or (seq, PLACEHOLDER_TOKEN, None, None))
+                    sampled = (
+                        seq,
+                        one.token_ids[0],
+                        one.logprobs[0],
+                        one.top_logprobs[0],
+                        one.ranks[0],
+                    )
+            results.append(sampled or (seq, PLACEHOLDER_TOKEN, None, None, None))
         return results
 
     def _grammar_mask(self, seqs: list[MirroredSequence]) -> Callable[[torch.Tensor], None] | None:
@@ -262,8 +274,11 @@ class StepSampler:
                 assert prompt_logits is not None
                 rows = prompt_logits[span.offset : span.offset + span.count]
                 targets = seq.prompt_token_ids[span.start + 1 : span.start + span.count + 1]
-                entries = token_logprobs(rows, targets, seq.sampling_params.prompt_logprobs or 0)
-                output.prompt_logprobs.append(PromptLogprobs(seq.seq_id, span.start, entries))
+                num_top = seq.sampling_params.prompt_logprobs or 0
+                entries, ranks = token_logprobs(rows, targets, num_top)
+                output.prompt_logprobs.append(
+                    PromptLogprobs(seq.seq_id, span.start, entries, ranks)
+                )
 
 
 @contextlib.contextmanager

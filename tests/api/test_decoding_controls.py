@@ -110,16 +110,27 @@ def test_echo_with_logprobs_reports_the_prompt_tokens(http, server, tokenizer, t
         assert logprobs["token_logprobs"][pos] == pytest.approx(expected, abs=1e-4)
 
 
-def test_prompt_logprobs_field(http, server, tokenizer):
+def test_prompt_logprobs_field(http, server, tokenizer, tiny_llama):
+    """vLLM's field: per prompt token {logprob, rank, decoded_token} for the top one (rank
+    1) and the prompt token, whose rank is HF's count of the tokens at least as likely."""
     body = completion(server, max_tokens=1, prompt_logprobs=1)
     choice = http.post("/v1/completions", json=body).json()["choices"][0]
     prompt_ids = tokenizer(PROMPT).input_ids
     entries = choice["prompt_logprobs"]
     assert len(entries) == len(prompt_ids) and entries[0] is None
-    for token_id, entry in zip(prompt_ids[1:], entries[1:]):
+    reference = hf_log_softmax(tiny_llama, prompt_ids)
+    for pos, (token_id, entry) in enumerate(zip(prompt_ids[1:], entries[1:]), start=1):
         assert str(token_id) in entry and len(entry) in (1, 2)
         assert entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
         assert all(v["logprob"] <= 0 for v in entry.values())
+        assert all(list(v) == ["logprob", "rank", "decoded_token"] for v in entry.values())
+        assert max(entry.values(), key=lambda v: v["logprob"])["rank"] == 1
+        row = reference[pos - 1]
+        logprob = row[token_id].item()
+        low = int((row > logprob + 1e-4).sum()) + 1
+        high = int((row >= logprob - 1e-4).sum())
+        assert low <= entry[str(token_id)]["rank"] <= high, pos
+    assert any(len(entry) == 2 for entry in entries[1:])  # a prompt token past the top one
 
 
 def test_guided_choice_and_regex_always_match(http, server):
@@ -192,3 +203,4 @@ def test_chat_prompt_logprobs(http, server):
     entries = resp["prompt_logprobs"]
     assert len(entries) == len(prompt_ids) and entries[0] is None
     assert [list(e) for e in entries[1:]] == [[str(t)] for t in prompt_ids[1:]]
+    assert all(e[str(t)]["rank"] >= 1 for t, e in zip(prompt_ids[1:], entries[1:]))

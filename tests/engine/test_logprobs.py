@@ -111,6 +111,69 @@ def test_prompt_logprobs_survive_a_prefix_cache_hit(model, prompts):
     assert again == first
 
 
+def _rank_bounds(row, token: int) -> tuple[int, int]:
+    """`token`'s rank in HF's distribution `row` as vLLM counts it (the tokens whose
+    logprob is >= its own, itself included), as bounds: a token within TOLERANCE of it
+    may fall on either side of it in serve's float32 arithmetic."""
+    logprob = row[token].item()
+    return int((row > logprob + TOLERANCE).sum()) + 1, int((row >= logprob - TOLERANCE).sum())
+
+
+def test_a_sampled_token_outside_the_top_ones_has_its_rank_in_the_vocabulary(model, prompts):
+    """vLLM gives the sampled token its true rank, whatever `logprobs` asked for: sampled
+    hot with logprobs=1, most tokens are not the top one, and each one's rank is HF's
+    count of the tokens at least as likely; the top entry's rank is 1."""
+    path, llm = model
+    params = SamplingParams(temperature=5.0, seed=7, logprobs=1, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    num_outside = 0
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        reference = hf_log_softmax(path, prompt + completion.token_ids)
+        for i, (token, entries) in enumerate(
+            zip(completion.token_ids, completion.logprobs, strict=True)
+        ):
+            row = reference[len(prompt) - 1 + i]
+            low, high = _rank_bounds(row, token)
+            assert low <= entries[token].rank <= high, (i, token)
+            best = max(entries, key=entries.__getitem__)
+            assert entries[best].rank == 1
+            if len(entries) == 2:  # the sampled token is not the top one
+                num_outside += 1
+                assert entries[token].rank > 1
+    assert num_outside >= 6
+
+
+def test_greedy_logprobs_0_ranks_the_chosen_token_first(model, prompts):
+    """logprobs=0: each entry is the chosen token alone, the most likely: rank 1."""
+    _, llm = model
+    params = SamplingParams(temperature=0.0, logprobs=0, max_tokens=6, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)
+    completion = out.outputs[0]
+    for token, entries in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert list(entries) == [token] and entries[token].rank == 1
+
+
+def test_prompt_logprobs_rank_each_prompt_token(model, prompts):
+    """Every prompt token's rank in HF's distribution, as vLLM counts it, wherever it
+    falls; the top ones are ranked 1, 2 by their order."""
+    path, llm = model
+    params = SamplingParams(temperature=0.0, prompt_logprobs=2, max_tokens=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)
+    num_outside = 0
+    for prompt, out in zip(prompts, outs):
+        reference = hf_log_softmax(path, prompt)
+        assert out.prompt_logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            entries, token = out.prompt_logprobs[pos], prompt[pos]
+            low, high = _rank_bounds(reference[pos - 1], token)
+            assert low <= entries[token].rank <= high, pos
+            ranked = sorted(entries.values(), key=float, reverse=True)
+            assert [lp.rank for lp in ranked[:2]] == [1, 2]
+            num_outside += entries[token].rank > 2
+    assert num_outside > 0
+
+
 def test_no_prompt_logprobs_unless_asked(model, prompts):
     _, llm = model
     out = llm.generate(

@@ -57,7 +57,8 @@ def test_stop_strings_and_stop_token_ids(llm):
 
 def test_logprobs_in_vllms_shape(llm):
     """vLLM scripts read `lp[token].logprob`, `.rank` and `.decoded_token`; the values stay
-    floats too. Ranks follow the top ones; a sampled token outside them has rank None."""
+    floats too. Ranks follow the top ones; a sampled token outside them has its rank in
+    the vocabulary, past theirs."""
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(
         temperature=1.5, seed=3, max_tokens=8, logprobs=2, prompt_logprobs=1, ignore_eos=True
@@ -66,11 +67,11 @@ def test_logprobs_in_vllms_shape(llm):
     completion = out.outputs[0]
     chosen = []
     for token, entries in zip(completion.token_ids, completion.logprobs):
-        ranked = sorted(entries.values(), key=lambda lp: lp.rank or len(entries) + 1)
+        ranked = sorted(entries.values(), key=lambda lp: lp.rank)
         assert [lp.rank for lp in ranked][:2] == [1, 2] and len(entries) in (2, 3)
         assert [lp.logprob for lp in ranked] == sorted(entries.values(), reverse=True)
-        if len(entries) == 3:  # sampled outside the best two: rank unknown
-            assert entries[token].rank is None
+        if len(entries) == 3:  # sampled outside the best two
+            assert entries[token].rank > 2
         assert all(lp.decoded_token == tokenizer.decode([t]) for t, lp in entries.items())
         chosen.append(entries[token].logprob)
     assert sum(chosen) == pytest.approx(completion.cumulative_logprob)
@@ -80,7 +81,8 @@ def test_logprobs_in_vllms_shape(llm):
     )
     assert out.prompt_logprobs[0] is None
     for token, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
-        assert entries[token].logprob <= 0 and min(lp.rank or 2 for lp in entries.values()) == 1
+        assert entries[token].logprob <= 0 and min(lp.rank for lp in entries.values()) == 1
+        assert entries[token].rank >= 1
 
 
 def test_chat_uses_the_template(llm, tiny_llama):

@@ -105,8 +105,9 @@ STOPS = ["sea", "e w", "blue", "and b", "ï", "xyz", "wave"]
 )
 def test_deltas_add_up_to_the_cumulative_output(tokenizer, words, stop, tokens_a_step, logprobs):
     """A streamed response sends each DELTA output as it comes: joined, they are the
-    cumulative output's last, token for token, char for char; no text is handed out that
-    a stop string found later cuts; the finish comes once, last."""
+    cumulative output's last, token for token (with its logprobs and rank), char for
+    char; no text is handed out that a stop string found later cuts; the finish comes
+    once, last."""
     ids = [_ids(tokenizer, " ".join(w)) for w in words]
     params = SamplingParams(
         max_tokens=None, n=len(ids), stop=stop or None, logprobs=0 if logprobs else None
@@ -124,7 +125,8 @@ def test_deltas_add_up_to_the_cumulative_output(tokenizer, words, stop, tokens_a
                     end = LENGTH if start + tokens_a_step >= len(seq) else None
                     lps = [-0.5] * len(new) if logprobs else None
                     top = [{t: -0.5} for t in new] if logprobs else None
-                    seqs.append(SeqDelta(index, new, lps, top, end))
+                    ranks = [t % 7 + 1 for t in new] if logprobs else None
+                    seqs.append(SeqDelta(index, new, lps, top, end, ranks=ranks))
             got += processor.process(
                 [RequestDelta("r", seqs, start + tokens_a_step >= longest)]
             ).outputs
@@ -137,6 +139,8 @@ def test_deltas_add_up_to_the_cumulative_output(tokenizer, words, stop, tokens_a
         assert [t for d in deltas for t in d.token_ids] == final.token_ids
         if logprobs:
             assert [lp for d in deltas for lp in d.logprobs] == final.logprobs
+            assert [r for d in deltas for r in d.ranks] == final.ranks
+            assert final.ranks == [t % 7 + 1 for t in final.token_ids]
             assert deltas[-1].cumulative_logprob == pytest.approx(final.cumulative_logprob)
         assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [
             final.finish_reason

@@ -18,11 +18,12 @@ def test_a_step_of_every_kind_of_delta_comes_back_equal():
         RequestDelta(
             "cmpl-2",
             [
-                SeqDelta(0, [3, 4], [-0.25, -1.5], [{3: -0.25, 9: -2.0}, {4: -1.5}]),
+                SeqDelta(0, [3, 4], [-0.25, -1.5], [{3: -0.25, 9: -2.0}, {4: -1.5}], ranks=[1, 17]),
                 SeqDelta(2, [8], [-0.125], None, FinishReason.STOP, stop_reason=8),
             ],
             False,
             prompt_logprobs=[None, {5: -3.0, 6: -0.5}],
+            prompt_ranks=[None, 2],
         ),
         RequestDelta(
             "beam-3",

@@ -193,6 +193,7 @@ class FakeWorker:
                     result.token_ids.append(token)
                     result.logprobs.append(-0.5)
                     result.top_logprobs.append(None)
+                    result.ranks.append(None)
             for seq_id in [s.seq_id, *s.fork_seq_ids]:
                 if seq_id != s.seq_id:
                     self.mirror.fork_sample(s.seq_id, seq_id, None)
@@ -200,6 +201,7 @@ class FakeWorker:
                 result.token_ids.append(sample_token(seq_id))
                 result.logprobs.append(-1.0)
                 result.top_logprobs.append(None)
+                result.ranks.append(None)
         self.mirror.append_sampled(result.seq_ids, result.token_ids)
         return result
 

@@ -17,7 +17,10 @@ from serve.sequence import FinishReason, Sequence, SequenceGroup
 def _group(num_output_tokens: int, **params) -> SequenceGroup:
     seq = Sequence(0, "r", [5, 6, 7], SamplingParams(**params))
     for token in range(num_output_tokens):
-        seq.append_token(token, -0.5, {token: -0.5} if "logprobs" in params else None)
+        if "logprobs" in params:
+            seq.append_token(token, -0.5, {token: -0.5}, token + 1)
+        else:
+            seq.append_token(token, -0.5, None)
     return SequenceGroup("r", [seq], seq.sampling_params)
 
 
@@ -48,9 +51,15 @@ def test_a_step_costs_its_new_tokens_not_the_whole_output():
 def test_prompt_logprobs_come_with_the_first_message_only():
     group = _group(1)
     group.prompt_logprobs = [None, {6: -1.0}, {7: -0.5}]
-    assert step_delta(group).prompt_logprobs == group.prompt_logprobs
+    group.prompt_ranks = [None, 1, 4]
+    first = step_delta(group)
+    assert (first.prompt_logprobs, first.prompt_ranks) == (
+        [None, {6: -1.0}, {7: -0.5}],
+        [None, 1, 4],
+    )
     group.seqs[0].append_token(3, -0.2, None)
-    assert step_delta(group).prompt_logprobs is None
+    later = step_delta(group)
+    assert later.prompt_logprobs is None and later.prompt_ranks is None
 
 
 def test_a_finish_without_a_new_token_is_sent_once():
@@ -74,6 +83,7 @@ def test_logprobs_are_sent_only_for_requests_that_need_them():
         (seq,) = step_delta(_group(2, **params)).seqs
         assert seq.logprobs == sent, params
         assert seq.top_logprobs == ([{0: -0.5}, {1: -0.5}] if "logprobs" in params else None)
+        assert seq.ranks == ([1, 2] if "logprobs" in params else None)  # asked for alone
 
 
 def test_engine_steps_send_tokens_and_no_text(tiny_llama):

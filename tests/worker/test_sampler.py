@@ -94,6 +94,31 @@ def test_a_poisoned_row_that_needs_nothing_leaves_the_others_exact():
     assert out.logprobs[2] == pytest.approx(expected[1, 9].item(), abs=1e-5)
 
 
+def test_ranks_only_for_the_rows_that_ask_for_logprobs():
+    """Rows 1 and 3 asked for logprobs: each token's rank is vLLM's, the tokens at least
+    as likely, itself included. Row 4 needs a logprob (best_of) but asked for none, and
+    rows 0 and 2 need nothing: no rank."""
+    logits = _logits(len(MIXED), seed=5)
+    out = Sampler(0)(logits, [_seq(i, **p) for i, p in enumerate(MIXED)])
+    logprobs = torch.log_softmax(logits, dim=-1)
+    for i, token in enumerate(out.token_ids):
+        if i in (1, 3):
+            assert out.ranks[i] == int((logprobs[i] >= logprobs[i, token]).sum())
+        else:
+            assert out.ranks[i] is None
+    assert out.ranks[1] == 1  # greedy
+
+
+def test_a_rank_counts_ties_and_every_more_likely_token():
+    """vLLM counts the tokens whose logprob is >= the chosen one's: tied tokens all take
+    the worst of their places, a token outside the top ones its place in the vocabulary."""
+    logits = torch.zeros(4, VOCAB)
+    logits[:, :3] = torch.tensor([5.0, 5.0, 4.0])
+    seqs = [_seq(i, temperature=1.0, logprobs=1) for i in range(4)]
+    out = Sampler(0).report(logits, [0, 1, 2, 9], seqs)
+    assert out.ranks == [2, 2, 3, VOCAB]
+
+
 def test_tokens_do_not_depend_on_who_asks_for_logprobs():
     """The same seeded batch sampled with and without logprobs asked for: the same tokens."""
     logits = _logits(len(MIXED), seed=4)
