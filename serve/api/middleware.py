@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve.api.errors import error_body
+from serve.api.protocol import CLIENT_REQUEST_ID
 
 logger = logging.getLogger("serve.api")
 access_logger = logging.getLogger("serve.access")
@@ -27,7 +28,7 @@ CLIENT_CLOSED = 499
 
 
 # A client's own X-Request-Id is taken as the request's id when it is this plain.
-_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+_CLIENT_REQUEST_ID = re.compile(CLIENT_REQUEST_ID)
 
 
 class AccessLog:
@@ -55,7 +56,9 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         state: dict[str, Any] = scope.setdefault("state", {})
-        state["request_id"] = request_id = _request_id(scope)
+        # The client's own id names its response too (the handlers read it from here).
+        state["client_request_id"] = client_id = _client_request_id(scope)
+        state["request_id"] = request_id = client_id or uuid.uuid4().hex[:12]
         start = time.perf_counter()
         status = CLIENT_CLOSED
         is_stream = False
@@ -99,13 +102,13 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def _request_id(scope: Scope) -> str:
+def _client_request_id(scope: Scope) -> str | None:
     for name, value in scope.get("headers", []):
         if name == b"x-request-id":
             text = value.decode("latin-1")
             if _CLIENT_REQUEST_ID.fullmatch(text):
                 return text
-    return uuid.uuid4().hex[:12]
+    return None
 
 
 class InternalErrors:

@@ -40,6 +40,21 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# A client's own request id (X-Request-Id, vLLM's `request_id` field) when it is this plain.
+CLIENT_REQUEST_ID = r"[A-Za-z0-9._:/+=-]{1,128}"
+
+
+def response_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """A response's id and its engine request's. With the client's own id the response is
+    `{prefix}-{client_id}`, as vLLM names it; the engine's id adds a random suffix, since a
+    client may reuse its id while an earlier request with it still runs."""
+    if client_id is None:
+        response_id = random_id(prefix)
+        return response_id, response_id
+    response_id = f"{prefix}-{client_id}"
+    return response_id, f"{response_id}-{uuid.uuid4().hex[:8]}"
+
+
 class OpenAIModel(BaseModel):
     # NaN and infinity are not JSON, though Python's parser reads them (and 1e999 as inf).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
@@ -187,6 +202,9 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by chat and completions."""
 
     model: str | None = None
+    # vLLM's: the response's id is `chatcmpl-` / `cmpl-` and this (an X-Request-Id header
+    # takes its place); without either, a random one.
+    request_id: str | None = Field(default=None, pattern=f"^{CLIENT_REQUEST_ID}$")
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

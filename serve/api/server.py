@@ -33,6 +33,7 @@ from serve.api.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     OpenAIModel,
+    SamplingRequest,
     TokenizeRequest,
     now,
 )
@@ -234,6 +235,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         body's structured output first (the Responses and Messages handlers do it as they
         map their bodies onto chat's)."""
         _log_unknown(body)
+        client_id = getattr(request.state, "client_request_id", None)
+        if client_id is not None and isinstance(body, SamplingRequest):
+            body.request_id = client_id  # the header wins over the field, as in vLLM
         if check_grammar:
             await check_structured_output(engine, body, settings.grammar_compile_timeout_s)
         on_usage = _usage_recorder(request)

@@ -18,7 +18,7 @@ from serve.api.logprobs_json import (
     token_bytes,
     token_label,
 )
-from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, random_id
+from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, response_ids
 from serve.api.request_checks import (
     PromptCharLimit,
     check_limits,
@@ -217,8 +217,8 @@ class ChatHandler:
         self, request: ChatCompletionRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
         prompt = await off_the_loop(self.prepare, request)
-        request_id = random_id("chatcmpl")
-        stream = self.generate(request, request_id, prompt, OutputKind.FINAL_ONLY)
+        request_id, engine_id = response_ids("chatcmpl", request.request_id)
+        stream = self.generate(request, engine_id, prompt, OutputKind.FINAL_ONLY)
         (out,) = await final_outputs([stream])
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
@@ -261,15 +261,16 @@ class ChatHandler:
         deltas, a finish chunk per choice, the usage chunk if asked for, then [DONE]. Bad
         requests raise here, before the response starts."""
         prompt = await off_the_loop(self.prepare, request)
+        response_id, engine_id = response_ids("chatcmpl", request.request_id)
         writer = ChunkWriter(
-            random_id("chatcmpl"),
+            response_id,
             "chat.completion.chunk",
             self.settings.served_model_name,
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=(len(prompt.token_ids),),
             n=request.n,
         )
-        stream = self.generate(request, writer.id, prompt)
+        stream = self.generate(request, engine_id, prompt)
         return self._events(request, [stream], writer, prompt, on_usage)
 
     def generate(

@@ -13,7 +13,7 @@ from typing import Any
 
 from serve.api.errors import APIError
 from serve.api.logprobs_json import prompt_logprobs_json, ranked_alternatives, token_label
-from serve.api.protocol import CompletionRequest, now, random_id
+from serve.api.protocol import CompletionRequest, now, response_ids
 from serve.api.request_checks import (
     PromptCharLimit,
     check_limits,
@@ -205,8 +205,8 @@ class CompletionHandler:
         self, request: CompletionRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
         prompts = await off_the_loop(self.prepare, request)
-        request_id = random_id("cmpl")
-        outs = await final_outputs(self._open(request, request_id, prompts, OutputKind.FINAL_ONLY))
+        request_id, engine_id = response_ids("cmpl", request.request_id)
+        outs = await final_outputs(self._open(request, engine_id, prompts, OutputKind.FINAL_ONLY))
         choices = []
         for i, out in enumerate(outs):
             out.outputs.sort(key=lambda c: c.index)
@@ -230,15 +230,16 @@ class CompletionHandler:
         self, request: CompletionRequest, on_usage: UsageCallback | None = None
     ) -> AsyncIterator[bytes]:
         prompts = await off_the_loop(self.prepare, request)
+        response_id, engine_id = response_ids("cmpl", request.request_id)
         writer = ChunkWriter(
-            random_id("cmpl"),
+            response_id,
             "text_completion",
             self.settings.served_model_name,
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=tuple(len(ids) for _, ids, _ in prompts),
             n=request.n,
         )
-        streams = self._open(request, writer.id, prompts)
+        streams = self._open(request, engine_id, prompts)
         if request.requested_max_tokens == 0:
             return self._prompt_score_events(request, prompts, streams, writer, on_usage)
         return self._events(request, prompts, streams, writer, on_usage)
