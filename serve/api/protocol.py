@@ -198,6 +198,22 @@ Priority = Field(default=0, ge=-(2**63), le=2**63 - 1)
 TruncatePromptTokens = Field(default=None, ge=-1)
 
 
+# vLLM's request fields that serve cannot honour, and why: given, they are a 400 (vLLM
+# acts on them; ignored, they would change the output without a word).
+UNHONOURED = {
+    "guided_whitespace_pattern": REFUSED_OPTIONS["whitespace_pattern"],
+    "logits_processors": "is not supported by this server: it loads no custom logits "
+    "processors (its own controls: logit_bias, allowed_token_ids, bad_words, min_tokens, "
+    "the penalties, structured_outputs).",
+    "prompt_embeds": "is not supported by this server (vLLM's --enable-prompt-embeds): "
+    "give the prompt as text or token ids.",
+}
+
+
+def refuse_unhonoured(value: Any, info: ValidationInfo) -> Any:
+    raise ValueError(UNHONOURED[info.field_name])
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by chat and completions."""
 
@@ -242,6 +258,9 @@ class SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's fields this server cannot honour: a 400 by name (UNHONOURED), not ignored.
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
     # vLLM's: logprobs name tokens "token_id:N"; None: the server's --return-tokens-as-token-ids.
     return_tokens_as_token_ids: bool | None = None
     stream: bool = False
@@ -269,6 +288,9 @@ class SamplingRequest(OpenAIModel):
         return fmt
 
     _guided_json = field_validator("guided_json")(enforceable)
+    _unhonoured = field_validator("guided_whitespace_pattern", "logits_processors")(
+        refuse_unhonoured
+    )
     _guided_choice = field_validator("guided_choice")(non_empty)
 
     @field_validator(*FORMAT_FIELDS[1:])
@@ -481,6 +503,9 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's extra: the final message stays open and the model continues it ("prefill");
     # add_generation_prompt must then be false.
     continue_final_message: bool = False
+    # vLLM's extra: each choice's content starts with the last message's text when that
+    # message has the reply's role (the turn the model continues).
+    echo: bool = False
     chat_template: str | None = None
     # vLLM's extra: more variables for the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -605,12 +630,15 @@ def _check_forced_format(choice: Literal["required"] | NamedToolChoice, fields: 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    prompt_embeds: Any = None  # vLLM's (with --enable-prompt-embeds); refused (UNHONOURED)
     # 0 with `echo` scores the prompt (its logprobs) without sampling, as OpenAI's legacy
     # API allowed; 0 without echo is refused (serving_completion.py).
     max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0)
     suffix: str | None = None
+
+    _unhonoured_prompt = field_validator("prompt_embeds")(refuse_unhonoured)
 
     @field_validator("prompt")
     @classmethod

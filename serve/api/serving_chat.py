@@ -174,6 +174,15 @@ class ChatHandler:
             return self.settings.response_role
         return request.messages[-1].role
 
+    def echoed(self, request: ChatCompletionRequest) -> str:
+        """vLLM's `echo`: the text each choice's content starts with ("" if none)."""
+        last = request.messages[-1]
+        if not request.echo or last.role != self.response_role(request):
+            return ""
+        if isinstance(last.content, list):
+            return "\n".join(part.text for part in last.content)
+        return last.content or ""
+
     def _message(
         self, parser: OutputParser | None, completion: CompletionOutput, role: str
     ) -> tuple[dict[str, Any], str | None]:
@@ -222,9 +231,11 @@ class ChatHandler:
         (out,) = await final_outputs([stream])
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
-        role = self.response_role(request)
+        role, echoed = self.response_role(request), self.echoed(request)
         for index, completion in enumerate(finals):
             message, finish_reason = self._message(prompt.output_parser, completion, role)
+            if echoed:
+                message["content"] = echoed + (message["content"] or "")
             choices.append(
                 {
                     "index": index,
@@ -305,6 +316,11 @@ class ChatHandler:
         for index in range(request.n):
             role = {"role": role_name, "content": ""}
             yield writer.chunk(index, delta=role, logprobs=None, finish_reason=None)
+        if echoed := self.echoed(request):
+            for index in range(request.n):
+                yield writer.chunk(
+                    index, delta={"content": echoed}, logprobs=None, finish_reason=None
+                )
         num_top = request.top_logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
         parser = prompt.output_parser

@@ -210,3 +210,34 @@ def test_async_client(server):
 
     full, streamed = asyncio.run(run())
     assert full == streamed
+
+
+def test_echo_puts_the_continued_message_first(client, server):
+    """vLLM's `echo`: a reply that continues the last message (its role is the reply's)
+    starts with that message's text, streamed or not; after a user turn nothing is echoed."""
+    prefill = [*MESSAGES, {"role": "assistant", "content": "The capital is"}]
+    common = {"model": server.model, "temperature": 0, "max_tokens": 6, "n": 2}
+    continued = {"add_generation_prompt": False, "continue_final_message": True, **IGNORE_EOS}
+    plain = client.chat.completions.create(messages=prefill, extra_body=continued, **common)
+    echoed = client.chat.completions.create(
+        messages=prefill, extra_body={**continued, "echo": True}, **common
+    )
+    for before, after in zip(plain.choices, echoed.choices):
+        assert after.message.content == "The capital is" + before.message.content
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    stream = client.chat.completions.create(
+        messages=prefill, extra_body={**continued, "echo": True}, stream=True, **common
+    )
+    texts = ["", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in echoed.choices]
+    # After a user turn the reply starts a new message: nothing to echo.
+    fresh = {"model": server.model, "messages": MESSAGES, "temperature": 0, "max_tokens": 6}
+    assert (
+        client.chat.completions.create(**fresh, extra_body={"echo": True})
+        .choices[0]
+        .message.content
+        == client.chat.completions.create(**fresh).choices[0].message.content
+    )

@@ -174,6 +174,10 @@ def test_structured_output_streams(client, server):
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema"}}, None),
         ({"response_format": {"type": "xml"}}, None),
+        # vLLM's fields that serve cannot honour are refused by name, never ignored.
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ({"logits_processors": ["my.module.Processor"]}, "logits_processors"),
+        ({"prompt": "", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ],
 )
 def test_bad_decoding_controls_are_400(http, server, fields, param):
