@@ -768,6 +768,36 @@ def _only(name: str, accepted: tuple[Any, ...], why: str) -> Callable[[Any], dic
     return apply
 
 
+_XGRAMMAR_BACKENDS = (None, "auto", "xgrammar")
+_XGRAMMAR_ONLY = "must be xgrammar or auto: serve constrains output with xgrammar alone"
+
+
+def _structured_outputs_config(value: Any) -> dict[str, Any]:
+    """vLLM's `--structured-outputs-config '{"backend": "xgrammar"}'` (a dict to `LLM`)."""
+    if value is None:
+        return {}
+    config = value
+    if isinstance(value, str):
+        try:
+            config = json.loads(value)
+        except json.JSONDecodeError:
+            config = None
+    if not isinstance(config, dict):
+        raise InvalidSettingError(
+            "structured_outputs_config",
+            f'must be a JSON object such as {{"backend": "xgrammar"}}; got {value!r}.',
+        )
+    others = sorted(set(config) - {"backend"})
+    if others:
+        raise InvalidSettingError(
+            "structured_outputs_config",
+            f"takes only backend here: serve has no setting for {', '.join(others)}.",
+        )
+    return _only("structured_outputs_config", _XGRAMMAR_BACKENDS, _XGRAMMAR_ONLY)(
+        config.get("backend")
+    )
+
+
 VLLM_ARGUMENTS = (
     VllmArgument(
         "enforce_eager",
@@ -809,6 +839,19 @@ VLLM_ARGUMENTS = (
             (None, 1, "1"),
             "must be 1: serve has no pipeline parallelism; use --tensor-parallel-size",
         ),
+    ),
+    VllmArgument(
+        "structured_outputs_config",
+        str,
+        'vLLM\'s JSON form, accepted with {"backend": "xgrammar"} or "auto": serve\'s '
+        "structured output is xgrammar's",
+        _structured_outputs_config,
+    ),
+    VllmArgument(  # vLLM's dotted form of a config's field; a flag only
+        "structured_outputs_config.backend",
+        str,
+        "accepted when xgrammar or auto: serve's structured output is xgrammar's",
+        _only("structured_outputs_config.backend", _XGRAMMAR_BACKENDS, _XGRAMMAR_ONLY),
     ),
     VllmArgument(
         "quantization",

@@ -61,6 +61,10 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
     assert EngineConfig.create("m", pipeline_parallel_size=1) == EngineConfig.create("m")
     assert EngineConfig.create("m", dtype="half") == EngineConfig.create("m", dtype="float16")
     assert EngineConfig.create("m", dtype="float") == EngineConfig.create("m", dtype="float32")
+    for config in ({"backend": "xgrammar"}, '{"backend": "auto"}'):
+        assert EngineConfig.create("m", structured_outputs_config=config) == (
+            EngineConfig.create("m")
+        )
     assert EngineConfig.create("m", tokenizer_mode="auto", revision=None, quantization=None) == (
         EngineConfig.create("m")
     )
@@ -69,6 +73,10 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
         ({"revision": "main"}, "revision cannot be chosen"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be auto"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),
+        ({"structured_outputs_config": {"backend": "guidance"}}, "must be xgrammar or auto"),
+        ({"structured_outputs_config": '{"backend": "outlines"}'}, "must be xgrammar or auto"),
+        ({"structured_outputs_config": "xgrammar"}, "must be a JSON object"),
+        ({"structured_outputs_config": {"reasoning_parser": "x"}}, "no setting for"),
     ]:
         with pytest.raises(InvalidSettingError, match=refused):
             EngineConfig.create("m", **kwargs)

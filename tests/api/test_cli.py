@@ -100,6 +100,14 @@ def test_vllm_command_lines_parse(run_serve):
     )
     assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
     assert args.disable_log_requests
+    # The structured-output backend, in both of vLLM's forms, when it is serve's own.
+    for argv in (
+        ["--structured-outputs-config.backend", "xgrammar"],
+        ["--structured-outputs-config", '{"backend": "auto"}'],
+    ):
+        assert config_from(argv) == config_from([])
+    code, _, err = run_serve("--structured-outputs-config.backend", "guidance")
+    assert code == 2 and "structured-outputs-config.backend: must be xgrammar or auto" in err
     code, _, err = run_serve("--enable-auto-tool-choice")
     assert code == 1
     assert "serve: error: --enable-auto-tool-choice needs --tool-call-parser" in err
