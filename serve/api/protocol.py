@@ -91,6 +91,13 @@ class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known_type(cls, value: Any) -> Any:
+        if value == "structural_tag":  # vLLM's; a clearer word than the Literal's
+            raise ValueError(f"structural_tag {REFUSED_OPTIONS['structural_tag']}")
+        return value
+
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:

@@ -174,6 +174,7 @@ def test_structured_output_streams(client, server):
         ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
         ({"response_format": {"type": "json_schema"}}, None),
         ({"response_format": {"type": "xml"}}, None),
+        ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format.type"),
         # vLLM's fields that serve cannot honour are refused by name, never ignored.
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"logits_processors": ["my.module.Processor"]}, "logits_processors"),
