@@ -346,8 +346,11 @@ async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Request
         await asyncio.gather(task, watcher, return_exceptions=True)
 
 
-async def _json_unless_disconnected(work: Awaitable[dict[str, Any]], request: Request) -> Any:
-    """The body `work` makes, or an empty 499 if the client hung up first."""
+async def _json_unless_disconnected(
+    work: Awaitable[dict[str, Any] | Response], request: Request
+) -> Any:
+    """The body (or whole response) `work` makes, or an empty 499 if the client hung up
+    first."""
     result = await _unless_disconnected(work, request)
     return Response(status_code=CLIENT_CLOSED) if result is None else result
 

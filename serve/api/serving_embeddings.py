@@ -3,16 +3,25 @@
 Each input becomes an engine request with `max_tokens` 0 and `pooling` (serve/
 pooling_params.py): the engine computes its prompt, samples nothing, and returns the
 pooled final hidden state, normalised as the model's pooling says. The inputs run
-concurrently, and the response lists their vectors in input order.
+concurrently, and the response lists their vectors in input order: JSON, or with
+encoding_format "bytes"/"bytes_only" (vLLM's) an application/octet-stream body.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
+
+from fastapi import Response
 
 from serve.api.errors import APIError
 from serve.api.protocol import random_id
-from serve.api.protocol_embeddings import EmbeddingRequest, embedding_response
+from serve.api.protocol_embeddings import (
+    EmbeddingRequest,
+    embedding_bytes,
+    embedding_response,
+)
 from serve.api.request_checks import PromptCharLimit, check_model, truncate_prompt
 from serve.api.serving_base import off_the_loop
 from serve.api.settings import ServerSettings
@@ -79,7 +88,7 @@ class EmbeddingHandler:
 
     async def create(
         self, request: EmbeddingRequest, on_usage: UsageCallback | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | Response:
         params = self.params(request)
         prompts = await off_the_loop(self.prepare, request)
         request_id = random_id("embd")
@@ -104,9 +113,18 @@ class EmbeddingHandler:
                 raise APIError(500, f"Request {out.request_id} ended without an embedding.")
             vectors.append(out.pooled)
         num_prompt = sum(len(ids) for ids in prompts)
-        body = embedding_response(
-            self.settings.served_model_name, vectors, request.encoding_format, num_prompt
-        )
+        model = self.settings.served_model_name
+        if request.encoding_format in ("bytes", "bytes_only"):
+            content, metadata = embedding_bytes(
+                request_id, int(time.time()), model, vectors, request, num_prompt
+            )
+            if on_usage is not None:
+                on_usage(metadata["usage"])
+            # vLLM's: "bytes" sends the metadata (JSON) in a header, "bytes_only" does not.
+            is_bare = request.encoding_format == "bytes_only"
+            headers = {} if is_bare else {"metadata": json.dumps(metadata)}
+            return Response(content, media_type="application/octet-stream", headers=headers)
+        body = embedding_response(model, vectors, request, num_prompt)
         if on_usage is not None:
             on_usage(body["usage"])
         return body

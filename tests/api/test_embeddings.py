@@ -167,6 +167,13 @@ def _assert_serving(http: httpx.Client, server) -> None:
         ({"input": TOO_LONG}, 400, "input"),  # max_model_len is 512
         ({"input": "x " * 10**6}, 400, "input"),  # refused before it is tokenized
         ({"input": "Hi", "encoding_format": "hex"}, 400, "encoding_format"),
+        (
+            {"input": "Hi", "encoding_format": "base64", "embed_dtype": "float64"},
+            400,
+            "embed_dtype",
+        ),
+        ({"input": "Hi", "embed_dtype": "int8"}, 400, "embed_dtype"),
+        ({"input": "Hi", "encoding_format": "base64", "endianness": "middle"}, 400, "endianness"),
         ({"input": "Hi", "dimensions": 0}, 400, "dimensions"),
         ({"input": "Hi", "priority": 1}, 400, "priority"),
         ({"input": "Hi", "model": "gpt-4"}, 404, "model"),
