@@ -10,7 +10,7 @@ from typing import Any
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from serve.engine.detokenizer import text_decoder
+from serve.engine.detokenizer import MAX_CHAR_TOKENS, text_decoder, token_text_in_context
 from serve.outputs import RequestOutput
 
 
@@ -23,10 +23,18 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return text_decoder(tokenizer)([token_id], False)
 
 
-def token_label(tokenizer: Any, token_id: int, as_id: bool) -> str:
+def token_label(
+    tokenizer: Any, token_id: int, as_id: bool, context: list[int] | None = None
+) -> str:
     """A logprobs entry's `token`: its text, or with vLLM's `return_tokens_as_token_ids`
-    "token_id:N", which names a token even where texts collide or a byte is split."""
-    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+    "token_id:N", which names a token even where texts collide or a byte is split. Given
+    the tokens before it (`context`), a piece of a split character reads as vLLM labels
+    it (`token_text_in_context`: "", or the whole character on the piece that ends it)."""
+    if as_id:
+        return f"token_id:{token_id}"
+    if context is None:
+        return token_text(tokenizer, token_id)
+    return token_text_in_context(text_decoder(tokenizer), token_id, context)
 
 
 def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
@@ -73,20 +81,29 @@ def prompt_logprobs_json(
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs` field: per prompt token, null for the first, else
     {token id: {logprob, rank, decoded_token}} for the `num_top` best (ranked by their
-    order) and the prompt token (outside them: its rank under the model)."""
+    order) and the prompt token (outside them: its rank under the model). Each
+    `decoded_token` is read after the prompt tokens before it (`token_label`)."""
     if out.prompt_logprobs is None:
         return None
+    prompt_ids = out.prompt_token_ids
     prompt_ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
     result: list[dict[str, dict[str, Any]] | None] = []
-    for token_id, top, rank in zip(out.prompt_token_ids, out.prompt_logprobs, prompt_ranks):
+    for position, (token_id, top, rank) in enumerate(
+        zip(prompt_ids, out.prompt_logprobs, prompt_ranks)
+    ):
         if top is None:
             result.append(None)
             continue
         entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(ranked_alternatives(top, num_top))}
         entries.setdefault(token_id, (top[token_id], rank))
+        context = prompt_ids[max(0, position - MAX_CHAR_TOKENS) : position]
         result.append(
             {
-                str(t): {"logprob": lp, "rank": r, "decoded_token": token_text(tokenizer, t)}
+                str(t): {
+                    "logprob": lp,
+                    "rank": r,
+                    "decoded_token": token_label(tokenizer, t, False, context),
+                }
                 for t, (lp, r) in entries.items()
             }
         )

@@ -34,6 +34,7 @@ from serve.api.streaming import (
     stream_end,
     usage,
 )
+from serve.engine.detokenizer import MAX_CHAR_TOKENS
 from serve.engine.protocol import EngineClient
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
@@ -123,21 +124,33 @@ class CompletionHandler:
         ]
 
     def _logprobs(
-        self, completion: CompletionOutput, text_offset: int, num_top: int, as_ids: bool
+        self,
+        completion: CompletionOutput,
+        text_offset: int,
+        num_top: int,
+        as_ids: bool,
+        context: list[int],
     ) -> dict[str, Any] | None:
         """The logprobs of the output's tokens (a DELTA output's: the new ones), their text
-        starting at `text_offset`."""
+        starting at `text_offset`, after the sequence's tokens `context`."""
         if completion.logprobs is None:
             return None
         return self._token_logprobs(
-            completion.token_ids, completion.logprobs, text_offset, num_top, as_ids
+            completion.token_ids, completion.logprobs, text_offset, num_top, as_ids, context
         )
 
     def _echo_offset(self, prompt_token_ids: list[int], as_ids: bool) -> int:
         """Where the output's text_offset starts under echo: past the prompt's tokens, each
-        counted by its own text as the logprobs list it (vLLM walks prompt and output in
-        one pass; a partial UTF-8 token counts as one "\ufffd", not as its bytes)."""
-        return sum(len(token_label(self.tokenizer, t, as_ids)) for t in prompt_token_ids)
+        counted by its label's text, as the logprobs list them (vLLM walks prompt and output
+        in one pass)."""
+        return sum(
+            len(
+                token_label(
+                    self.tokenizer, t, as_ids, prompt_token_ids[max(0, i - MAX_CHAR_TOKENS) : i]
+                )
+            )
+            for i, t in enumerate(prompt_token_ids)
+        )
 
     def _token_logprobs(
         self,
@@ -146,12 +159,17 @@ class CompletionHandler:
         text_offset: int,
         num_top: int,
         as_ids: bool,
+        context: list[int],
     ) -> dict[str, Any]:
         """The legacy completions shape; a position with no logprobs (the first prompt
-        token, under echo) has null ones."""
+        token, under echo) has null ones. Tokens are labelled after the ones before them
+        (`context`, then these), so the labels of a character split over several tokens
+        join to it and text_offset counts the text the response has."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        context = context[-MAX_CHAR_TOKENS:]
         for token_id, top in zip(token_ids, logprobs):
-            token = token_label(self.tokenizer, token_id, as_ids)
+            before, context = context, [*context[1 - MAX_CHAR_TOKENS :], token_id]
+            token = token_label(self.tokenizer, token_id, as_ids, before)
             tokens.append(token)
             offsets.append(text_offset)
             text_offset += len(token)
@@ -166,7 +184,7 @@ class CompletionHandler:
             # else the best (`ranked` is sorted best first).
             by_text: dict[str, float] = {token: top[token_id]}
             for t, lp in ranked_alternatives(top, num_top):
-                by_text.setdefault(token_label(self.tokenizer, t, as_ids), lp)
+                by_text.setdefault(token_label(self.tokenizer, t, as_ids, before), lp)
             top_logprobs.append(by_text)
         return {
             "tokens": tokens,
@@ -183,10 +201,10 @@ class CompletionHandler:
         num_top = request.logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
         start = self._echo_offset(out.prompt_token_ids, as_ids) if request.echo else 0
-        logprobs = self._logprobs(completion, start, num_top, as_ids)
+        logprobs = self._logprobs(completion, start, num_top, as_ids, out.prompt_token_ids)
         if request.echo and logprobs is not None and out.prompt_logprobs is not None:
             prompt = (out.prompt_token_ids, out.prompt_logprobs)
-            echoed = self._token_logprobs(*prompt, 0, num_top, as_ids)
+            echoed = self._token_logprobs(*prompt, 0, num_top, as_ids, [])
             logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         choice = {
             "index": index,
@@ -285,9 +303,15 @@ class CompletionHandler:
             self._echo_offset(prompts[index // request.n][1], as_ids) if request.echo else 0
             for index in range(len(streams) * request.n)
         ]
+        # Each choice's last tokens, which label the next ones (`_token_logprobs`).
+        contexts = [
+            prompts[index // request.n][1][-MAX_CHAR_TOKENS:]
+            for index in range(len(streams) * request.n)
+        ]
 
         def content(index, completion):
-            logprobs = self._logprobs(completion, offsets[index], num_top, as_ids)
+            logprobs = self._logprobs(completion, offsets[index], num_top, as_ids, contexts[index])
+            contexts[index] = [*contexts[index], *completion.token_ids][-MAX_CHAR_TOKENS:]
             if logprobs is not None and logprobs["tokens"]:
                 offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             return [{"text": completion.text, "logprobs": logprobs}]

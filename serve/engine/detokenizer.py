@@ -15,6 +15,7 @@ Offsets count tokens of the whole sequence, prompt then output:
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,8 @@ import tokenizers
 # Prompt tokens kept as left context for the first output token's decoding.
 _INITIAL_CONTEXT_TOKENS = 5
 # A UTF-8 character spans at most 4 byte tokens.
-_MAX_CHAR_TOKENS = 4
+MAX_CHAR_TOKENS = 4
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are no whole character
 
 
 TextDecoder = Callable[[list[int], bool], str]  # (token ids, skip special tokens) -> text
@@ -57,6 +59,32 @@ def text_decoder(tokenizer: Any) -> TextDecoder:
     except TypeError:  # not weakly referenceable: decided again next time
         pass
     return decode
+
+
+def token_text_in_context(decode: TextDecoder, token_id: int, context: list[int]) -> str:
+    """A token's text as vLLM labels it in logprobs: decoded alone, unless that ends in
+    U+FFFD (the token holds a piece of a character split over several tokens). Then it is
+    read after the tokens before it in the sequence (`context`, oldest first; the last 4
+    matter): "" while the character is incomplete, and on the token that completes it the
+    whole character (with what else the token adds). So a sequence's labels join to its
+    text, where each piece alone would be a U+FFFD of its own."""
+    text = decode([token_id], False)
+    if not text.endswith(REPLACEMENT):
+        return text
+    context = context[-MAX_CHAR_TOKENS:]
+    for start in range(len(context) - 1, -1, -1):  # one token of context, then more
+        window = context[start:]
+        whole = decode([*window, token_id], False)
+        if whole.endswith(REPLACEMENT):
+            continue
+        # The window's trailing pieces of the character were labelled "" when their turn
+        # came: their text belongs to this token, after the window's whole characters.
+        clean = len(window)
+        while clean > 0 and decode([window[clean - 1]], False).endswith(REPLACEMENT):
+            clean -= 1
+        prefix = decode(window[:clean], False) if clean else ""
+        return whole[len(os.path.commonprefix([prefix, whole])) :]
+    return ""
 
 
 class IncrementalDetokenizer:
@@ -102,7 +130,7 @@ def initial_prefix_offset(decode: TextDecoder, prompt_token_ids: list[int], skip
     so the output's first characters would come out as U+FFFD too.
     """
     offset = max(len(prompt_token_ids) - _INITIAL_CONTEXT_TOKENS, 0)
-    for start in range(offset, max(offset - _MAX_CHAR_TOKENS, -1), -1):
+    for start in range(offset, max(offset - MAX_CHAR_TOKENS, -1), -1):
         window_text = decode(prompt_token_ids[start:], skip)
         if not window_text.startswith("\ufffd"):
             return start

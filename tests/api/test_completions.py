@@ -215,6 +215,29 @@ def test_text_offsets_walk_the_tokens_streamed_or_not_echoed_or_not(client, serv
     assert streamed_offsets == plain.text_offset
 
 
+def test_labels_of_split_characters_join_to_the_text(client, server, http):
+    """A character split over several byte tokens is labelled as vLLM labels it: "" on
+    its first pieces, the whole character on the piece that completes it. So the labels
+    join to the text and each text_offset points at its token in it (each piece's own
+    U+FFFD put every later offset past the text); prompt_logprobs' decoded_token alike."""
+    prompt = "Emoji: 🎉 🚀 😀 🐍, Héllo 世界, naïve € fox"
+    for stream in (False, True):
+        chunks = greedy(client, server, prompt, max_tokens=0, echo=True, logprobs=1, stream=stream)
+        choice = next(iter(chunks)).choices[0] if stream else chunks.choices[0]
+        tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+        assert "\ufffd" not in "".join(tokens) and "".join(tokens) == prompt == choice.text
+        assert [prompt[o : o + len(t)] for t, o in zip(tokens, offsets)] == tokens
+        assert "" in tokens  # the prompt has split characters: their first pieces
+    body = {"model": server.model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0}
+    (choice,) = http.post("/v1/completions", json=body).json()["choices"]
+    prompt_ids = [int(next(iter(e))) for e in choice["prompt_logprobs"][1:]]
+    texts = [
+        entry[str(t)]["decoded_token"]
+        for t, entry in zip(prompt_ids, choice["prompt_logprobs"][1:])
+    ]
+    assert tokens[0] + "".join(texts) == prompt
+
+
 @pytest.mark.parametrize("num_top", [0, 1])
 def test_top_logprobs_hold_the_sampled_token(client, server, num_top):
     """OpenAI's legacy API always gives the sampled token's logprob among the top ones, so
