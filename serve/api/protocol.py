@@ -270,6 +270,9 @@ class SamplingRequest(OpenAIModel):
     logits_processors: Any = None
     # vLLM's: logprobs name tokens "token_id:N"; None: the server's --return-tokens-as-token-ids.
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text (streamed: each
+    # chunk's new ones, the prompt's on the first).
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

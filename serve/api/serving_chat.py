@@ -249,6 +249,8 @@ class ChatHandler:
                     "stop_reason": completion.stop_reason,
                 }
             )
+            if request.return_token_ids:
+                choices[-1]["token_ids"] = completion.token_ids
         body = {
             "id": request_id,
             "object": "chat.completion",
@@ -257,6 +259,8 @@ class ChatHandler:
             "choices": choices,
             "usage": usage(len(prompt.token_ids), out.num_output_tokens),
         }
+        if request.return_token_ids:
+            body["prompt_token_ids"] = prompt.token_ids
         if request.prompt_logprobs is not None:  # vLLM's extra, beside the choices
             body["prompt_logprobs"] = prompt_logprobs_json(
                 self.tokenizer, out, request.prompt_logprobs
@@ -280,6 +284,8 @@ class ChatHandler:
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=(len(prompt.token_ids),),
             n=request.n,
+            prompt_token_ids=(prompt.token_ids,) if request.return_token_ids else None,
+            prompt_ids_on_top=True,
         )
         stream = self.generate(request, engine_id, prompt)
         return self._events(request, [stream], writer, prompt, on_usage)

@@ -213,6 +213,9 @@ class CompletionHandler:
             "finish_reason": completion.finish_reason,
             "stop_reason": completion.stop_reason,
         }
+        if request.return_token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
+            choice["token_ids"] = completion.token_ids
         if request.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(
                 self.tokenizer, out, request.prompt_logprobs
@@ -256,6 +259,9 @@ class CompletionHandler:
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=tuple(len(ids) for _, ids, _ in prompts),
             n=request.n,
+            prompt_token_ids=tuple(ids for _, ids, _ in prompts)
+            if request.return_token_ids
+            else None,
         )
         streams = self._open(request, engine_id, prompts)
         if request.requested_max_tokens == 0:

@@ -59,6 +59,18 @@ class ChunkWriter:
     num_prompt_tokens: tuple[int, ...] = ()
     n: int = 1
     created: int = field(default_factory=now)
+    # vLLM's `return_token_ids`: set (each prompt's ids), every chunk of a choice carries
+    # the token ids it took since its previous chunk (`add_token_ids`), and the prompt's
+    # ids come once: on each choice's first chunk, or with `prompt_ids_on_top` (chat's) on
+    # the response's first, beside the choices.
+    prompt_token_ids: tuple[list[int], ...] | None = None
+    prompt_ids_on_top: bool = False
+    _pending: dict[int, list[int]] = field(default_factory=dict)
+    _started: set[int] = field(default_factory=set)
+
+    def add_token_ids(self, index: int, token_ids: list[int]) -> None:
+        if self.prompt_token_ids is not None:
+            self._pending.setdefault(index, []).extend(token_ids)
 
     def chunk(self, index: int, num_completion_tokens: int = 0, **choice: Any) -> bytes:
         body: dict[str, Any] = {
@@ -68,6 +80,8 @@ class ChunkWriter:
             "model": self.model,
             "choices": [{"index": index, **choice}],
         }
+        if self.prompt_token_ids is not None:
+            self._with_token_ids(body, index)
         if self.continuous_usage:
             prompt = self.num_prompt_tokens[index // self.n]
             body["usage"] = {
@@ -78,6 +92,19 @@ class ChunkWriter:
         elif self.include_usage:
             body["usage"] = None  # OpenAI sends the key on every chunk, null until the last
         return sse(body)
+
+    def _with_token_ids(self, body: dict[str, Any], index: int) -> None:
+        assert self.prompt_token_ids is not None
+        (choice,) = body["choices"]
+        choice["token_ids"] = self._pending.pop(index, [])
+        if index in self._started:
+            return
+        prompt_ids = self.prompt_token_ids[index // self.n]
+        if not self.prompt_ids_on_top:
+            choice["prompt_token_ids"] = prompt_ids
+        elif not self._started:
+            body["prompt_token_ids"] = prompt_ids
+        self._started.add(index)
 
     def usage_chunk(self, counts: dict[str, int]) -> bytes:
         body = {"id": self.id, "object": self.object, "created": self.created}

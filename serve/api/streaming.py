@@ -197,6 +197,7 @@ async def stream_choices(
             if state.choices[index].finish_reason is not None:
                 continue  # said all it had
             state.take(index, completion)
+            writer.add_token_ids(index, completion.token_ids)
             num_tokens = state.choices[index].num_tokens
             if completion.text or (completion.logprobs is not None and completion.token_ids):
                 for fields in content_fields(index, completion):

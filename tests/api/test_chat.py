@@ -241,3 +241,26 @@ def test_echo_puts_the_continued_message_first(client, server):
         .message.content
         == client.chat.completions.create(**fresh).choices[0].message.content
     )
+
+
+def test_return_token_ids_gives_the_prompt_and_output_ids(client, server, tokenizer, tiny_llama):
+    """vLLM's `return_token_ids`: the prompt's ids beside the choices, each choice's ids;
+    streamed, each chunk's new ids and the prompt's on the first chunk."""
+    fields = {"model": server.model, "messages": MESSAGES, "temperature": 0, "max_tokens": 6}
+    extra = {"return_token_ids": True, **IGNORE_EOS}
+    body = client.chat.completions.create(**fields, extra_body=extra).model_dump()
+    prompt_ids = chat_prompt_ids(tokenizer, MESSAGES)
+    assert body["prompt_token_ids"] == prompt_ids
+    (choice,) = body["choices"]
+    assert choice["token_ids"] == hf_greedy(tiny_llama, prompt_ids, 6)
+    chunks = [
+        c.model_dump()
+        for c in client.chat.completions.create(**fields, extra_body=extra, stream=True)
+    ]
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
+    assert streamed == choice["token_ids"]
+    # Not asked for: not there.
+    plain = client.chat.completions.create(**fields).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

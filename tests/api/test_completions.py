@@ -302,3 +302,24 @@ def test_async_client(server):
 
     full, streamed = asyncio.run(run())
     assert full == streamed
+
+
+def test_return_token_ids_per_choice_streamed_or_not(client, server, tokenizer):
+    prompts = ["The quick brown fox", "Hello there"]
+    fields = dict(model=server.model, prompt=prompts, max_tokens=5, n=2, temperature=1.0, seed=3)
+    extra = {"return_token_ids": True, **IGNORE_EOS}
+    whole = client.completions.create(**fields, extra_body=extra).model_dump()["choices"]
+    for choice in whole:
+        prompt = prompts[choice["index"] // 2]
+        assert choice["prompt_token_ids"] == tokenizer(prompt).input_ids
+        assert len(choice["token_ids"]) == 5
+    streamed: dict[int, list[int]] = {}
+    firsts: dict[int, list[int]] = {}
+    for chunk in client.completions.create(**fields, extra_body=extra, stream=True):
+        for choice in chunk.model_dump()["choices"]:
+            if "prompt_token_ids" in choice:
+                assert choice["index"] not in firsts  # on a choice's first chunk alone
+                firsts[choice["index"]] = choice["prompt_token_ids"]
+            streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+    assert firsts == {c["index"]: c["prompt_token_ids"] for c in whole}
+    assert streamed == {c["index"]: c["token_ids"] for c in whole}
