@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -119,7 +120,9 @@ class ModelConfig:
         "context window in tokens, e.g. 2048, 4k (4,000) or 4K (4,096); default (or auto, "
         "-1): the model's, fitted to the KV cache",
     )
-    seed: int = setting(0, "seed for requests that set none")
+    # None (vLLM's LLM(seed=None) of old: no fixed seed): one drawn at random at start and
+    # logged, so that a run can be repeated with it.
+    seed: int | None = setting(0, "seed for requests that set none")
     generation_config: str = setting(
         "auto",
         "auto: requests that leave out temperature, top_p, top_k, min_p, "
@@ -165,8 +168,10 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", _dtype_name(self.dtype))
         _check_choices(self)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        object.__setattr__(self, "seed", _engine_seed(self.seed))
         object.__setattr__(self, "max_model_len", _token_count(self.max_model_len))
         if self.max_logprobs < 0:
             raise InvalidSettingError("max_logprobs", f"must be >= 0, got {self.max_logprobs}.")
@@ -176,6 +181,28 @@ class ModelConfig:
                 "'pt' loads pickled weights, which can run arbitrary code when loaded: "
                 "add --allow-pickle-weights (allow_pickle_weights=True) if you trust them.",
             )
+
+
+def _dtype_name(dtype: Any) -> Any:
+    """A torch dtype (`LLM(dtype=torch.bfloat16)`, as vLLM takes it) by its name; anything
+    else as it is. Recognised without importing torch, which this module must not."""
+    if type(dtype).__name__ == "dtype" and type(dtype).__module__ == "torch":
+        return str(dtype).removeprefix("torch.")
+    return dtype
+
+
+def _engine_seed(seed: Any) -> int:
+    """The seed of requests that set none: an integer torch can seed with; None (older
+    vLLM's default, no fixed seed) draws one at random, logged so a run can be repeated."""
+    if seed is None:
+        seed = random.SystemRandom().randrange(2**32)
+        logger.info("seed=None: requests without a seed sample from seed %d, drawn at random", seed)
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**63:
+        raise InvalidSettingError(
+            "seed", f"must be an integer (64-bit signed) or None (a random one); got {seed!r}."
+        )
+    return seed
 
 
 # vLLM's suffixes for a number of tokens: lower case decimal, upper case binary.
@@ -798,6 +825,99 @@ def _structured_outputs_config(value: Any) -> dict[str, Any]:
     )
 
 
+def _json_value(name: str, value: Any) -> Any:
+    """A flag's JSON text as its value (an `LLM(...)` keyword comes as the object)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise InvalidSettingError(name, f"must be JSON; got {value!r}.") from None
+
+
+def _number(name: str, value: Any) -> float:
+    """A flag's number (text on the command line), or a refusal naming it."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidSettingError(name, f"must be a number; got {value!r}.") from None
+
+
+def _cpu_offload_gb(value: Any) -> dict[str, Any]:
+    if value is not None and _number("cpu_offload_gb", value) != 0:
+        raise InvalidSettingError(
+            "cpu_offload_gb",
+            f"must be 0: serve keeps all the weights on the device that runs them (no CPU "
+            f"offload); got {value!r}.",
+        )
+    return {}
+
+
+def _max_seq_len_to_capture(value: Any) -> dict[str, Any]:
+    if value is not None:
+        number = _number("max_seq_len_to_capture", value)
+        if number < 1 or number != int(number):
+            raise InvalidSettingError(
+                "max_seq_len_to_capture", f"must be a positive integer; got {value!r}."
+            )
+    return {}
+
+
+_COMPILATION_KEYS = ("level", "mode", "cudagraph_mode")
+_COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")
+
+
+def _compilation_config(value: Any) -> dict[str, Any]:
+    """vLLM's `compilation_config`: a level (0-3), or {"level"/"mode": ..., "cudagraph_mode":
+    ...} as a dict or JSON. serve compiles nothing with torch.compile, so a level or mode
+    changes nothing; cudagraph_mode NONE is --no-cuda-graphs, any other serve's own graphs."""
+    name = "compilation_config"
+    if value is None:
+        return {}
+    config = _json_value(name, value)
+    if isinstance(config, int) and not isinstance(config, bool):
+        config = {"level": config}
+    if not isinstance(config, dict):
+        raise InvalidSettingError(
+            name, f'must be a level (0-3) or a JSON object such as {{"level": 0}}; got {value!r}.'
+        )
+    others = sorted(set(config) - set(_COMPILATION_KEYS))
+    if others:
+        raise InvalidSettingError(
+            name,
+            f"takes only {', '.join(_COMPILATION_KEYS)} here: serve has no setting for "
+            f"{', '.join(others)}.",
+        )
+    for key in ("level", "mode"):
+        level = config.get(key)
+        level = getattr(level, "value", level)  # vLLM's CompilationMode
+        if level is not None and level not in (0, 1, 2, 3, *_COMPILATION_MODES):
+            raise InvalidSettingError(
+                name, f"{key} must be 0-3 or one of {', '.join(_COMPILATION_MODES)}; got {level!r}."
+            )
+    mode = config.get("cudagraph_mode")
+    mode_name = getattr(mode, "name", mode)  # vLLM's CUDAGraphMode, or its name
+    if isinstance(mode_name, str) and mode_name.upper() == "NONE":
+        return {"cuda_graphs": False}
+    return {}
+
+
+def _refused_unless_empty(name: str, why: str) -> Callable[[Any], dict[str, Any]]:
+    def apply(value: Any) -> dict[str, Any]:
+        if value is not None and _json_value(name, value) not in ({}, None):
+            raise InvalidSettingError(name, f"{why}; got {value!r}.")
+        return {}
+
+    return apply
+
+
+# What serve's LLM does with any model: generate (LLM.generate, /v1/completions) and embed
+# (LLM.embed, /v1/embeddings). vLLM's runners, conversions and (older) tasks that mean
+# those are accepted.
+_GENERATE_AND_EMBED = "serve's LLM generates and embeds (LLM.embed) with any model"
+
 VLLM_ARGUMENTS = (
     VllmArgument(
         "enforce_eager",
@@ -858,6 +978,87 @@ VLLM_ARGUMENTS = (
         str,
         "accepted when unset: serve runs unquantized weights (a GGUF file is dequantized)",
         _only("quantization", (None,), "is not supported: serve runs unquantized weights"),
+    ),
+    VllmArgument(
+        "runner",
+        str,
+        "auto, generate or pooling: serve generates and embeds with any model",
+        _only(
+            "runner",
+            (None, "auto", "generate", "pooling"),
+            f"must be auto, generate or pooling: {_GENERATE_AND_EMBED}, and has no draft runner",
+        ),
+    ),
+    VllmArgument(
+        "convert",
+        str,
+        "auto, none or embed: serve embeds with any model (no classify or reward heads)",
+        _only(
+            "convert",
+            (None, "auto", "none", "embed"),
+            f"must be auto, none or embed: {_GENERATE_AND_EMBED}, and has no classify or "
+            "reward heads",
+        ),
+    ),
+    VllmArgument(  # older vLLM's
+        "task",
+        str,
+        "auto, generate, embed or embedding: serve generates and embeds with any model",
+        _only(
+            "task",
+            (None, "auto", "generate", "embed", "embedding"),
+            f"must be auto, generate or embed: {_GENERATE_AND_EMBED}; it cannot classify, "
+            "score, reward or transcribe",
+        ),
+    ),
+    VllmArgument(
+        "download_dir",
+        str,
+        "refused: serve never downloads; it loads a local directory or a repo already in the "
+        "HF cache (HF_HUB_CACHE)",
+        _only(
+            "download_dir",
+            (None,),
+            "cannot be set: serve never downloads, and looks a repo id up in the HF cache "
+            "alone. For a model vLLM downloaded there, set HF_HUB_CACHE to that directory "
+            "(the same layout), or pass the model's snapshot directory as model",
+        ),
+    ),
+    VllmArgument(
+        "cpu_offload_gb",
+        str,
+        "accepted when 0: serve keeps all the weights on the device that runs them",
+        _cpu_offload_gb,
+    ),
+    VllmArgument(  # older vLLM's
+        "max_seq_len_to_capture",
+        str,
+        "accepted, no effect: serve's CUDA graphs replay decode steps at every context length",
+        _max_seq_len_to_capture,
+    ),
+    VllmArgument(
+        "disable_custom_all_reduce",
+        bool,
+        "accepted, no effect: tensor-parallel all-reduces are torch.distributed's (NCCL on "
+        "CUDA, gloo on CPU); serve has no custom all-reduce",
+        _ignored,
+    ),
+    VllmArgument(
+        "compilation_config",
+        str,
+        "a level (0-3) or JSON with level, mode, cudagraph_mode: serve runs no torch.compile "
+        '(a level changes nothing); {"cudagraph_mode": "NONE"} is --no-cuda-graphs',
+        _compilation_config,
+    ),
+    VllmArgument(
+        "hf_overrides",
+        str,
+        "accepted when empty: serve reads the model's config.json as it is",
+        _refused_unless_empty(
+            "hf_overrides",
+            "is not supported: serve reads the model's config.json as it is; edit the "
+            "config.json of a copy of the model directory instead",
+        ),
     ),
 )
 

@@ -48,7 +48,7 @@ class Logprob(float):
 def ranked_logprobs(
     entries: dict[int, float],
     num_top: int | None,
-    decode: Callable[[int], str],
+    decode: Callable[[int], str | None],
     rank: int | None = None,
 ) -> dict[int, Logprob]:
     """`entries` ({token id: logprob}: the `num_top` most likely tokens, then the chosen
@@ -162,6 +162,48 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam as vLLM's `LLM.beam_search(prompts, BeamSearchParams(...))` returns it:
+    `tokens` are the prompt's and the beam's, `text` their decoding together (as vLLM
+    decodes it: its `skip_special_tokens`, a stop token's text kept), `logprobs` per output
+    token the candidates its step ranked from this beam. `finish_reason` is "stop" (EOS or
+    a stop token) or "length", where vLLM leaves it None."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first: `beam_width` of them, as in vLLM."""
+
+    sequences: list[BeamSearchSequence]
+
+    @classmethod
+    def of(cls, out: RequestOutput, decode: Callable[[list[int]], str]) -> BeamSearchOutput:
+        """A finished beam search's `RequestOutput` (its beams asked for `logprobs`) in
+        vLLM's shape; `decode` gives `text` from `tokens`."""
+        sequences = []
+        for beam in out.outputs:
+            tokens = out.prompt_token_ids + beam.token_ids
+            sequences.append(
+                BeamSearchSequence(
+                    tokens=tokens,
+                    logprobs=beam.logprobs or [],
+                    cum_logprob=beam.cumulative_logprob or 0.0,
+                    text=decode(tokens),
+                    finish_reason=beam.finish_reason,
+                    stop_reason=beam.stop_reason,
+                )
+            )
+        return cls(sequences)
 
 
 @dataclass(frozen=True)

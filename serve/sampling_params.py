@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from serve.outputs import OutputKind
 from serve.pooling_params import PoolingParams
 from serve.structured_outputs import (
     StructuredOutputsParams,  # also importable from here, as in vLLM
@@ -18,6 +19,8 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 # A bad word is a word or a phrase. The engine tokenizes them as the request arrives, in its
 # step loop: megabytes of them stalled every running stream for seconds.
 MAX_BAD_WORD_CHARS = 1000
+
+RequestOutputKind = OutputKind  # vLLM's name for it, importable from here as from vLLM
 
 
 @dataclass
@@ -33,6 +36,16 @@ class SamplingParams:
     prefill-only request: its prompt is computed (for `prompt_logprobs`, or pooled into an
     embedding with `pooling`), no token is sampled, and it ends in the step that computes
     its last prompt token.
+
+    vLLM's output controls: `truncate_prompt_tokens=N` keeps the prompt's last N tokens
+    (-1: as many as the context holds with room for one output token; the whole context
+    for a prefill-only request), applied by `LLM` where it takes the prompt.
+    `detokenize=False` leaves `LLM`'s output texts empty (token ids only; no stop strings
+    then). `spaces_between_special_tokens` matters only where special tokens are kept in
+    the text (`skip_special_tokens=False`); `LLM` refuses False with a tokenizer whose
+    decoding puts spaces between them, which serve's detokenizer does not take out.
+    `output_kind` is what `LLM.add_request`'s outputs carry each `step()`; `generate`
+    returns finished outputs whatever it says, as vLLM's does. `seed=-1` is no seed.
     """
 
     n: int = 1
@@ -65,6 +78,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Pool the prompt's hidden states into one vector (pooling_params.py); max_tokens 0.
     pooling: PoolingParams | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: OutputKind = OutputKind.CUMULATIVE  # or vLLM's RequestOutputKind (by name)
     _stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
     # Each bad word's token ids, with and without a leading space (update_from_tokenizer).
     _bad_words_token_ids: list[list[int]] = field(
@@ -109,8 +126,12 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None  # vLLM's spelling of "no seed"
         if self.seed is not None and (
-            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not -(2**63) <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}.")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -119,6 +140,7 @@ class SamplingParams:
                 f"stop must be a non-empty string or a list of them, got {self.stop!r}."
             )
         self._stop_strings = tuple(stops)
+        self._check_output_controls()
         self._check_decoding_controls()
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -135,6 +157,25 @@ class SamplingParams:
         elif self.is_greedy:
             # Greedy ignores the filters; normalising keeps the sampler's fast path simple.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_output_controls(self) -> None:
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (
+            isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)
+        ):
+            raise ValueError(
+                f"truncate_prompt_tokens must be -1 (the context's worth) or a positive "
+                f"integer, got {keep!r}."
+            )
+        for name in ("detokenize", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")
+        if self._stop_strings and not self.detokenize:
+            raise ValueError(
+                "stop strings are matched in the output's text: they need detokenize=True "
+                "(or use stop_token_ids)."
+            )
+        self.output_kind = _output_kind(self.output_kind)
 
     def _check_decoding_controls(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -298,3 +339,76 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return self._stop_strings
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's `LLM.beam_search(prompts, BeamSearchParams(...))` arguments. The beams are
+    ranked as HF transformers ranks them (serve's beam search: `length_penalty` divides a
+    beam's score by its output length to that power; `early_stopping` is HF's, serve's
+    extra), not as vLLM's own search does; `beam_width` best are returned.
+
+    What serve's search cannot honour is refused: a temperature (it ranks by the model's
+    own logprobs, deterministically), `structured_outputs`, watermarking.
+    `include_stop_str_in_output` is accepted: beam search has no stop strings."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    skip_special_tokens: bool = True
+    watermarking: bool | None = None
+    early_stopping: bool | str = False  # True, False or "never", as in HF transformers
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.temperature != 0.0:
+            raise ValueError(
+                f"temperature must be 0: serve's beam search ranks beams by the model's own "
+                f"logprobs, deterministically; got {self.temperature}."
+            )
+        if self.structured_outputs is not None:
+            raise ValueError(
+                "structured_outputs cannot be combined with serve's beam search; sample instead."
+            )
+        if self.watermarking:
+            raise ValueError("watermarking is not supported by serve.")
+
+    def sampling_params(self) -> SamplingParams:
+        """The same search as serve's `SamplingParams(use_beam_search=True, ...)`, with every
+        output token's candidates (`logprobs=0`: a beam's `logprobs`)."""
+        return SamplingParams(
+            n=self.beam_width,
+            best_of=self.beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=0,
+        )
+
+
+def _output_kind(kind: Any) -> OutputKind:
+    """serve's `OutputKind`, from itself, vLLM's `RequestOutputKind` (its member, by name,
+    or its number: 0 cumulative, 1 delta, 2 final only) or its name."""
+    if isinstance(kind, OutputKind):
+        return kind
+    name = getattr(kind, "name", kind)
+    if isinstance(name, str) and name.upper() in OutputKind.__members__:
+        return OutputKind[name.upper()]
+    numbered = (OutputKind.CUMULATIVE, OutputKind.DELTA, OutputKind.FINAL_ONLY)
+    if type(kind) is int and 0 <= kind < len(numbered):
+        return numbered[kind]
+    raise ValueError(
+        f"output_kind must be one of {', '.join(OutputKind.__members__)} (vLLM's "
+        f"RequestOutputKind), got {kind!r}."
+    )

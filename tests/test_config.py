@@ -82,6 +82,54 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
             EngineConfig.create("m", **kwargs)
 
 
+def test_vllms_other_engine_arguments_are_taken_or_refused_by_name():
+    """Arguments of vLLM scripts (0.32's and older ones') that change nothing serve does
+    are taken; those whose meaning serve cannot give are refused, naming the argument."""
+    same = [
+        {"runner": "pooling"},
+        {"runner": "generate", "convert": "embed"},
+        {"task": "embed"},
+        {"task": "generate"},
+        {"cpu_offload_gb": 0},
+        {"cpu_offload_gb": "0"},  # as the flag gives it
+        {"max_seq_len_to_capture": 8192},
+        {"disable_custom_all_reduce": True},
+        {"compilation_config": 3},
+        {"compilation_config": '{"level": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'},
+        {"hf_overrides": {}},
+        {"download_dir": None},
+    ]
+    for kwargs in same:
+        assert EngineConfig.create("m", **kwargs) == EngineConfig.create("m"), kwargs
+    eager = EngineConfig.create("m", compilation_config={"cudagraph_mode": "NONE"})
+    assert eager == EngineConfig.create("m", cuda_graphs=False)
+    for kwargs, refused in [
+        ({"runner": "draft"}, "runner must be auto, generate or pooling"),
+        ({"convert": "classify"}, "convert must be auto, none or embed"),
+        ({"task": "classify"}, "task must be auto, generate or embed"),
+        ({"cpu_offload_gb": 4}, "cpu_offload_gb must be 0"),
+        ({"max_seq_len_to_capture": 0}, "max_seq_len_to_capture must be a positive integer"),
+        ({"compilation_config": {"splitting_ops": []}}, "no setting for splitting_ops"),
+        ({"compilation_config": {"level": 7}}, "level must be 0-3"),
+        ({"hf_overrides": {"rope_scaling": {}}}, "hf_overrides is not supported"),
+        ({"download_dir": "/data/models"}, "download_dir cannot be set: serve never downloads"),
+    ]:
+        with pytest.raises(InvalidSettingError, match=refused):
+            EngineConfig.create("m", **kwargs)
+
+
+def test_seed_is_an_integer_and_none_draws_one(caplog):
+    """vLLM's LLM(seed=None) (older vLLM's default) used to reach the sampler and fail
+    every sampled request; now it means no fixed seed: one drawn at random, logged."""
+    with caplog.at_level("INFO", logger="serve.config"):
+        seeds = {EngineConfig.create(seed=None).model.seed for _ in range(3)}
+    assert all(type(seed) is int for seed in seeds) and len(seeds) > 1
+    assert "seed=None" in caplog.text
+    for seed in ("abc", 1.5, True, 2**64):
+        with pytest.raises(InvalidSettingError, match=r"^seed must be an integer"):
+            EngineConfig.create(seed=seed)
+
+
 @pytest.mark.parametrize(
     ("value", "tokens"),
     [(2048, 2048), ("2048", 2048), ("4k", 4000), ("25.6k", 25600), ("4K", 4096), ("1M", 1 << 20)]

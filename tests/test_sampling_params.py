@@ -8,8 +8,14 @@ import math
 
 import pytest
 
+from serve.outputs import OutputKind
 from serve.pooling_params import PoolingParams
-from serve.sampling_params import SamplingParams, StructuredOutputsParams
+from serve.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from serve.structured_outputs import unenforceable_json_schema
 
 
@@ -45,11 +51,57 @@ from serve.structured_outputs import unenforceable_json_schema
         ({"seed": "7"}, "seed"),
         ({"seed": 2**70}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2.5}, "truncate_prompt_tokens"),
+        ({"stop": "x", "detokenize": False}, "stop"),  # matched in text, as vLLM refuses it
+        ({"output_kind": 3}, "output_kind"),
+        ({"output_kind": "streamed"}, "output_kind"),
     ],
 )
 def test_invalid_value_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**kwargs)
+
+
+def test_vllms_output_controls_are_taken_as_vllm_means_them():
+    """What vLLM 0.32 scripts pass: seed -1 is no seed; the output kind in any of vLLM's
+    spellings; the rest kept for the offline LLM to apply."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+    kinds = [RequestOutputKind.DELTA, "delta", "DELTA", 1]  # vLLM's enum numbers it 0, 1, 2
+    assert {SamplingParams(output_kind=kind).output_kind for kind in kinds} == {OutputKind.DELTA}
+    assert SamplingParams(output_kind=2).output_kind is OutputKind.FINAL_ONLY
+    assert SamplingParams().output_kind is OutputKind.CUMULATIVE
+    params = SamplingParams(
+        truncate_prompt_tokens=-1, detokenize=False, spaces_between_special_tokens=False
+    )
+    assert params.truncate_prompt_tokens == -1 and not params.detokenize
+    assert not params.spaces_between_special_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"beam_width": 0}, "beam_width"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": 0.7}, "temperature"),  # serve's search is deterministic
+        ({"structured_outputs": StructuredOutputsParams(regex="a+")}, "structured_outputs"),
+        ({"watermarking": True}, "watermarking"),
+    ],
+)
+def test_beam_search_params_refuse_what_serves_search_cannot_do(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **kwargs})
+
+
+def test_beam_search_params_are_serves_beam_search():
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True, length_penalty=0.5)
+    sampling = params.sampling_params()
+    assert sampling.use_beam_search and sampling.n == sampling.best_of == 3
+    assert (sampling.max_tokens, sampling.ignore_eos, sampling.length_penalty) == (8, True, 0.5)
+    assert sampling.logprobs == 0  # each beam's candidates, per token
 
 
 def test_allowed_token_ids_are_kept_once_each_in_order():

@@ -11,6 +11,7 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import FORMAT_FIELDS, SamplingRequest
 from serve.api.settings import ServerSettings
+from serve.engine.offline_inputs import truncated_prompt
 from serve.engine.protocol import EngineClient
 from serve.engine.validation import check_priority
 from serve.sampling_params import StructuredOutputsParams
@@ -42,20 +43,20 @@ def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:
     _check_num_entries("logit_bias", request.logit_bias, limits.max_logit_bias, "--max-logit-bias")
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def truncate_prompt(
+    ids: list[int], keep: int | None, max_model_len: int, is_prefill_only: bool = False
+) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as
-    the context holds); None: the prompt as it is."""
-    if keep is None:
-        return ids
-    if keep == 0 or keep > max_model_len:
+    the context holds beside one output token; all of it for a prefill-only request);
+    None: the prompt as it is. The offline `LLM` cuts prompts alike."""
+    if keep is not None and (keep == 0 or keep > max_model_len):
         raise APIError(
             400,
             f"truncate_prompt_tokens must be -1 (the context, {max_model_len} tokens) or "
             f"from 1 to {max_model_len}; got {keep}.",
             param="truncate_prompt_tokens",
         )
-    keep = max_model_len if keep == -1 else keep
-    return ids[-keep:]
+    return truncated_prompt(ids, keep, max_model_len, is_prefill_only)
 
 
 def fit_prompt(
@@ -68,7 +69,8 @@ def fit_prompt(
 ) -> tuple[str, list[int], int]:
     """A prompt cut to the request's `truncate_prompt_tokens` (its text decoded from what
     is kept), and its completion budget (`resolve_max_tokens`)."""
-    kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len)
+    prefill_only = request.requested_max_tokens == 0  # completions' echo scoring
+    kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len, prefill_only)
     if len(kept) < len(ids):
         text, ids = tokenizer.decode(kept), kept
     budget = resolve_max_tokens(

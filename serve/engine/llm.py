@@ -12,24 +12,33 @@ from tqdm import tqdm
 from serve.chat.rendering import render_chat, template_messages
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
-from serve.engine.detokenizer import text_decoder
+from serve.engine.detokenizer import MAX_CHAR_TOKENS, text_decoder, token_text_in_context
 from serve.engine.messages import AbortRequest, StopSequence
+from serve.engine.offline_inputs import (
+    Prompt,
+    check_content_format,
+    check_no_lora,
+    prompt_list,
+    spaces_between_special_tokens,
+    tokenization_options,
+    truncated_prompt,
+)
 from serve.engine.output_processor import OutputProcessor
 from serve.models.generation_config import sampling_defaults
 from serve.outputs import (
+    BeamSearchOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
     EngineStats,
+    OutputKind,
     RequestOutput,
     RequestsFailedError,
     ranked_logprobs,
 )
 from serve.pooling_params import PoolingParams
-from serve.sampling_params import SamplingParams
+from serve.sampling_params import BeamSearchParams, SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
 
-# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
-Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -46,11 +55,16 @@ class LLM:
         """`kwargs` are engine settings, the fields of serve/config.py's config classes, by
         the names `serve --help` shows in snake case: `dtype="float32"`, `max_model_len`,
         `kv_cache_memory="4GiB"` (the KV cache on CPU), `swap_space=4` (GiB),
-        `tensor_parallel_size=2`, ... An unknown name is a TypeError that lists them."""
+        `tensor_parallel_size=2`, ... An unknown name is a TypeError that lists them.
+        vLLM's engine arguments are taken too (`dtype=torch.bfloat16`, `enforce_eager`,
+        `runner="pooling"`, `cpu_offload_gb=0`, ...; serve/config.py's VLLM_ARGUMENTS),
+        those serve cannot honour refused by name. `seed=None` (older vLLM's default: no
+        fixed seed) draws one at random, logged."""
         config = EngineConfig.create(model, **kwargs)
         self.engine = EngineCore(config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_ids = itertools.count()
+        self._spaces_special_tokens: bool | None = None  # found on first need
         self._sampling_defaults = sampling_defaults(
             self.engine.model_path, config.model.generation_config
         )
@@ -64,17 +78,20 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: int | SequenceABC[int] | None = None,
+        *,
+        lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One `RequestOutput` per prompt, in the order given. `sampling_params` is one for
         all prompts or a list with one per prompt; `priority` (with
         `scheduling_policy="priority"`) one for all or one per prompt, lower first. A
         request the engine failed raises `RequestsFailedError` (with every output) once the
-        others have finished."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        others have finished. `tokenization_kwargs` are vLLM's: `truncate_prompt_tokens`
+        (as SamplingParams' own; a prompt's `prompt` text stays as given) and
+        `add_special_tokens`; `lora_request` may only be None (serve serves no LoRA
+        adapters)."""
+        check_no_lora(lora_request)
+        prompts = prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -94,7 +111,16 @@ class LLM:
             raise ValueError(
                 f"Got {len(priorities)} priorities for {len(prompts)} prompts; give one per prompt."
             )
-        requests = [(*self._tokenize(p), params) for p, params in zip(prompts, params_list)]
+        keep, add_special_tokens = tokenization_options(tokenization_kwargs)
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            if keep is not None and params.truncate_prompt_tokens not in (None, keep):
+                raise ValueError(
+                    f"truncate_prompt_tokens is {keep} in tokenization_kwargs but "
+                    f"{params.truncate_prompt_tokens} in SamplingParams: give one."
+                )
+            text, ids = self._tokenize(prompt, add_special_tokens)
+            requests.append((text, self._truncated(ids, keep, params), params))
         outputs = self._run(requests, use_tqdm, priorities)
         if any(out.error is not None for out in outputs):
             raise RequestsFailedError(outputs)
@@ -111,16 +137,15 @@ class LLM:
         prompts: Prompt | SequenceABC[Prompt],
         pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        *,
+        lora_request: Any = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in the order given: the model's final hidden states
         pooled as `pooling_params` says (None: the model's defaults, see
         `pooling_type` / `pooling_normalize`), as vLLM's `LLM.embed` returns them
         (`out.outputs.embedding`). They share steps with any other request."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        check_no_lora(lora_request)
+        prompts = prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
@@ -148,28 +173,82 @@ class LLM:
     def beam_search(
         self,
         prompts: Prompt | SequenceABC[Prompt],
-        beam_width: int,
-        max_tokens: int,
+        beam_width: int | BeamSearchParams,
+        max_tokens: int | None = None,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         ignore_eos: bool = False,
         num_return_sequences: int | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
-    ) -> list[RequestOutput]:
+        *,
+        lora_request: Any = None,
+        concurrency_limit: int | None = None,
+    ) -> list[RequestOutput] | list[BeamSearchOutput]:
         """Beam search as HF transformers does it (`num_beams`, `length_penalty`,
-        `early_stopping`). Each `RequestOutput` holds the best `num_return_sequences`
-        (default: all `beam_width`) beams, best first."""
-        params = SamplingParams(
-            n=num_return_sequences or beam_width,
-            best_of=beam_width,
-            use_beam_search=True,
-            temperature=0.0,
-            max_tokens=max_tokens,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-            ignore_eos=ignore_eos,
-        )
-        return self.generate(prompts, params, use_tqdm)
+        `early_stopping`), called in either of two forms:
+
+        - serve's, `beam_search(prompts, beam_width, max_tokens, ...)`: each `RequestOutput`
+          holds the best `num_return_sequences` (default: all `beam_width`) beams, best first;
+        - vLLM's, `beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))`:
+          a `BeamSearchOutput` per prompt, its `.sequences` the `beam_width` best beams
+          (`BeamSearchSequence`s), ranked as serve ranks them. `concurrency_limit` runs
+          the prompts that many at a time."""
+        check_no_lora(lora_request)
+        if not isinstance(beam_width, BeamSearchParams):
+            if max_tokens is None:
+                raise TypeError("beam_search needs max_tokens (or a BeamSearchParams).")
+            params = SamplingParams(
+                n=num_return_sequences or beam_width,
+                best_of=beam_width,
+                use_beam_search=True,
+                temperature=0.0,
+                max_tokens=max_tokens,
+                length_penalty=length_penalty,
+                early_stopping=early_stopping,
+                ignore_eos=ignore_eos,
+            )
+            return self.generate(prompts, params, use_tqdm)
+        given = {
+            "max_tokens": max_tokens is not None,
+            "length_penalty": length_penalty != 1.0,
+            "early_stopping": early_stopping is not False,
+            "ignore_eos": ignore_eos is not False,
+            "num_return_sequences": num_return_sequences is not None,
+        }
+        if any(given.values()):
+            named = ", ".join(name for name, is_given in given.items() if is_given)
+            raise TypeError(
+                f"beam_search with BeamSearchParams reads {named} from them; give use_tqdm, "
+                "lora_request and concurrency_limit by keyword."
+            )
+        return self._vllm_beam_search(prompt_list(prompts), beam_width, use_tqdm, concurrency_limit)
+
+    def _vllm_beam_search(
+        self,
+        prompts: list[Prompt],
+        beam_params: BeamSearchParams,
+        use_tqdm: bool | Callable[..., tqdm],
+        concurrency_limit: int | None,
+    ) -> list[BeamSearchOutput]:
+        """serve's beam search, its beams in vLLM's shape: `tokens` the prompt's and the
+        beam's, `text` their decoding together, `logprobs` per output token the candidates
+        its step ranked from this beam."""
+        if concurrency_limit is not None and (
+            isinstance(concurrency_limit, bool)
+            or not isinstance(concurrency_limit, int)
+            or concurrency_limit < 1
+        ):
+            raise ValueError(
+                f"concurrency_limit must be a positive integer, got {concurrency_limit!r}."
+            )
+        params = beam_params.sampling_params()
+        step = concurrency_limit or max(len(prompts), 1)
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(prompts), step):
+            outputs += self.generate(prompts[start : start + step], params, use_tqdm)
+        decode = text_decoder(self.get_tokenizer())
+        skip = beam_params.skip_special_tokens
+        return [BeamSearchOutput.of(out, lambda ids: decode(ids, skip)) for out in outputs]
 
     # -- one request and one step at a time (generate() runs these) ---------------------
 
@@ -181,8 +260,44 @@ class LLM:
         prompt: str | None = None,
         priority: int = 0,
     ) -> None:
+        """Queue one request; `step()` gives its outputs, of `params.output_kind`."""
+        self._add_request(
+            request_id, prompt_token_ids, params, prompt, priority, params.output_kind
+        )
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        priority: int,
+        output_kind: OutputKind,
+    ) -> None:
+        self._check_special_token_spacing(params)
+        prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens, params)
         self.engine.add_request(request_id, prompt_token_ids, params, prompt, priority=priority)
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
+
+    def _truncated(
+        self, token_ids: list[int], keep: int | None, params: SamplingParams
+    ) -> list[int]:
+        return truncated_prompt(token_ids, keep, self.engine.max_model_len, params.is_prefill_only)
+
+    def _check_special_token_spacing(self, params: SamplingParams) -> None:
+        """vLLM's `spaces_between_special_tokens=False` drops the spaces a tokenizer's
+        decoding puts between adjacent special tokens kept in the text. Where it puts none
+        (byte-level BPE: most models), serve's text is already vLLM's; else refused."""
+        if params.skip_special_tokens or params.spaces_between_special_tokens:
+            return
+        if self._spaces_special_tokens is None:
+            self._spaces_special_tokens = spaces_between_special_tokens(self.get_tokenizer())
+        if self._spaces_special_tokens:
+            raise ValueError(
+                "spaces_between_special_tokens=False is not supported with this tokenizer, "
+                "whose decoding puts spaces between special tokens: serve's text keeps them. "
+                "Leave it True, or skip special tokens (skip_special_tokens=True)."
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request and free its blocks: its final output (None: not running)."""
@@ -195,7 +310,8 @@ class LLM:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: the outputs of the requests it moved (cumulative)."""
+        """One engine step: the outputs of the requests it moved, of the kind each asked
+        for (`SamplingParams.output_kind`: cumulative by default)."""
         return self._process(self.engine.step())
 
     def _process(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
@@ -248,13 +364,26 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         priority: int | SequenceABC[int] | None = None,
+        *,
+        lora_request: Any = None,
+        chat_template_content_format: str = "auto",
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation as the server's chat does (OpenAI's messages: text
         parts, past tool calls and results; `tools` described for templates that know
         none), then generate. With `continue_final_message` the prompt ends inside the
         last message, for the model to continue it (`add_generation_prompt` then
         defaults to False, else to True); `chat_template_kwargs` are more template
-        variables (Qwen3's `enable_thinking`). A ValueError says what cannot be rendered."""
+        variables (Qwen3's `enable_thinking`). A ValueError says what cannot be rendered.
+
+        vLLM's `chat_template_content_format` may be "auto" or "string": serve hands the
+        template each message's content as text (text parts joined by newlines); "openai"
+        (the parts themselves) is refused. `tokenization_kwargs` and `lora_request` as in
+        `generate` (the template writes the special tokens: `add_special_tokens` defaults
+        to False, as in vLLM)."""
+        check_no_lora(lora_request)
+        check_content_format(chat_template_content_format)
+        keep, add_special_tokens = tokenization_options(tokenization_kwargs)
         if not messages:
             return []
         conversations = messages if isinstance(messages[0], list) else [messages]
@@ -276,17 +405,32 @@ class LLM:
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
             )
+            if add_special_tokens:
+                ids = self.get_tokenizer()(text, add_special_tokens=True).input_ids
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm, priority)
+        return self.generate(
+            prompts,
+            sampling_params,
+            use_tqdm,
+            priority,
+            tokenization_kwargs=None if keep is None else {"truncate_prompt_tokens": keep},
+        )
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: Prompt, add_special_tokens: bool | None = None
+    ) -> tuple[str | None, list[int]]:
+        """A prompt's text (None: given as ids) and token ids; `add_special_tokens` (None:
+        the tokenizer's default) applies to text."""
         if isinstance(prompt, str):
-            return prompt, self.get_tokenizer()(prompt).input_ids
+            options = (
+                {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+            )
+            return prompt, self.get_tokenizer()(prompt, **options).input_ids
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
+                return self._tokenize(prompt["prompt"], add_special_tokens)
             raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, prompt
@@ -308,8 +452,10 @@ class LLM:
             future.result()
         try:
             for i, (request_id, (text, token_ids, params)) in enumerate(zip(ids, requests)):
-                self.add_request(
-                    request_id, token_ids, params, text, priorities[i] if priorities else 0
+                priority = priorities[i] if priorities else 0
+                # Only the finished outputs are kept (vLLM's LLM asks for them alone too).
+                self._add_request(
+                    request_id, token_ids, params, text, priority, OutputKind.FINAL_ONLY
                 )
         except Exception:
             for request_id in ids:
@@ -326,31 +472,49 @@ class LLM:
         outputs = [results[i] for i in ids]
         for out, (_, _, params) in zip(outputs, requests):
             self._give_logprobs_fields(out, params)
+            if not params.detokenize:  # vLLM's detokenize=False: token ids, no text
+                for completion in out.outputs:
+                    completion.text = ""
         return outputs
 
     def _give_logprobs_fields(self, out: RequestOutput, params: SamplingParams) -> None:
         """Logprobs as vLLM's `Logprob`s (rank, decoded token): scripts written for vLLM
-        read `.logprob` on them."""
+        read `.logprob` on them. A token is decoded after the sequence's tokens before it,
+        as vLLM decodes it (`token_text_in_context`: a piece of a split character is ""
+        or, on the piece that ends it, the whole character)."""
         decode = text_decoder(self.get_tokenizer())
 
-        def decoded(token_id: int) -> str:
-            return decode([token_id], False)
+        def decoder(sequence: list[int], position: int) -> Callable[[int], str | None]:
+            context = sequence[max(0, position - MAX_CHAR_TOKENS) : position]
+
+            def decoded(token_id: int) -> str | None:
+                if not params.detokenize:
+                    return None
+                return token_text_in_context(decode, token_id, context)
+
+            return decoded
 
         # A beam's entries are the step's best tokens, the chosen among them: all ranked by
         # their order. Elsewhere a chosen token outside the top ones has the worker's rank.
         num_top = None if params.use_beam_search else params.logprobs
+        prompt = out.prompt_token_ids
         for completion in out.outputs:
             if completion.logprobs is not None:
                 ranks = completion.ranks or [None] * len(completion.logprobs)
+                sequence, start = [*prompt, *completion.token_ids], len(prompt)
                 completion.logprobs = [
-                    ranked_logprobs(entries, num_top, decoded, rank)
-                    for entries, rank in zip(completion.logprobs, ranks, strict=True)
+                    ranked_logprobs(entries, num_top, decoder(sequence, start + i), rank)
+                    for i, (entries, rank) in enumerate(
+                        zip(completion.logprobs, ranks, strict=True)
+                    )
                 ]
         if out.prompt_logprobs is not None:
             prompt_ranks = out.prompt_ranks or [None] * len(out.prompt_logprobs)
             out.prompt_logprobs = [
                 None
                 if entries is None
-                else ranked_logprobs(entries, params.prompt_logprobs, decoded, rank)
-                for entries, rank in zip(out.prompt_logprobs, prompt_ranks, strict=True)
+                else ranked_logprobs(entries, params.prompt_logprobs, decoder(prompt, i), rank)
+                for i, (entries, rank) in enumerate(
+                    zip(out.prompt_logprobs, prompt_ranks, strict=True)
+                )
             ]

@@ -66,6 +66,17 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, server, toke
         "/v1/embeddings", json={**embed, "input": too_long, "truncate_prompt_tokens": -1}
     )
     assert whole.json()["usage"]["prompt_tokens"] == 512
+    # Generating, -1 leaves the output a token of room, as vLLM counts it.
+    generated = http.post(
+        "/v1/completions",
+        json={**base, "prompt": too_long, "max_tokens": 1, "truncate_prompt_tokens": -1},
+    )
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["usage"] == {
+        "prompt_tokens": 511,
+        "completion_tokens": 1,
+        "total_tokens": 512,
+    }
 
 
 def test_truncate_prompt_tokens_and_priority_out_of_range_are_400(http, server):

@@ -72,7 +72,9 @@ def test_logprobs_in_vllms_shape(llm):
         assert [lp.logprob for lp in ranked] == sorted(entries.values(), reverse=True)
         if len(entries) == 3:  # sampled outside the best two
             assert entries[token].rank > 2
-        assert all(lp.decoded_token == tokenizer.decode([t]) for t, lp in entries.items())
+        for t, lp in entries.items():  # a piece of a split character reads in context
+            alone = tokenizer.decode([t])
+            assert lp.decoded_token == alone or alone.endswith("\ufffd")
         chosen.append(entries[token].logprob)
     assert sum(chosen) == pytest.approx(completion.cumulative_logprob)
     assert any(
@@ -83,6 +85,19 @@ def test_logprobs_in_vllms_shape(llm):
     for token, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert entries[token].logprob <= 0 and min(lp.rank for lp in entries.values()) == 1
         assert entries[token].rank >= 1
+
+
+def test_decoded_tokens_of_split_characters_join_to_the_text(llm):
+    """A character split over byte tokens decodes as vLLM's `decoded_token` gives it: ""
+    on its first pieces, the whole character on the piece that ends it (each piece alone
+    would be a U+FFFD)."""
+    prompt = "Emoji: 🎉 🚀 😀 🐍, Héllo 世界"
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0, logprobs=0)
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    ids = out.prompt_token_ids
+    texts = [entries[t].decoded_token for t, entries in zip(ids[1:], out.prompt_logprobs[1:])]
+    first = llm.get_tokenizer().decode(ids[:1])
+    assert "" in texts and first + "".join(texts) == prompt
 
 
 def test_chat_uses_the_template(llm, tiny_llama):
@@ -162,3 +177,213 @@ def test_settings_are_keywords_by_their_flag_names(tiny_llama):
 def test_unknown_setting_is_refused_before_loading_anything():
     with pytest.raises(TypeError, match=r"'blok_size' \(did you mean 'block_size'\?\)"):
         LLM(model="/no/such/model", blok_size=32)
+
+
+# -- vLLM scripts, ported: the arguments they pass and the shapes they read -------------
+
+
+def test_engine_seed_none_and_torch_dtypes_as_vllm_takes_them(tiny_llama):
+    """`LLM(seed=None)` (older vLLM's default) used to start and then fail every sampled
+    request in the sampler; `dtype=torch.float32` was refused. Both run now."""
+    import torch
+
+    from serve.config import EngineConfig, InvalidSettingError
+
+    for dtype, name in [(torch.float32, "float32"), (torch.bfloat16, "bfloat16")]:
+        assert EngineConfig.create(dtype=dtype).model.dtype == name
+    assert EngineConfig.create(dtype=torch.half).model.dtype == "float16"
+    with pytest.raises(InvalidSettingError, match="dtype must be one of"):
+        EngineConfig.create(dtype=torch.float64)
+    with pytest.raises(InvalidSettingError, match="seed must be an integer"):
+        LLM(model=str(tiny_llama), seed="abc")
+    llm = LLM(model=str(tiny_llama), kv_cache_memory="8MiB", seed=None, dtype=torch.float32)
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    (out,) = llm.generate("The sea is wide", params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_request_seed_minus_one_is_no_seed(llm):
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=4, ignore_eos=True)
+    assert params.seed is None
+    (out,) = llm.generate("The sea is wide", params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm, tiny_llama):
+    """vLLM's `SamplingParams(truncate_prompt_tokens=N)` and 0.32's
+    `tokenization_kwargs={"truncate_prompt_tokens": N}`: the model sees the prompt's last N
+    tokens (the output shows them); the prompt's text stays as given."""
+    prompt = "The sea is wide and the night is long"
+    ids = llm.get_tokenizer()(prompt).input_ids
+    greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}
+    (by_params,) = llm.generate(
+        prompt, SamplingParams(truncate_prompt_tokens=3, **greedy), use_tqdm=False
+    )
+    (by_kwargs,) = llm.generate(
+        prompt,
+        SamplingParams(**greedy),
+        use_tqdm=False,
+        tokenization_kwargs={"truncate_prompt_tokens": 3},
+    )
+    for out in (by_params, by_kwargs):
+        assert out.prompt == prompt and out.prompt_token_ids == ids[-3:]
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama, ids[-3:], 4, ignore_eos=True)
+    # -1: as much as the context holds, with room for one token to generate.
+    max_len = llm.engine.max_model_len
+    long_ids = (ids * (max_len // len(ids) + 2))[: max_len + 20]
+    (out,) = llm.generate(
+        {"prompt_token_ids": long_ids},
+        SamplingParams(truncate_prompt_tokens=-1, max_tokens=1),
+        use_tqdm=False,
+    )
+    assert out.prompt_token_ids == long_ids[-(max_len - 1) :]
+    assert len(out.outputs[0].token_ids) == 1
+    (chat,) = llm.chat(
+        [{"role": "user", "content": prompt}],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+        tokenization_kwargs={"truncate_prompt_tokens": 5},
+    )
+    assert len(chat.prompt_token_ids) == 5
+    for kwargs, message in [
+        ({"tokenization_kwargs": {"truncate_prompt_tokens": max_len + 1}}, "more than"),
+        ({"tokenization_kwargs": {"truncate_prompt_tokens": 0}}, "truncate_prompt_tokens"),
+        ({"tokenization_kwargs": {"padding": "max_length"}}, "no setting for padding"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)
+    with pytest.raises(ValueError, match="give one"):
+        llm.generate(
+            prompt,
+            SamplingParams(max_tokens=1, truncate_prompt_tokens=2),
+            use_tqdm=False,
+            tokenization_kwargs={"truncate_prompt_tokens": 3},
+        )
+    assert not llm.has_unfinished_requests()
+
+
+def test_add_special_tokens_from_tokenization_kwargs(llm):
+    tokenizer = llm.get_tokenizer()
+    bare = tokenizer("The sea", add_special_tokens=False).input_ids
+    (out,) = llm.generate(
+        "The sea",
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+        tokenization_kwargs={"add_special_tokens": False},
+    )
+    assert out.prompt_token_ids == bare
+
+
+def test_detokenize_false_gives_token_ids_and_no_text(llm):
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+    (text,) = llm.generate("The sea is wide", SamplingParams(**greedy), use_tqdm=False)
+    (ids,) = llm.generate(
+        "The sea is wide", SamplingParams(detokenize=False, **greedy), use_tqdm=False
+    )
+    assert text.outputs[0].text and ids.outputs[0].text == ""
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids
+    assert all(lp.decoded_token is None for top in ids.outputs[0].logprobs for lp in top.values())
+
+
+def test_special_tokens_spacing(llm, monkeypatch):
+    """`spaces_between_special_tokens=False` keeps the special tokens' texts joined, as
+    this byte-level tokenizer decodes them anyway; a tokenizer that spaces them (WordPiece)
+    is refused rather than left spaced."""
+    tokenizer = llm.get_tokenizer()
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    keep = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "skip_special_tokens": False}
+    prompt = {"prompt_token_ids": [im_start, im_start, 65]}
+    (spaced,) = llm.generate(prompt, SamplingParams(**keep), use_tqdm=False)
+    (joined,) = llm.generate(
+        prompt, SamplingParams(spaces_between_special_tokens=False, **keep), use_tqdm=False
+    )
+    assert joined.outputs[0].text == spaced.outputs[0].text
+    monkeypatch.setattr(llm, "_spaces_special_tokens", True)  # as a WordPiece tokenizer's
+    with pytest.raises(ValueError, match="spaces_between_special_tokens=False is not supported"):
+        llm.generate(
+            prompt, SamplingParams(spaces_between_special_tokens=False, **keep), use_tqdm=False
+        )
+    assert not llm.has_unfinished_requests()
+
+
+def test_wordpiece_decoding_is_found_to_space_special_tokens():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from serve.engine.offline_inputs import spaces_between_special_tokens
+
+    backend = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    wordpiece.add_special_tokens({"cls_token": "[CLS]", "sep_token": "[SEP]"})
+    assert spaces_between_special_tokens(wordpiece)
+
+
+def test_output_kind_delta_steps_and_final_generate(llm):
+    """vLLM's `output_kind`: what each `step()` hands out for a request added by hand;
+    `generate` returns the finished outputs whatever it says, as vLLM's does."""
+    from serve.sampling_params import RequestOutputKind
+
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    (whole,) = llm.generate("The sea is wide", SamplingParams(**greedy), use_tqdm=False)
+    params = SamplingParams(output_kind=RequestOutputKind.DELTA, **greedy)
+    (same,) = llm.generate("The sea is wide", params, use_tqdm=False)
+    assert same.outputs[0].token_ids == whole.outputs[0].token_ids
+    llm.add_request("delta", whole.prompt_token_ids, params, "The sea is wide")
+    pieces = []
+    while llm.has_unfinished_requests():
+        pieces += [out.outputs[0].token_ids for out in llm.step() if out.outputs]
+    assert len(pieces) > 1 and sum(pieces, []) == whole.outputs[0].token_ids
+
+
+def test_lora_request_none_is_taken_and_a_real_one_refused(llm):
+    params = SamplingParams(max_tokens=1)
+    assert len(llm.generate("Hi", params, use_tqdm=False, lora_request=None)) == 1
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.generate("Hi", params, use_tqdm=False, lora_request=object())
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.chat(messages, params, use_tqdm=False, lora_request=object())
+
+
+def test_chat_template_content_format(llm):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    params = SamplingParams(max_tokens=1)
+    outs = [
+        llm.chat(messages, params, use_tqdm=False, chat_template_content_format=form)[0]
+        for form in ("auto", "string")
+    ]
+    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
+    with pytest.raises(ValueError, match="chat_template_content_format must be auto or string"):
+        llm.chat(messages, params, chat_template_content_format="openai")
+
+
+def test_beam_search_in_vllms_form(llm):
+    """`llm.beam_search(prompts, BeamSearchParams(...))` returns vLLM's shape: per prompt
+    the beam_width best `sequences`, each with the prompt's and its own `tokens`, their
+    `text`, `cum_logprob` and per-token `logprobs`; the beams are serve's (HF's ranking)."""
+    from serve import BeamSearchOutput, BeamSearchParams
+
+    tokenizer = llm.get_tokenizer()
+    prompts = ["The sea is wide", {"prompt_token_ids": [5, 6, 7, 8]}]
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=0.5)
+    outs = llm.beam_search(prompts, params, use_tqdm=False)
+    serves = llm.beam_search(prompts, 3, 6, length_penalty=0.5, ignore_eos=True, use_tqdm=False)
+    assert len(outs) == 2 and all(isinstance(out, BeamSearchOutput) for out in outs)
+    for out, serve_out in zip(outs, serves):
+        assert len(out.sequences) == 3
+        for seq, beam in zip(out.sequences, serve_out.outputs, strict=True):
+            assert seq.tokens == serve_out.prompt_token_ids + beam.token_ids
+            assert seq.text == tokenizer.decode(seq.tokens, skip_special_tokens=True)
+            assert seq.cum_logprob == pytest.approx(beam.cumulative_logprob)
+            chosen = [top[t].logprob for t, top in zip(beam.token_ids, seq.logprobs, strict=True)]
+            assert sum(chosen) == pytest.approx(seq.cum_logprob, abs=1e-4)
+            assert seq.finish_reason == "length"
+    one_at_a_time = llm.beam_search(prompts, params, use_tqdm=False, concurrency_limit=1)
+    assert one_at_a_time == outs
+    with pytest.raises(TypeError, match="reads max_tokens"):
+        llm.beam_search(prompts, params, 8)
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.beam_search(prompts, params, lora_request=object())
+    assert not llm.has_unfinished_requests()

@@ -1,0 +1,98 @@
+"""What `LLM`'s methods take in vLLM's forms, checked and read: prompts (one or a list),
+`tokenization_kwargs`, `truncate_prompt_tokens`, `lora_request`, the chat template's
+content format, and whether the tokenizer spaces special tokens apart."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from serve.engine.detokenizer import text_decoder
+
+# A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
+Prompt = str | list[int] | dict[str, Any]
+# vLLM's `tokenization_kwargs` that serve honours; any other is refused by name.
+TOKENIZATION_KWARGS = ("truncate_prompt_tokens", "add_special_tokens")
+# vLLM's `chat_template_content_format`s that are what serve renders: a message's content
+# as text (its text parts joined). "openai" (the parts themselves) is not.
+CONTENT_FORMATS = ("auto", "string")
+
+
+def truncated_prompt(
+    token_ids: list[int], keep: int | None, max_model_len: int, is_prefill_only: bool
+) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens; -1: as many as
+    the context holds with room for one output token (all of it for a prefill-only
+    request), as vLLM counts it. None: the prompt as it is."""
+    if keep is None:
+        return token_ids
+    if keep == -1:
+        keep = max_model_len if is_prefill_only else max(max_model_len - 1, 1)
+    elif keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens is {keep}, more than the context holds "
+            f"(max_model_len {max_model_len})."
+        )
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
+def check_content_format(content_format: str) -> None:
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(
+            f"chat_template_content_format must be auto or string: serve renders a "
+            f"message's content as text (its text parts joined), not as OpenAI's list of "
+            f"parts; got {content_format!r}."
+        )
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids, a dict) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+def check_no_lora(lora_request: Any) -> None:
+    """vLLM's `lora_request`: None (or one None per prompt) is all serve takes."""
+    requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
+    if any(request is not None for request in requests):
+        raise ValueError(
+            "lora_request is not supported: serve serves no LoRA adapters (merge the adapter "
+            "into the model's weights and serve the merged model)."
+        )
+
+
+def tokenization_options(kwargs: dict[str, Any] | None) -> tuple[int | None, bool | None]:
+    """vLLM's `tokenization_kwargs` that serve honours: `truncate_prompt_tokens` (the
+    prompt's last N tokens; -1: the context's worth) and `add_special_tokens`."""
+    options = dict(kwargs or {})
+    keep = options.pop("truncate_prompt_tokens", None)
+    add_special_tokens = options.pop("add_special_tokens", None)
+    if options:
+        raise ValueError(
+            f"tokenization_kwargs takes {' and '.join(TOKENIZATION_KWARGS)} here; serve has no "
+            f"setting for {', '.join(sorted(options))}."
+        )
+    if keep is not None and (
+        isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)
+    ):
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 (the context's worth) or a positive integer, "
+            f"got {keep!r}."
+        )
+    if add_special_tokens is not None and not isinstance(add_special_tokens, bool):
+        raise ValueError(f"add_special_tokens must be true or false, got {add_special_tokens!r}.")
+    return keep, add_special_tokens
+
+
+def spaces_between_special_tokens(tokenizer: Any) -> bool:
+    """Whether decoding puts spaces between adjacent special (added) tokens: two of them
+    decode to more than their texts joined (WordPiece does; byte-level BPE does not)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    if not added:
+        return False
+    (first_id, first), (last_id, last) = next(iter(added.items())), list(added.items())[-1]
+    text = text_decoder(tokenizer)([first_id, last_id], False)
+    return text != f"{first.content}{last.content}"
