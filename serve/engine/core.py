@@ -261,6 +261,11 @@ class EngineCore:
     def reset_peak(self) -> None:
         self.block_manager.block_pool.reset_peak()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefixes; False while a request holds blocks (nothing is
+        forgotten then), as vLLM's."""
+        return self.block_manager.block_pool.reset_prefix_cache()
+
     def check_health(self) -> None:
         """Raise if a worker has died (an idle engine's loop asks now and then)."""
         self.executor.check_health()

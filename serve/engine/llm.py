@@ -353,6 +353,11 @@ class LLM:
         """Start `stats().peak_num_blocks_used` over from the blocks in use now."""
         self.engine.reset_peak()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix, so the next prompts compute theirs afresh (a
+        benchmark's cold runs). False, changing nothing, while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],

@@ -162,6 +162,21 @@ class BlockPool:
         self._hash_of_block[block_id] = block_hash
         self._block_of_hash[block_hash] = block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prefix (vLLM's `reset_prefix_cache`): cached blocks become plain
+        free ones. Only while no block is held, since a held block's prefix is in use;
+        False (and nothing changed) otherwise."""
+        if self.num_used_blocks:
+            return False
+        if self._clean is not None:
+            for block_id in self._hash_of_block:
+                self._clean[block_id] = 1
+            self._num_clean += len(self._hash_of_block)
+        self._hash_of_block.clear()
+        self._block_of_hash.clear()
+        self._num_cached = 0
+        return True
+
     def lookup(self, block_hash: bytes) -> int | None:
         return self._block_of_hash.get(block_hash)
 

@@ -195,3 +195,19 @@ def test_disabled_prefix_caching_never_hits(tiny_llama):
     assert stats.prefix_cache_hit_rate == 0.0
     assert stats.num_blocks_cached == 0
     _assert_idle(llm)
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_afresh(tiny_llama):
+    """vLLM's `LLM.reset_prefix_cache()`, as benchmarks call it between cold runs."""
+    prompt = random_prompts(512, 1, 30, 30, seed=31)[0]
+    llm = _llm(tiny_llama, block_size=4)
+    first = _greedy(llm, [prompt])
+    assert llm.stats().num_blocks_cached > 0
+    hits = llm.stats().prefix_cache_hits
+    assert llm.reset_prefix_cache()
+    assert llm.stats().num_blocks_cached == 0
+    assert _greedy(llm, [prompt]) == first
+    assert llm.stats().prefix_cache_hits == hits  # nothing was left to hit
+    assert _greedy(llm, [prompt]) == first
+    assert llm.stats().prefix_cache_hits > hits  # cached again by the run before
+    _assert_idle(llm)

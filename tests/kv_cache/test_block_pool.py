@@ -231,3 +231,20 @@ def test_clean_map_follows_prefix_hits_and_evictions():
     pool.incref(pool.lookup(H1))
     pool.check_invariants()
     assert pool.ref_count(a) == 1 and pool.num_free_blocks == 2
+
+
+@pytest.mark.parametrize("place_in_runs", [False, True])
+def test_reset_prefix_cache_forgets_prefixes_only_when_nothing_is_held(place_in_runs):
+    pool = BlockPool(4, place_in_runs)
+    a, b = pool.allocate(), pool.allocate()
+    pool.cache(a, H1)
+    pool.cache(b, H2)
+    pool.free(a)
+    assert not pool.reset_prefix_cache()  # b is held: nothing forgotten
+    assert pool.lookup(H1) == a and pool.num_cached_blocks == 1
+    pool.free(b)
+    assert pool.reset_prefix_cache()
+    assert pool.lookup(H1) is None and pool.lookup(H2) is None
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == 4
+    pool.check_invariants()
+    assert sorted(pool.allocate() for _ in range(4)) == [0, 1, 2, 3]
