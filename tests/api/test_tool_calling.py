@@ -488,6 +488,24 @@ def test_forced_call_finish_reason(client, server, stream, tool_choice, typed):
     assert choice.finish_reason == ("stop" if tool_choice == "named" else "tool_calls")
 
 
+def test_required_call_cut_short_by_max_tokens(client, server):
+    """Out of tokens inside the array, tool_choice "required" gives the call written so
+    far, its arguments cut short, streamed alike (never the array's text as content), and
+    finishes with "length"."""
+    tool = {"type": "function", "function": {"name": "set_unit", "parameters": UNIT_PARAMETERS}}
+    kwargs = dict(messages=WEATHER_QUESTION, tools=[tool], tool_choice="required")
+    full = client.chat.completions.create(model=server.model, **kwargs, max_tokens=100)
+    (whole,) = full.choices[0].message.tool_calls
+    cut = full.usage.completion_tokens - 8  # inside the arguments: `celsius"}}]` is left
+    for stream in (False, True):
+        (choice,) = create(client, server, stream, **kwargs, max_tokens=cut)
+        assert choice.finish_reason == "length" and not choice.content
+        (call,) = choice.calls
+        assert call["name"] == "set_unit" and call["id"].startswith("call_")
+        assert whole.function.arguments.startswith(call["arguments"])
+        assert 0 < len(call["arguments"]) < len(whole.function.arguments)
+
+
 def test_tool_choice_none_needs_no_parser(client, server):
     resp = client.chat.completions.create(
         model=server.model,

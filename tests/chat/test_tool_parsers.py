@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from serve.chat.rendering import render_chat, template_messages
 from serve.chat.tool_parsers import (
+    FirstCallOnly,
     NamedFunctionParser,
     OutputParser,
     RequiredParser,
@@ -217,9 +218,84 @@ def test_required_output_is_an_array_of_calls():
     parsed = RequiredParser().parse(text)
     assert parsed.content is None
     assert calls_of(parsed) == [("get_weather", WEATHER_ARGS), ("f", {})]
-    for bad in ("[]", "[{", '[{"name": 1, "parameters": {}}]', "plain text", '{"name": "f"}'):
+    for bad in ("[]", '[{"name": 1, "parameters": {}}]', "plain text", '{"name": "f"}', " [x"):
         assert RequiredParser().parse(bad).content == bad
         assert RequiredParser().parse(bad).tool_calls == []
+        assert streamed(RequiredParser(), list(bad)) == (bad, [])
+
+
+def test_required_stream_sends_each_call_as_it_is_read():
+    reader = RequiredParser().stream()
+    assert reader.feed('[{"name": "get_wea') == []
+    (header,) = reader.feed('ther", "parameters": ')  # the name is read: the header goes
+    assert (header.index, header.name, header.arguments) == (0, "get_weather", "")
+    assert header.id.startswith("call_")
+    assert reader.feed('{"location": "Pa') == [ToolCallDelta(0, arguments='{"location": "Pa')]
+    arguments, second = reader.feed('ris", "unit": "celsius"}}, {"name": "f"')
+    assert arguments == ToolCallDelta(0, arguments='ris", "unit": "celsius"}')
+    assert (second.index, second.name, second.arguments) == (1, "f", "")
+    assert reader.feed(', "parameters": {"s": "}]\\\\"}') == [
+        ToolCallDelta(1, arguments='{"s": "}]\\\\"}')  # brackets and escapes in a string
+    ]
+    assert reader.feed("}]") == [] and reader.finish() == []
+    assert reader.num_calls == 2
+
+
+def test_required_stream_in_small_chunks_sends_calls_before_the_array_ends():
+    calls = [{"name": "get_weather", "parameters": WEATHER_ARGS}, {"name": "f", "parameters": {}}]
+    text = json.dumps(calls)
+    reader = RequiredParser().stream()
+    per_feed = [reader.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
+    assert reader.finish() == []
+    sent = [(i, e) for i, events in enumerate(per_feed) for e in events]
+    headers = [(i, e.name) for i, e in sent if e.id is not None]
+    first_arguments = [(i, e.arguments) for i, e in sent if e.id is None and e.index == 0]
+    assert [name for _, name in headers] == ["get_weather", "f"]
+    assert headers[0][0] < first_arguments[0][0] < headers[1][0] < len(per_feed) - 1
+    assert len(first_arguments) > 5  # the arguments grow feed by feed
+    assert "".join(a for _, a in first_arguments) == json.dumps(WEATHER_ARGS)
+
+
+TWO_CALLS = json.dumps(
+    [
+        {"name": "get_weather", "parameters": WEATHER_ARGS},
+        {"name": "get_time", "parameters": {"zone": "CET"}},
+    ]
+)
+WEATHER_READ = ("get_weather", json.dumps(WEATHER_ARGS))
+
+
+@pytest.mark.parametrize(
+    ("cut_after", "calls"),
+    [
+        ('"location": "Pa', [("get_weather", '{"location": "Pa')]),
+        ('"get_weather", "para', [("get_weather", "")]),
+        ('"name": "get_ti', [WEATHER_READ]),
+        ('"name": "get_time"', [WEATHER_READ, ("get_time", "")]),
+        ('"zone": "CET"}', [WEATHER_READ, ("get_time", '{"zone": "CET"}')]),
+        ("[", []),
+    ],
+    ids=["in-arguments", "in-key", "in-second-name", "after-name", "unclosed", "after-bracket"],
+)
+def test_required_cut_short_gives_the_calls_read_so_far(cut_after, calls):
+    """Out of tokens, the array's calls so far, the last one's arguments cut short, as a
+    named function's are; its text is never content."""
+    text = TWO_CALLS[: TWO_CALLS.index(cut_after) + len(cut_after)]
+    assert whole(RequiredParser(), text) == ("", calls)
+    assert RequiredParser().parse(text).content is None
+    for deltas in (list(text), [text], split_at(text, [7, 20, 41])):
+        assert streamed(RequiredParser(), deltas) == ("", calls)
+        assert streamed(FirstCallOnly(RequiredParser()), deltas) == ("", calls[:1])
+
+
+def test_required_reads_no_further_than_the_array():
+    """The grammar allows nothing after the array, nor a break in it; were there one, the
+    calls read stand and the rest is no content."""
+    call = '{"name": "f", "parameters": {"x": 1}}'
+    for text in (f"[{call}] oops", f"[{call}, oops", f"[{call}, {{}}]", '[{"name": "f", 3'):
+        arguments = '{"x": 1}' if "x" in text else ""
+        assert whole(RequiredParser(), text) == ("", [("f", arguments)])
+        assert streamed(RequiredParser(), list(text)) == whole(RequiredParser(), text)
 
 
 def test_required_schema_accepts_calls_and_refuses_others():
@@ -336,7 +412,23 @@ LLAMA3_PIECES = [
     '"',
     "\\",
 ]
-REQUIRED_PIECES = ["[", "]", ",", '{"name": "f", "parameters": {"x": 1}}', " ", "oops"]
+REQUIRED_PIECES = [
+    "[",
+    "]",
+    ",",
+    '{"name": "f", "parameters": {"x": 1}}',
+    '{ "name":"g" ,\n"parameters" : {"s": "}]\\"", "l": [{}]} }',
+    '{"name": ',
+    '"f"',
+    '"parameters": ',
+    "{",
+    "}",
+    '"',
+    "\\",
+    " ",
+    "\n",
+    "oops",
+]
 
 
 @st.composite
@@ -361,13 +453,58 @@ def test_llama3_stream_matches_parse(output):
     assert streamed(LLAMA3, deltas) == whole(LLAMA3, text)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(split_outputs(REQUIRED_PIECES))
 def test_forced_streams_match_parse(output):
     text, deltas = output
-    assert streamed(RequiredParser(), deltas) == whole(RequiredParser(), text)
-    named = NamedFunctionParser("f")
-    assert streamed(named, deltas) == whole(named, text)
+    for parser in (RequiredParser(), FirstCallOnly(RequiredParser()), NamedFunctionParser("f")):
+        assert streamed(parser, deltas) == whole(parser, text)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda values: st.lists(values, max_size=3) | st.dictionaries(st.text(max_size=3), values),
+    max_leaves=6,
+)
+
+
+@st.composite
+def cut_required_arrays(draw) -> tuple[str, list[str], list[tuple[str, str]]]:
+    """A required array with any JSON whitespace between its tokens, cut anywhere and split
+    at random; and the calls read from it: each whose name closed, its arguments (written
+    as json.dumps may lay them out) as far as the cut."""
+
+    def space() -> str:
+        return draw(st.sampled_from(["", " ", "\n  "]))
+
+    text, spans = space() + "[", []
+    objects = st.dictionaries(st.text(max_size=3), JSON_VALUES, max_size=3)
+    calls = draw(
+        st.lists(st.tuples(st.text(min_size=1, max_size=6), objects), min_size=1, max_size=3)
+    )
+    for number, (name, parameters) in enumerate(calls):
+        text += (space() + "," if number else "") + space() + "{" + space() + '"name"'
+        text += space() + ":" + space() + json.dumps(name, ensure_ascii=draw(st.booleans()))
+        name_end = len(text)
+        text += space() + "," + space() + '"parameters"' + space() + ":" + space()
+        separators = draw(st.sampled_from([(", ", ": "), (",", ":"), (" ,\n", " : ")]))
+        arguments = json.dumps(parameters, separators=separators, ensure_ascii=False)
+        spans.append((name, name_end, len(text), arguments))
+        text += arguments + space() + "}"
+    text += space() + "]" + space()
+    text = text[: draw(st.integers(min_value=0, max_value=len(text)))]
+    read = [(n, a[: max(0, len(text) - start)]) for n, end, start, a in spans if end <= len(text)]
+    cuts = draw(st.lists(st.integers(min_value=0, max_value=400), max_size=12))
+    return text, split_at(text, cuts), read
+
+
+@settings(max_examples=300, deadline=None)
+@given(cut_required_arrays())
+def test_required_reads_any_cut_of_an_array(output):
+    text, deltas, calls = output
+    assert whole(RequiredParser(), text) == ("", calls)
+    assert streamed(RequiredParser(), deltas) == ("", calls)
+    assert streamed(FirstCallOnly(RequiredParser()), deltas) == ("", calls[:1])
 
 
 def test_hermes_stream_sends_content_before_a_call_closes():

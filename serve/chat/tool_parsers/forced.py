@@ -1,10 +1,13 @@
 """Outputs of tool_choice "required" and of a named function, which a JSON schema
 constrains (`ChatCompletionRequest.structured_outputs_params`), so they need no model
 format: a named function's output IS its arguments object; "required" gives a JSON array
-of `{"name": ..., "parameters": {...}}`."""
+of `{"name": ..., "parameters": {...}}`. Both stream their calls as they are written, and
+an output cut short by max_tokens gives the calls written so far, the last one's
+arguments cut short (as OpenAI's are)."""
 
 from __future__ import annotations
 
+from enum import Enum, auto
 from typing import Any
 
 from serve.chat.tool_parsers.base import (
@@ -14,7 +17,8 @@ from serve.chat.tool_parsers.base import (
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
-    call_from_json,
+    assemble,
+    in_written_order,
     load_json,
 )
 
@@ -86,36 +90,167 @@ class NamedFunctionStream(ToolCallStream):
 
 
 class RequiredParser(OutputParser):
-    """The calls of a JSON array of `{"name", "parameters"}`; content if the output is not
-    one (it ran out of tokens, or was not constrained)."""
+    """The calls of a JSON array of `{"name", "parameters"}`, read by `RequiredStream` so
+    that a stream and a parse agree: each call whose name was read, its arguments the
+    parameters object's text as far as it goes. A text that stops being such an array
+    before a name is read (not constrained, or `[]`) is content, as written; the start of
+    one that reads no name (`[` when the tokens ran out) is neither content nor calls."""
 
     def parse(self, text: str) -> ParsedOutput:
-        items = load_json(text)
-        if isinstance(items, list) and items:
-            calls = [call_from_json(item, ("parameters",)) for item in items]
-            if all(call is not None for call in calls):
-                return ParsedOutput(None, calls)
-        return ParsedOutput(text or None, [])
+        return assemble(in_written_order(self, text))
 
     def stream(self) -> RequiredStream:
-        return RequiredStream(self)
+        return RequiredStream()
+
+
+_SPACE = " \t\n\r"  # JSON's whitespace
+
+
+class _At(Enum):
+    """What `RequiredStream` reads next (after any whitespace), in the array's layout
+    `[{"name": "f", "parameters": {...}}, ...]`, keys in the schema's order."""
+
+    ARRAY = auto()  # `[`
+    CALL = auto()  # a call's `{`
+    NAME_KEY = auto()  # "name"
+    NAME_COLON = auto()
+    NAME = auto()  # the function's name: a non-empty string
+    COMMA = auto()  # the `,` between the name and the parameters
+    PARAMETERS_KEY = auto()  # "parameters"
+    PARAMETERS_COLON = auto()
+    PARAMETERS = auto()  # the parameters object, whose text is the call's arguments
+    CALL_END = auto()  # the call's `}`
+    NEXT = auto()  # `,` and another call, or `]`
+    END = auto()  # nothing: the array has ended, or broke off after a call began
+
+
+_PUNCTUATION = {  # what each punctuation step reads, and the step after it
+    _At.ARRAY: ("[", _At.CALL),
+    _At.CALL: ("{", _At.NAME_KEY),
+    _At.NAME_COLON: (":", _At.NAME),
+    _At.COMMA: (",", _At.PARAMETERS_KEY),
+    _At.PARAMETERS_COLON: (":", _At.PARAMETERS),
+    _At.CALL_END: ("}", _At.NEXT),
+}
+_KEYS = {
+    _At.NAME_KEY: ("name", _At.NAME_COLON),
+    _At.PARAMETERS_KEY: ("parameters", _At.PARAMETERS_COLON),
+}
 
 
 class RequiredStream(ToolCallStream):
-    """Holds the array whole and sends its calls at the end."""
+    """Reads the array one character at a time: a call's header goes out as soon as its
+    name's string closes, then its arguments (the parameters object's text, verbatim) as
+    they grow. Text is held until the first name is read: if it stops being the array
+    before then (not constrained, or `[]`), all of it is content from there on. After a
+    call has begun, a break ends the reading: the calls read so far stand, the last cut
+    short, and the rest is dropped, as is everything after the `]` (the grammar allows
+    nothing there). The grammar writes json.dumps's layout; any JSON whitespace is read."""
 
-    def __init__(self, parser: RequiredParser) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._parser = parser
-        self._buffer = ""
+        self._at = _At.ARRAY
+        self._held = ""  # the text before the first call's name: content if it breaks
+        self._is_content = False
+        self._string: str | None = None  # a key or name being read, quotes and escapes kept
+        self._escaped = False  # the last character was a `\` inside a string
+        self._depth = 0  # brackets open in the parameters object; 0 outside it
+        self._in_argument_string = False
+        self._fragment: list[str] = []  # arguments read and not yet sent
+        self._events: list[StreamEvent] = []
 
     def feed(self, text: str) -> list[StreamEvent]:
-        self._buffer += text
-        return []
+        if self._is_content:
+            return [text] if text else []
+        if not self.num_calls:
+            self._held += text
+        for char in text:
+            if self._at is _At.END:
+                break
+            if not self._read(char):
+                if not self.num_calls:
+                    self._is_content = True
+                    return [self._held]
+                self._at = _At.END
+        self._send_fragment()
+        events, self._events = self._events, []
+        return events
 
     def finish(self) -> list[StreamEvent]:
-        parsed = self._parser.parse(self._buffer)
-        events: list[StreamEvent] = [parsed.content] if parsed.content else []
-        for call in parsed.tool_calls:
-            events += self._whole_call(call)
-        return events
+        return []  # content and arguments go out as they are read
+
+    def _read(self, char: str) -> bool:
+        """Reads one character; False if the text can no longer be the array."""
+        if self._string is not None:
+            return self._read_string(char)
+        if self._depth:
+            return self._read_arguments(char)
+        if char in _SPACE:
+            return True
+        if self._at in _PUNCTUATION:
+            expected, after = _PUNCTUATION[self._at]
+            if char != expected:
+                return False
+            self._at = after
+        elif self._at in (_At.NAME_KEY, _At.NAME, _At.PARAMETERS_KEY):
+            if char != '"':
+                return False
+            self._string = char
+        elif self._at is _At.PARAMETERS:
+            if char != "{":
+                return False
+            return self._read_arguments(char)
+        elif self._at is _At.NEXT and char in ",]":
+            self._at = _At.CALL if char == "," else _At.END
+        else:
+            return False
+        return True
+
+    def _read_string(self, char: str) -> bool:
+        self._string = (self._string or "") + char
+        if not self._closes_string(char):
+            return True
+        value, self._string = load_json(self._string), None
+        if self._at is _At.NAME:
+            if not isinstance(value, str) or not value:
+                return False
+            self._held = ""
+            self._events.append(self._start_call(ToolCall(value, "")))
+            self._at = _At.COMMA
+            return True
+        key, after = _KEYS[self._at]
+        self._at = after
+        return value == key
+
+    def _read_arguments(self, char: str) -> bool:
+        """The parameters object's text, brackets counted outside its strings (the grammar
+        makes it valid JSON; the reader only finds where it ends)."""
+        self._fragment.append(char)
+        if self._in_argument_string:
+            self._in_argument_string = not self._closes_string(char)
+        elif char == '"':
+            self._in_argument_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+            if not self._depth:
+                self._send_fragment()
+                self._at = _At.CALL_END
+        return True
+
+    def _closes_string(self, char: str) -> bool:
+        """Whether `char`, read inside a string, is its closing quote."""
+        if self._escaped:
+            self._escaped = False
+        elif char == "\\":
+            self._escaped = True
+        else:
+            return char == '"'
+        return False
+
+    def _send_fragment(self) -> None:
+        if self._fragment:
+            arguments = "".join(self._fragment)
+            self._events.append(ToolCallDelta(self.num_calls - 1, arguments=arguments))
+            self._fragment = []
