@@ -814,11 +814,17 @@ def _structured_outputs_config(value: Any) -> dict[str, Any]:
             "structured_outputs_config",
             f'must be a JSON object such as {{"backend": "xgrammar"}}; got {value!r}.',
         )
-    others = sorted(set(config) - {"backend"})
+    # serve writes JSON without extra whitespace, so that switch asks for what it does.
+    others = sorted(
+        set(config)
+        - {"backend"}
+        - ({"disable_any_whitespace"} if config.get("disable_any_whitespace") else set())
+    )
     if others:
         raise InvalidSettingError(
             "structured_outputs_config",
-            f"takes only backend here: serve has no setting for {', '.join(others)}.",
+            f"takes only backend (and disable_any_whitespace true, as serve writes JSON) "
+            f"here: serve has no setting for {', '.join(others)}.",
         )
     return _only("structured_outputs_config", _XGRAMMAR_BACKENDS, _XGRAMMAR_ONLY)(
         config.get("backend")

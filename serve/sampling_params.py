@@ -71,7 +71,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
+    min_tokens: int = 0  # EOS (unless ignore_eos) and stop_token_ids masked until this many
     bad_words: list[str] | None = None  # never generated (their tokenisations are masked)
     allowed_token_ids: list[int] | None = None  # only these may be generated
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token but the first

@@ -61,7 +61,11 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
     assert EngineConfig.create("m", pipeline_parallel_size=1) == EngineConfig.create("m")
     assert EngineConfig.create("m", dtype="half") == EngineConfig.create("m", dtype="float16")
     assert EngineConfig.create("m", dtype="float") == EngineConfig.create("m", dtype="float32")
-    for config in ({"backend": "xgrammar"}, '{"backend": "auto"}'):
+    for config in (
+        {"backend": "xgrammar"},
+        '{"backend": "auto"}',
+        {"backend": "xgrammar", "disable_any_whitespace": True},  # what serve does anyway
+    ):
         assert EngineConfig.create("m", structured_outputs_config=config) == (
             EngineConfig.create("m")
         )
@@ -77,6 +81,7 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
         ({"structured_outputs_config": '{"backend": "outlines"}'}, "must be xgrammar or auto"),
         ({"structured_outputs_config": "xgrammar"}, "must be a JSON object"),
         ({"structured_outputs_config": {"reasoning_parser": "x"}}, "no setting for"),
+        ({"structured_outputs_config": {"disable_any_whitespace": False}}, "no setting for"),
     ]:
         with pytest.raises(InvalidSettingError, match=refused):
             EngineConfig.create("m", **kwargs)

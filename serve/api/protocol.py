@@ -218,6 +218,8 @@ UNHONOURED = {
 
 
 def refuse_unhonoured(value: Any, info: ValidationInfo) -> Any:
+    if value in ([], {}, ""):  # asks for nothing: nothing to honour
+        return None
     raise ValueError(UNHONOURED[info.field_name])
 
 

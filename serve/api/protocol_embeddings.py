@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from serve.api.protocol import OpenAIModel, Priority, TruncatePromptTokens
+from serve.api.protocol import CLIENT_REQUEST_ID, OpenAIModel, Priority, TruncatePromptTokens
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's bound on the entries of one request's `input`
 
@@ -47,6 +47,8 @@ class EmbeddingRequest(OpenAIModel):
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+    # vLLM's: the response's id is `embd-` and this (an X-Request-Id header takes its place).
+    request_id: str | None = Field(default=None, pattern=f"^{CLIENT_REQUEST_ID}$")
     # vLLM's extras: how "base64" and "bytes" write each value (the module docstring).
     embed_dtype: EmbedDType = "float32"
     endianness: Endianness = "native"

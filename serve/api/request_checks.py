@@ -68,14 +68,16 @@ def fit_prompt(
     max_tokens_cap: int | None = None,
 ) -> tuple[str, list[int], int]:
     """A prompt cut to the request's `truncate_prompt_tokens` (its text decoded from what
-    is kept), and its completion budget (`resolve_max_tokens`)."""
-    prefill_only = request.requested_max_tokens == 0  # completions' echo scoring
+    is kept), and its completion budget (`resolve_max_tokens`). A default the client did
+    not ask for (completions' 16 tokens) takes what room the context leaves, as vLLM's."""
+    requested = request.requested_max_tokens
+    prefill_only = requested == 0  # completions' echo scoring
     kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len, prefill_only)
     if len(kept) < len(ids):
         text, ids = tokenizer.decode(kept), kept
-    budget = resolve_max_tokens(
-        len(ids), request.requested_max_tokens, max_model_len, max_tokens_cap
-    )
+    if requested and not {"max_tokens", "max_completion_tokens"} & request.model_fields_set:
+        requested = min(requested, max(max_model_len - len(ids), 1))
+    budget = resolve_max_tokens(len(ids), requested, max_model_len, max_tokens_cap)
     return text, ids, budget
 
 

@@ -235,9 +235,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         body's structured output first (the Responses and Messages handlers do it as they
         map their bodies onto chat's)."""
         _log_unknown(body)
-        client_id = getattr(request.state, "client_request_id", None)
-        if client_id is not None and isinstance(body, SamplingRequest):
-            body.request_id = client_id  # the header wins over the field, as in vLLM
+        _take_client_request_id(body, request)
         if check_grammar:
             await check_structured_output(engine, body, settings.grammar_compile_timeout_s)
         on_usage = _usage_recorder(request)
@@ -291,6 +289,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/embeddings")
     async def create_embeddings(body: EmbeddingRequest, request: Request) -> Any:
         _log_unknown(body)
+        _take_client_request_id(body, request)
         work = embeddings.create(body, _usage_recorder(request))
         return await _json_unless_disconnected(work, request)
 
@@ -344,6 +343,14 @@ async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Request
             if not pending.done():
                 pending.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+def _take_client_request_id(body: SamplingRequest | EmbeddingRequest, request: Request) -> None:
+    """A client's X-Request-Id names its response: it takes the place of the body's
+    `request_id` (the header wins, as in vLLM)."""
+    client_id = getattr(request.state, "client_request_id", None)
+    if client_id is not None and isinstance(body, (SamplingRequest, EmbeddingRequest)):
+        body.request_id = client_id
 
 
 async def _json_unless_disconnected(

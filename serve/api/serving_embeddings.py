@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Response
 
 from serve.api.errors import APIError
-from serve.api.protocol import random_id
+from serve.api.protocol import response_ids
 from serve.api.protocol_embeddings import (
     EmbeddingRequest,
     embedding_bytes,
@@ -91,13 +91,13 @@ class EmbeddingHandler:
     ) -> dict[str, Any] | Response:
         params = self.params(request)
         prompts = await off_the_loop(self.prepare, request)
-        request_id = random_id("embd")
+        request_id, engine_id = response_ids("embd", request.request_id)
         for i, (ids, item) in enumerate(zip(prompts, request.inputs)):
             text = item if isinstance(item, str) else None
-            self.settings.request_log.log(f"{request_id}-{i}", text, ids, params)
+            self.settings.request_log.log(f"{engine_id}-{i}", text, ids, params)
         streams = [
             self.engine.generate(
-                f"{request_id}-{i}",
+                f"{engine_id}-{i}",
                 ids,
                 params,
                 None,
@@ -124,7 +124,7 @@ class EmbeddingHandler:
             is_bare = request.encoding_format == "bytes_only"
             headers = {} if is_bare else {"metadata": json.dumps(metadata)}
             return Response(content, media_type="application/octet-stream", headers=headers)
-        body = embedding_response(model, vectors, request, num_prompt)
+        body = {"id": request_id, **embedding_response(model, vectors, request, num_prompt)}
         if on_usage is not None:
             on_usage(body["usage"])
         return body

@@ -60,9 +60,9 @@ class ChunkWriter:
     n: int = 1
     created: int = field(default_factory=now)
     # vLLM's `return_token_ids`: set (each prompt's ids), every chunk of a choice carries
-    # the token ids it took since its previous chunk (`add_token_ids`), and the prompt's
-    # ids come once: on each choice's first chunk, or with `prompt_ids_on_top` (chat's) on
-    # the response's first, beside the choices.
+    # the token ids it took since its previous chunk (`add_token_ids`), and each choice's
+    # first chunk its prompt's ids: in the choice, or with `prompt_ids_on_top` (chat's)
+    # beside the choices.
     prompt_token_ids: tuple[list[int], ...] | None = None
     prompt_ids_on_top: bool = False
     _pending: dict[int, list[int]] = field(default_factory=dict)
@@ -100,10 +100,7 @@ class ChunkWriter:
         if index in self._started:
             return
         prompt_ids = self.prompt_token_ids[index // self.n]
-        if not self.prompt_ids_on_top:
-            choice["prompt_token_ids"] = prompt_ids
-        elif not self._started:
-            body["prompt_token_ids"] = prompt_ids
+        (body if self.prompt_ids_on_top else choice)["prompt_token_ids"] = prompt_ids
         self._started.add(index)
 
     def usage_chunk(self, counts: dict[str, int]) -> bytes:

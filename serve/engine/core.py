@@ -177,8 +177,6 @@ class EngineCore:
         check_priority(priority, self.config.scheduler.scheduling_policy)
         # Everything that can fail comes before the request is registered anywhere, so a
         # failure leaves no trace of it.
-        if params.bad_words:
-            params.update_from_tokenizer(self.tokenizer)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.structured_output.submit(params.structured_outputs)
@@ -197,6 +195,7 @@ class EngineCore:
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
+        params.update_from_tokenizer(self.tokenizer)  # its bad words, which the check reads
         check_params(
             params,
             self.vocab_size,

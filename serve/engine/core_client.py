@@ -108,6 +108,7 @@ class EngineCoreClient(EngineFrontEnd):
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
+        params.update_from_tokenizer(self.tokenizer)  # its bad words, which the check reads
         check_params(params, self.vocab_size, self.max_logprobs, self.pooling, self.eos_token_ids)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:

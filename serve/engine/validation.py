@@ -31,18 +31,28 @@ def check_params(
 ) -> None:
     """What SamplingParams cannot check alone: token ids against the vocabulary, logprob
     counts against --max-logprobs, pooling against the model (`dimensions`), allowed tokens
-    against the model's end-of-sequence ones. Each message starts with the field's name."""
+    against the model's end-of-sequence ones and the bad words (tokenized first:
+    `update_from_tokenizer`). Each message starts with the field's name."""
     for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
         bad = _out_of_vocab(getattr(params, name) or [], vocab_size)
         if bad:
             raise ValueError(f"{name} must name token ids in [0, {vocab_size}); got {bad[:5]}.")
-    held_back = {*eos_token_ids, *params.stop_token_ids}  # until min_tokens are generated
+    # Held back until min_tokens are generated: the tokens that would stop the output.
+    held_back = {*([] if params.ignore_eos else eos_token_ids), *params.stop_token_ids}
     if params.allowed_token_ids and params.min_tokens and held_back >= {*params.allowed_token_ids}:
         raise ValueError(
             f"allowed_token_ids {params.allowed_token_ids[:5]} are all end-of-sequence or stop "
             f"tokens, which min_tokens={params.min_tokens} holds back: no token could be "
             "generated. Allow another token, or drop min_tokens."
         )
+    if params.allowed_token_ids and params.bad_words:
+        # A one-token bad word is banned everywhere (a longer one only after its start).
+        banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+        if banned >= {*params.allowed_token_ids}:
+            raise ValueError(
+                f"allowed_token_ids {params.allowed_token_ids[:5]} are all bad_words: no token "
+                "could be generated. Allow another token, or drop those bad words."
+            )
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > max_logprobs:

@@ -148,8 +148,8 @@ class Sampler:
             row_bans = []
             if p.bad_words:
                 row_bans += lp.banned_by_bad_words(p.bad_words_token_ids, seq.output_token_ids)
-            if seq.num_output_tokens < p.min_tokens:
-                row_bans += [*self._eos_token_ids, *p.stop_token_ids]
+            if seq.num_output_tokens < p.min_tokens:  # its stop tokens (EOS, unless ignored)
+                row_bans += [*([] if p.ignore_eos else self._eos_token_ids), *p.stop_token_ids]
             if row_bans:
                 banned[i] = row_bans
                 if p.allowed_token_ids and set(p.allowed_token_ids) <= set(row_bans):

@@ -259,6 +259,13 @@ def test_return_token_ids_gives_the_prompt_and_output_ids(client, server, tokeni
     ]
     assert chunks[0]["prompt_token_ids"] == prompt_ids
     assert all("prompt_token_ids" not in c for c in chunks[1:])
+    # With n > 1, each choice's first chunk carries them, as vLLM's role chunks do.
+    two = client.chat.completions.create(**fields, n=2, extra_body=extra, stream=True)
+    firsts = [c.model_dump() for c in two][:2]
+    assert [(c["choices"][0]["index"], c["prompt_token_ids"]) for c in firsts] == [
+        (0, prompt_ids),
+        (1, prompt_ids),
+    ]
     streamed = [t for c in chunks for ch in c["choices"] for t in ch["token_ids"]]
     assert streamed == choice["token_ids"]
     # Not asked for: not there.

@@ -178,6 +178,7 @@ def test_structured_output_streams(client, server):
         # vLLM's fields that serve cannot honour are refused by name, never ignored.
         ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"logits_processors": ["my.module.Processor"]}, "logits_processors"),
+        ({"logits_processors": [], "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
         ({"prompt": "", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ],
 )
@@ -209,3 +210,12 @@ def test_chat_prompt_logprobs(http, server):
     assert len(entries) == len(prompt_ids) and entries[0] is None
     assert [list(e) for e in entries[1:]] == [[str(t)] for t in prompt_ids[1:]]
     assert all(e[str(t)]["rank"] >= 1 for t, e in zip(prompt_ids[1:], entries[1:]))
+
+
+def test_allowed_tokens_all_bad_words_are_400(http, server, tokenizer):
+    """A token no bad word bans must remain, or nothing could be generated: a 400 up front,
+    not a 500 once the request runs."""
+    (spaced,) = tokenizer.encode(" the", add_special_tokens=False)
+    body = completion(server, allowed_token_ids=[spaced], bad_words=["the"])
+    error = assert_openai_error(http.post("/v1/completions", json=body), 400, "allowed_token_ids")
+    assert "bad_words" in error["message"]

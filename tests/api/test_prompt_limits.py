@@ -66,6 +66,12 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, server, toke
         "/v1/embeddings", json={**embed, "input": too_long, "truncate_prompt_tokens": -1}
     )
     assert whole.json()["usage"]["prompt_tokens"] == 512
+    # Without max_tokens, completions' default of 16 takes the room the prompt leaves.
+    defaulted = http.post(
+        "/v1/completions", json={**base, "prompt": too_long[:508], "max_tokens": None}
+    )
+    assert defaulted.status_code == 200, defaulted.text
+    assert defaulted.json()["usage"]["completion_tokens"] <= 4
     # Generating, -1 leaves the output a token of room, as vLLM counts it.
     generated = http.post(
         "/v1/completions",

@@ -41,6 +41,15 @@ def test_the_header_names_the_response(http, server):
     }
 
 
+def test_embeddings_are_named_alike(http, server):
+    body = {"model": server.model, "input": "Hi"}
+    headers = {"X-Request-Id": "emb-9"}
+    assert http.post("/v1/embeddings", json=body, headers=headers).json()["id"] == "embd-emb-9"
+    named = http.post("/v1/embeddings", json={**body, "request_id": "e1"}).json()
+    assert named["id"] == "embd-e1" and len(named["data"]) == 1
+    assert http.post("/v1/embeddings", json=body).json()["id"].startswith("embd-")
+
+
 def test_the_body_field_names_it_unless_the_header_does(http, server):
     body = completion(server, request_id="mine-1")
     assert http.post("/v1/completions", json=body).json()["id"] == "cmpl-mine-1"

@@ -8,7 +8,7 @@ import torch
 import transformers
 from tiny_models import random_prompts
 
-from serve import LLM, RequestsFailedError, SamplingParams
+from serve import LLM, SamplingParams
 
 EOS = 0  # the tiny tokenizer's <|endoftext|>
 
@@ -88,19 +88,26 @@ def test_allowed_tokens_that_min_tokens_holds_back_are_refused(llm, prompts):
     assert tokens[:2] == [41, 41] and set(tokens) <= {EOS, 90, 41}
 
 
-def test_allowed_tokens_all_banned_by_bad_words_fail_that_request_alone(llm, prompts):
+def test_ignore_eos_makes_eos_an_ordinary_token_under_min_tokens(llm, prompts):
+    """As in vLLM: with ignore_eos, EOS stops nothing, so min_tokens does not hold it
+    back; only EOS allowed, every token is EOS from the first."""
+    params = SamplingParams(
+        temperature=0.0, allowed_token_ids=[EOS], min_tokens=3, ignore_eos=True, max_tokens=5
+    )
+    assert _tokens(llm, prompts[:1], params) == [[EOS] * 5]
+
+
+def test_allowed_tokens_that_are_all_one_token_bad_words_are_refused(llm, prompts):
     tokenizer = llm.get_tokenizer()
     (spaced,) = tokenizer.encode(" the", add_special_tokens=False)
     doomed = SamplingParams(allowed_token_ids=[spaced], bad_words=["the"], max_tokens=4)
-    fine = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    with pytest.raises(RequestsFailedError, match="failed 1 of") as raised:
-        llm.generate(prompts[:2], [doomed, fine], use_tqdm=False)
-    failed, healthy = raised.value.outputs
-    assert failed.error is not None and "allowed_token_ids is banned" in failed.error
-    assert (
-        healthy.error is None
-        and healthy.outputs[0].token_ids == _tokens(llm, prompts[1:2], fine)[0]
+    with pytest.raises(ValueError, match="allowed_token_ids .* are all bad_words"):
+        llm.generate(prompts[:1], doomed, use_tqdm=False)
+    # One allowed token that is no bad word is enough: every token is it.
+    params = SamplingParams(
+        temperature=0.0, allowed_token_ids=[spaced, 41], bad_words=["the"], max_tokens=4
     )
+    assert _tokens(llm, prompts[:1], params) == [[41] * 4]
 
 
 def test_bad_words_never_appear(llm, prompts):

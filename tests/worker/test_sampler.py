@@ -146,3 +146,16 @@ def test_min_p_goes_before_top_p_as_in_vllm():
     assert (top_p_only[0] > 0).nonzero().flatten().tolist() == [0, 1]
     min_p_only = Sampler(seed=0).probabilities(logits, [_seq(2, temperature=1.0, min_p=0.05)])
     assert (min_p_only[0] > 0).nonzero().flatten().tolist() == [0, 1]
+
+
+def test_a_row_whose_allowed_tokens_are_all_banned_raises_rather_than_escape_them():
+    """Bad words ban a token once the tokens before it are written (a longer word's last
+    token): where that leaves none of allowed_token_ids, sampling raises (the request
+    fails alone) instead of yielding a token outside them."""
+    seq = _seq(0, temperature=0.0, allowed_token_ids=[7], bad_words=["x"])
+    seq.sampling_params._bad_words_token_ids = [[7, 7]]  # a word that is token 7 twice
+    sampler = Sampler()
+    assert sampler(_logits(1, 0), [seq]).token_ids == [7]  # allowed: nothing written yet
+    seq.append_token(7, None, None)
+    with pytest.raises(ValueError, match="allowed_token_ids is banned"):
+        sampler(_logits(1, 1), [seq])
