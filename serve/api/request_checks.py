@@ -44,11 +44,15 @@ def check_limits(request: SamplingRequest, settings: ServerSettings) -> None:
 
 
 def truncate_prompt(
-    ids: list[int], keep: int | None, max_model_len: int, is_prefill_only: bool = False
+    ids: list[int],
+    keep: int | None,
+    max_model_len: int,
+    is_prefill_only: bool = False,
+    is_pooling: bool = False,
 ) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as
-    the context holds beside one output token; all of it for a prefill-only request);
-    None: the prompt as it is. The offline `LLM` cuts prompts alike."""
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens, an embedding's
+    first (-1: as many as the context holds beside one output token; all of it for a
+    prefill-only request); None: the prompt as it is. The offline `LLM` cuts alike."""
     if keep is not None and (keep == 0 or keep > max_model_len):
         raise APIError(
             400,
@@ -56,7 +60,7 @@ def truncate_prompt(
             f"from 1 to {max_model_len}; got {keep}.",
             param="truncate_prompt_tokens",
         )
-    return truncated_prompt(ids, keep, max_model_len, is_prefill_only)
+    return truncated_prompt(ids, keep, max_model_len, is_prefill_only, is_pooling)
 
 
 def fit_prompt(

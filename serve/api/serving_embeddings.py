@@ -74,7 +74,9 @@ class EmbeddingHandler:
                 ids = list(item)
             if not ids:
                 raise APIError(400, f"Input {i} has no tokens.", param="input")
-            ids = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len, True)
+            ids = truncate_prompt(
+                ids, request.truncate_prompt_tokens, max_model_len, True, is_pooling=True
+            )
             if len(ids) > max_model_len:
                 raise APIError(
                     400,

@@ -66,10 +66,24 @@ def token_text_in_context(decode: TextDecoder, token_id: int, context: list[int]
     U+FFFD (the token holds a piece of a character split over several tokens). Then it is
     read after the tokens before it in the sequence (`context`, oldest first; the last 4
     matter): "" while the character is incomplete, and on the token that completes it the
-    whole character (with what else the token adds). So a sequence's labels join to its
-    text, where each piece alone would be a U+FFFD of its own."""
+    whole character (with what else the token adds). Any other token is what it adds
+    after the token before it (its leading space, which a sentencepiece token decoded
+    alone drops). So a sequence's labels join to its text, where each piece alone would
+    be a U+FFFD of its own."""
     text = decode([token_id], False)
     if not text.endswith(REPLACEMENT):
+        if not context:
+            return text
+        # What the token adds after the ones before it: a sentencepiece (Metaspace) token
+        # decoded alone loses its leading space, which it writes after a neighbour.
+        # The shortest window before it that ends on a whole character.
+        for size in range(1, min(len(context), MAX_CHAR_TOKENS) + 1):
+            window = context[-size:]
+            before = decode(window, False)
+            if before.endswith(REPLACEMENT):
+                continue
+            after = decode([*window, token_id], False)
+            return after[len(before) :] if after.startswith(before) else text
         return text
     context = context[-MAX_CHAR_TOKENS:]
     for start in range(len(context) - 1, -1, -1):  # one token of context, then more

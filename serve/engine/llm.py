@@ -64,6 +64,8 @@ class LLM:
         self.engine = EngineCore(config)
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_ids = itertools.count()
+        # Each running request's params: its outputs' logprobs and text follow them (`_present`).
+        self._params: dict[str, SamplingParams] = {}
         self._spaces_special_tokens: bool | None = None  # found on first need
         self._sampling_defaults = sampling_defaults(
             self.engine.model_path, config.model.generation_config
@@ -139,12 +141,16 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         *,
         lora_request: Any = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in the order given: the model's final hidden states
         pooled as `pooling_params` says (None: the model's defaults, see
         `pooling_type` / `pooling_normalize`), as vLLM's `LLM.embed` returns them
-        (`out.outputs.embedding`). They share steps with any other request."""
+        (`out.outputs.embedding`). They share steps with any other request.
+        `tokenization_kwargs` as in `generate`, but `truncate_prompt_tokens` keeps a
+        prompt's first tokens, as vLLM's pooling does."""
         check_no_lora(lora_request)
+        keep, add_special_tokens = tokenization_options(tokenization_kwargs)
         prompts = prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_list = [pooling_params or PoolingParams()] * len(prompts)
@@ -155,10 +161,12 @@ class LLM:
                     f"Got {len(pooling_list)} PoolingParams for {len(prompts)} prompts; "
                     "give one for all or one per prompt."
                 )
-        requests = [
-            (*self._tokenize(p), SamplingParams(max_tokens=0, pooling=pooling))
-            for p, pooling in zip(prompts, pooling_list)
-        ]
+        max_len = self.engine.max_model_len
+        requests = []
+        for prompt, pooling in zip(prompts, pooling_list):
+            text, ids = self._tokenize(prompt, add_special_tokens)
+            ids = truncated_prompt(ids, keep, max_len, is_prefill_only=True, is_pooling=True)
+            requests.append((text, ids, SamplingParams(max_tokens=0, pooling=pooling)))
         results = []
         for out in self._run(requests, use_tqdm):
             if out.pooled is None:  # the engine failed it (the error says why)
@@ -173,8 +181,36 @@ class LLM:
     def beam_search(
         self,
         prompts: Prompt | SequenceABC[Prompt],
-        beam_width: int | BeamSearchParams,
-        max_tokens: int | None = None,
+        beam_width: int | BeamSearchParams | None = None,
+        *args: Any,
+        params: BeamSearchParams | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput] | list[BeamSearchOutput]:
+        """Beam search as HF transformers does it (`num_beams`, `length_penalty`,
+        `early_stopping`), called in either of two forms:
+
+        - serve's, `beam_search(prompts, beam_width, max_tokens, length_penalty=1.0,
+          early_stopping=False, ignore_eos=False, num_return_sequences=None,
+          use_tqdm=True)`: each `RequestOutput` holds the best `num_return_sequences`
+          (default: all `beam_width`) beams, best first;
+        - vLLM's, `beam_search(prompts, params, lora_request=None, use_tqdm=False,
+          concurrency_limit=None)` with `params` a `BeamSearchParams` (positional or by
+          name): a `BeamSearchOutput` per prompt, its `.sequences` the `beam_width` best
+          beams (`BeamSearchSequence`s), ranked as serve ranks them; `concurrency_limit`
+          runs the prompts that many at a time."""
+        if params is not None or isinstance(beam_width, BeamSearchParams):
+            if params is not None and beam_width is not None:
+                raise TypeError("beam_search takes its BeamSearchParams once.")
+            return self._vllm_beam_search(prompts, params or beam_width, *args, **kwargs)
+        if beam_width is None:
+            raise TypeError("beam_search needs a beam_width and max_tokens, or BeamSearchParams.")
+        return self._serve_beam_search(prompts, beam_width, *args, **kwargs)
+
+    def _serve_beam_search(
+        self,
+        prompts: Prompt | SequenceABC[Prompt],
+        beam_width: int,
+        max_tokens: int,
         length_penalty: float = 1.0,
         early_stopping: bool | str = False,
         ignore_eos: bool = False,
@@ -182,57 +218,32 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm] = True,
         *,
         lora_request: Any = None,
-        concurrency_limit: int | None = None,
-    ) -> list[RequestOutput] | list[BeamSearchOutput]:
-        """Beam search as HF transformers does it (`num_beams`, `length_penalty`,
-        `early_stopping`), called in either of two forms:
-
-        - serve's, `beam_search(prompts, beam_width, max_tokens, ...)`: each `RequestOutput`
-          holds the best `num_return_sequences` (default: all `beam_width`) beams, best first;
-        - vLLM's, `beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))`:
-          a `BeamSearchOutput` per prompt, its `.sequences` the `beam_width` best beams
-          (`BeamSearchSequence`s), ranked as serve ranks them. `concurrency_limit` runs
-          the prompts that many at a time."""
+    ) -> list[RequestOutput]:
         check_no_lora(lora_request)
-        if not isinstance(beam_width, BeamSearchParams):
-            if max_tokens is None:
-                raise TypeError("beam_search needs max_tokens (or a BeamSearchParams).")
-            params = SamplingParams(
-                n=num_return_sequences or beam_width,
-                best_of=beam_width,
-                use_beam_search=True,
-                temperature=0.0,
-                max_tokens=max_tokens,
-                length_penalty=length_penalty,
-                early_stopping=early_stopping,
-                ignore_eos=ignore_eos,
-            )
-            return self.generate(prompts, params, use_tqdm)
-        given = {
-            "max_tokens": max_tokens is not None,
-            "length_penalty": length_penalty != 1.0,
-            "early_stopping": early_stopping is not False,
-            "ignore_eos": ignore_eos is not False,
-            "num_return_sequences": num_return_sequences is not None,
-        }
-        if any(given.values()):
-            named = ", ".join(name for name, is_given in given.items() if is_given)
-            raise TypeError(
-                f"beam_search with BeamSearchParams reads {named} from them; give use_tqdm, "
-                "lora_request and concurrency_limit by keyword."
-            )
-        return self._vllm_beam_search(prompt_list(prompts), beam_width, use_tqdm, concurrency_limit)
+        params = SamplingParams(
+            n=num_return_sequences or beam_width,
+            best_of=beam_width,
+            use_beam_search=True,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            ignore_eos=ignore_eos,
+        )
+        return self.generate(prompts, params, use_tqdm)
 
     def _vllm_beam_search(
         self,
-        prompts: list[Prompt],
+        prompts: Prompt | SequenceABC[Prompt],
         beam_params: BeamSearchParams,
-        use_tqdm: bool | Callable[..., tqdm],
-        concurrency_limit: int | None,
+        lora_request: Any = None,
+        use_tqdm: bool | Callable[..., tqdm] = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """serve's beam search, its beams in vLLM's shape: `tokens` the prompt's and the
         beam's, `text` their decoding together, `logprobs` per output token the candidates
         its step ranked from this beam."""
+        check_no_lora(lora_request)
         if concurrency_limit is not None and (
             isinstance(concurrency_limit, bool)
             or not isinstance(concurrency_limit, int)
@@ -241,6 +252,7 @@ class LLM:
             raise ValueError(
                 f"concurrency_limit must be a positive integer, got {concurrency_limit!r}."
             )
+        prompts = prompt_list(prompts)
         params = beam_params.sampling_params()
         step = concurrency_limit or max(len(prompts), 1)
         outputs: list[RequestOutput] = []
@@ -277,6 +289,7 @@ class LLM:
         self._check_special_token_spacing(params)
         prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens, params)
         self.engine.add_request(request_id, prompt_token_ids, params, prompt, priority=priority)
+        self._params[request_id] = params
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
 
     def _truncated(
@@ -304,6 +317,7 @@ class LLM:
         final = self.engine.abort_request(request_id)
         outputs = self._process([final] if final is not None else [])
         self.output_processor.abort_request(request_id)
+        self._params.pop(request_id, None)
         return next((out for out in outputs if out.request_id == request_id), None)
 
     def has_unfinished_requests(self) -> bool:
@@ -329,7 +343,21 @@ class LLM:
                         deltas.append(final)
                 elif isinstance(command, AbortRequest):
                     self.engine.abort_request(command.request_id)  # ended here already
+        for out in outputs:
+            params = self._params.get(out.request_id)
+            if params is not None:
+                self._present(out, params)
+                if out.finished:
+                    del self._params[out.request_id]
         return outputs
+
+    def _present(self, out: RequestOutput, params: SamplingParams) -> None:
+        """An output as vLLM's `LLM` hands it out: logprobs as `Logprob`s, and no text under
+        `detokenize=False`."""
+        self._give_logprobs_fields(out, params)
+        if not params.detokenize:  # vLLM's detokenize=False: token ids, no text
+            for completion in out.outputs:
+                completion.text = ""
 
     def shutdown(self) -> None:
         """Stop the engine's workers (their processes, with tensor parallelism). Idempotent;
@@ -353,9 +381,18 @@ class LLM:
         """Start `stats().peak_num_blocks_used` over from the blocks in use now."""
         self.engine.reset_peak()
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
         """vLLM's: forget every cached prefix, so the next prompts compute theirs afresh (a
-        benchmark's cold runs). False, changing nothing, while requests hold blocks."""
+        benchmark's cold runs). False, changing nothing, while requests hold blocks.
+        `reset_running_requests` (preempting them first) is refused; serve has no KV
+        connector, so `reset_connector` has nothing to reset."""
+        if reset_running_requests:
+            raise ValueError(
+                "reset_running_requests is not supported: reset the prefix cache while no "
+                "request runs (it returns False otherwise)."
+            )
         return self.engine.reset_prefix_cache()
 
     def chat(
@@ -474,13 +511,7 @@ class LLM:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
-        outputs = [results[i] for i in ids]
-        for out, (_, _, params) in zip(outputs, requests):
-            self._give_logprobs_fields(out, params)
-            if not params.detokenize:  # vLLM's detokenize=False: token ids, no text
-                for completion in out.outputs:
-                    completion.text = ""
-        return outputs
+        return [results[i] for i in ids]
 
     def _give_logprobs_fields(self, out: RequestOutput, params: SamplingParams) -> None:
         """Logprobs as vLLM's `Logprob`s (rank, decoded token): scripts written for vLLM

@@ -19,11 +19,16 @@ CONTENT_FORMATS = ("auto", "string")
 
 
 def truncated_prompt(
-    token_ids: list[int], keep: int | None, max_model_len: int, is_prefill_only: bool
+    token_ids: list[int],
+    keep: int | None,
+    max_model_len: int,
+    is_prefill_only: bool,
+    is_pooling: bool = False,
 ) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens; -1: as many as
-    the context holds with room for one output token (all of it for a prefill-only
-    request), as vLLM counts it. None: the prompt as it is."""
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens, or for an
+    embedding its first (vLLM's pooling runner truncates on the right); -1: as many as the
+    context holds with room for one output token (all of it for a prefill-only request),
+    as vLLM counts it. None: the prompt as it is."""
     if keep is None:
         return token_ids
     if keep == -1:
@@ -33,7 +38,9 @@ def truncated_prompt(
             f"truncate_prompt_tokens is {keep}, more than the context holds "
             f"(max_model_len {max_model_len})."
         )
-    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+    if len(token_ids) <= keep:
+        return token_ids
+    return token_ids[:keep] if is_pooling else token_ids[-keep:]
 
 
 def check_content_format(content_format: str) -> None:

@@ -17,7 +17,12 @@ import transformers
 from tiny_models import build_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from serve.engine.detokenizer import IncrementalDetokenizer, find_stop_string, text_decoder
+from serve.engine.detokenizer import (
+    IncrementalDetokenizer,
+    find_stop_string,
+    text_decoder,
+    token_text_in_context,
+)
 
 MULTIBYTE_TEXT = "héllo wörld — 你好 🙂"
 TEXTS = [
@@ -196,6 +201,20 @@ def test_byte_fallback_output_after_a_run_of_byte_tokens(byte_fallback):
     assert byte_fallback.convert_ids_to_tokens(output)[0] == "<0xF0>"
     seq, _ = detokenize(byte_fallback, prompt, output)
     assert seq.text == "🙂 world"
+
+
+@pytest.mark.parametrize("name", ["byte_level", "byte_fallback"])
+@pytest.mark.parametrize("text", [*TEXTS, "Hello world 日本 the sea 🎉 x"])
+def test_token_labels_in_context_join_to_the_text(request, name, text):
+    """Each token labelled after the ones before it (logprobs' labels, as vLLM's): the
+    pieces of a split character "" and then the whole character, a sentencepiece token
+    with the space it writes after a neighbour; together, the decoded text."""
+    tokenizer = request.getfixturevalue(name)
+    ids = encode(tokenizer, text)
+    decode = text_decoder(tokenizer)
+    labels = [token_text_in_context(decode, t, ids[max(0, i - 4) : i]) for i, t in enumerate(ids)]
+    assert "\ufffd" not in "".join(labels) or "\ufffd" in text
+    assert "".join(labels) == tokenizer.decode(ids)
 
 
 # -- stop strings ----------------------------------------------------------------------------

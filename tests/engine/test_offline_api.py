@@ -335,6 +335,18 @@ def test_output_kind_delta_steps_and_final_generate(llm):
     while llm.has_unfinished_requests():
         pieces += [out.outputs[0].token_ids for out in llm.step() if out.outputs]
     assert len(pieces) > 1 and sum(pieces, []) == whole.outputs[0].token_ids
+    # Stepped by hand, outputs are what generate hands out: Logprobs, no text without
+    # detokenize.
+    stepped = SamplingParams(logprobs=1, detokenize=False, **greedy)
+    llm.add_request("stepped", whole.prompt_token_ids, stepped, "The sea is wide")
+    last = None
+    while llm.has_unfinished_requests():
+        last = next((out for out in llm.step() if out.request_id == "stepped"), last)
+    (completion,) = last.outputs
+    assert completion.text == "" and completion.token_ids == whole.outputs[0].token_ids
+    assert all(
+        entries[t].rank >= 1 for t, entries in zip(completion.token_ids, completion.logprobs)
+    )
 
 
 def test_lora_request_none_is_taken_and_a_real_one_refused(llm):
@@ -382,8 +394,11 @@ def test_beam_search_in_vllms_form(llm):
             assert seq.finish_reason == "length"
     one_at_a_time = llm.beam_search(prompts, params, use_tqdm=False, concurrency_limit=1)
     assert one_at_a_time == outs
-    with pytest.raises(TypeError, match="reads max_tokens"):
-        llm.beam_search(prompts, params, 8)
+    # vLLM's spellings: `params` by name, and (lora_request, use_tqdm) positional after it.
+    assert llm.beam_search(prompts, params=params) == outs
+    assert llm.beam_search(prompts, params, None, False) == outs
+    with pytest.raises(TypeError):
+        llm.beam_search(prompts, params, max_tokens=8)  # serve's form's argument
     with pytest.raises(ValueError, match="lora_request is not supported"):
         llm.beam_search(prompts, params, lora_request=object())
     assert not llm.has_unfinished_requests()
