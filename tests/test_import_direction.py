@@ -34,6 +34,7 @@ LEAVES = frozenset(
         "sequence",
         "outputs",
         "step",
+        "vllm_arguments",
     }
 )
 LAYERS = frozenset(
@@ -261,6 +262,7 @@ def test_scheduler_allocator_and_leaves_import_no_torch():
 TORCH_FREE_AT_RUNTIME = [
     "serve",
     "serve.config",
+    "serve.vllm_arguments",
     "serve.sampling_params",
     "serve.structured_outputs",
     "serve.sequence",

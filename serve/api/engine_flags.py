@@ -18,13 +18,8 @@ import types
 import typing
 from typing import Any
 
-from serve.config import (
-    VLLM_ARGUMENTS,
-    EngineConfig,
-    InvalidSettingError,
-    Setting,
-    engine_settings,
-)
+from serve.config import EngineConfig, InvalidSettingError, Setting, engine_settings
+from serve.vllm_arguments import VLLM_ARGUMENTS
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> dict[str, Any]:

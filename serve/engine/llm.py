@@ -57,7 +57,7 @@ class LLM:
         `kv_cache_memory="4GiB"` (the KV cache on CPU), `swap_space=4` (GiB),
         `tensor_parallel_size=2`, ... An unknown name is a TypeError that lists them.
         vLLM's engine arguments are taken too (`dtype=torch.bfloat16`, `enforce_eager`,
-        `runner="pooling"`, `cpu_offload_gb=0`, ...; serve/config.py's VLLM_ARGUMENTS),
+        `runner="pooling"`, `cpu_offload_gb=0`, ...; serve/vllm_arguments.py),
         those serve cannot honour refused by name. `seed=None` (older vLLM's default: no
         fixed seed) draws one at random, logged."""
         config = EngineConfig.create(model, **kwargs)
