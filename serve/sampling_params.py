@@ -23,6 +23,18 @@ MAX_BAD_WORD_CHARS = 1000
 RequestOutputKind = OutputKind  # vLLM's name for it, importable from here as from vLLM
 
 
+def check_truncate_prompt_tokens(keep: Any) -> None:
+    """vLLM's `truncate_prompt_tokens` (on SamplingParams or in `tokenization_kwargs`):
+    None, -1 (the context's worth) or a positive integer."""
+    if keep is not None and (
+        isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)
+    ):
+        raise ValueError(
+            f"truncate_prompt_tokens must be -1 (the context's worth) or a positive integer, "
+            f"got {keep!r}."
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to decode one request, mirroring vLLM's `SamplingParams`.
@@ -159,14 +171,7 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _check_output_controls(self) -> None:
-        keep = self.truncate_prompt_tokens
-        if keep is not None and (
-            isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)
-        ):
-            raise ValueError(
-                f"truncate_prompt_tokens must be -1 (the context's worth) or a positive "
-                f"integer, got {keep!r}."
-            )
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for name in ("detokenize", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}.")

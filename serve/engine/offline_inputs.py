@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.engine.detokenizer import text_decoder
+from serve.sampling_params import check_truncate_prompt_tokens
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
 Prompt = str | list[int] | dict[str, Any]
@@ -82,13 +83,7 @@ def tokenization_options(kwargs: dict[str, Any] | None) -> tuple[int | None, boo
             f"tokenization_kwargs takes {' and '.join(TOKENIZATION_KWARGS)} here; serve has no "
             f"setting for {', '.join(sorted(options))}."
         )
-    if keep is not None and (
-        isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)
-    ):
-        raise ValueError(
-            f"truncate_prompt_tokens must be -1 (the context's worth) or a positive integer, "
-            f"got {keep!r}."
-        )
+    check_truncate_prompt_tokens(keep)
     if add_special_tokens is not None and not isinstance(add_special_tokens, bool):
         raise ValueError(f"add_special_tokens must be true or false, got {add_special_tokens!r}.")
     return keep, add_special_tokens
