@@ -139,19 +139,6 @@ class CompletionHandler:
             completion.token_ids, completion.logprobs, text_offset, num_top, as_ids, context
         )
 
-    def _echo_offset(self, prompt_token_ids: list[int], as_ids: bool) -> int:
-        """Where the output's text_offset starts under echo: past the prompt's tokens, each
-        counted by its label's text, as the logprobs list them (vLLM walks prompt and output
-        in one pass)."""
-        return sum(
-            len(
-                token_label(
-                    self.tokenizer, t, as_ids, prompt_token_ids[max(0, i - MAX_CHAR_TOKENS) : i]
-                )
-            )
-            for i, t in enumerate(prompt_token_ids)
-        )
-
     def _token_logprobs(
         self,
         token_ids: list[int],
@@ -200,11 +187,15 @@ class CompletionHandler:
         prefix = prompt_text if request.echo else ""
         num_top = request.logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
-        start = self._echo_offset(out.prompt_token_ids, as_ids) if request.echo else 0
-        logprobs = self._logprobs(completion, start, num_top, as_ids, out.prompt_token_ids)
-        if request.echo and logprobs is not None and out.prompt_logprobs is not None:
+        # Under echo with logprobs the prompt's come first (echo asks the engine for them:
+        # `num_prompt_logprobs`), and the output's text_offset starts past their labels.
+        echoed, start = None, 0
+        if request.echo and completion.logprobs is not None and out.prompt_logprobs is not None:
             prompt = (out.prompt_token_ids, out.prompt_logprobs)
             echoed = self._token_logprobs(*prompt, 0, num_top, as_ids, [])
+            start = sum(len(token) for token in echoed["tokens"])
+        logprobs = self._logprobs(completion, start, num_top, as_ids, out.prompt_token_ids)
+        if echoed is not None and logprobs is not None:
             logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
         choice = {
             "index": index,
@@ -305,10 +296,9 @@ class CompletionHandler:
         # Each choice's next text_offset: counted by the tokens' texts, as the whole
         # response counts them, not by the text sent (the detokenizer and stop strings
         # hold some back for a while).
-        offsets = [
-            self._echo_offset(prompts[index // request.n][1], as_ids) if request.echo else 0
-            for index in range(len(streams) * request.n)
-        ]
+        # (Echo with logprobs is streamed only to score a prompt, `_prompt_score_events`:
+        # here the output's offsets start at 0.)
+        offsets = [0] * (len(streams) * request.n)
         # Each choice's last tokens, which label the next ones (`_token_logprobs`).
         contexts = [
             prompts[index // request.n][1][-MAX_CHAR_TOKENS:]
