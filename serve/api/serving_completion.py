@@ -8,7 +8,7 @@ completion token is counted. Streamed, each choice is one chunk with all of that
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from serve.api.errors import APIError
@@ -84,15 +84,7 @@ class CompletionHandler:
                 "prompt (its logprobs with logprobs), or ask for at least 1 token.",
                 param="max_tokens",
             )
-        scores_prompt = request.requested_max_tokens == 0
-        if request.stream and not scores_prompt:  # the prompt's logprobs are not streamed
-            if request.echo and request.logprobs is not None:
-                raise APIError(
-                    400,
-                    "echo with logprobs cannot be streamed unless max_tokens is 0 (the "
-                    "prompt scored alone); set stream to false.",
-                    param="echo",
-                )
+        if request.stream and request.requested_max_tokens != 0:
             check_no_streamed_prompt_logprobs(request)
         cap = self.settings.sampling_defaults.get("max_tokens")
         return [
@@ -287,30 +279,46 @@ class CompletionHandler:
         writer: ChunkWriter,
         on_usage: UsageCallback | None,
     ) -> AsyncIterator[bytes]:
-        if request.echo:
-            for index in range(len(streams) * request.n):
+        num_choices = len(streams) * request.n
+        # Echo without logprobs goes first, alone. With logprobs it waits for the prompt's
+        # (they come with each request's first output) and leads the choice's first chunk,
+        # as vLLM streams it: the prompt's text and tokens, then the output's first.
+        echo_waits = request.echo and request.logprobs is not None
+        if request.echo and not echo_waits:
+            for index in range(num_choices):
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
+        firsts: list[RequestOutput | None] = [None] * len(streams)
+        if echo_waits:
+            streams = [_noting_first(stream, firsts, i) for i, stream in enumerate(streams)]
+        unechoed = set(range(num_choices)) if echo_waits else set()
         num_top = request.logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
         # Each choice's next text_offset: counted by the tokens' texts, as the whole
         # response counts them, not by the text sent (the detokenizer and stop strings
         # hold some back for a while).
-        # (Echo with logprobs is streamed only to score a prompt, `_prompt_score_events`:
-        # here the output's offsets start at 0.)
-        offsets = [0] * (len(streams) * request.n)
+        offsets = [0] * num_choices
         # Each choice's last tokens, which label the next ones (`_token_logprobs`).
         contexts = [
-            prompts[index // request.n][1][-MAX_CHAR_TOKENS:]
-            for index in range(len(streams) * request.n)
+            prompts[index // request.n][1][-MAX_CHAR_TOKENS:] for index in range(num_choices)
         ]
 
         def content(index, completion):
+            echo, echoed = "", None
+            if index in unechoed:
+                unechoed.discard(index)
+                first = firsts[index // request.n]
+                echo = prompts[index // request.n][0]
+                prompt = (first.prompt_token_ids, first.prompt_logprobs)
+                echoed = self._token_logprobs(*prompt, 0, num_top, as_ids, [])
+                offsets[index] = sum(len(token) for token in echoed["tokens"])
             logprobs = self._logprobs(completion, offsets[index], num_top, as_ids, contexts[index])
             contexts[index] = [*contexts[index], *completion.token_ids][-MAX_CHAR_TOKENS:]
             if logprobs is not None and logprobs["tokens"]:
                 offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-            return [{"text": completion.text, "logprobs": logprobs}]
+            if echoed is not None and logprobs is not None:
+                logprobs = {key: echoed[key] + logprobs[key] for key in logprobs}
+            return [{"text": echo + completion.text, "logprobs": logprobs}]
 
         def finish(index, completion):
             return [finish_chunk(completion, text="")]
@@ -320,3 +328,17 @@ class CompletionHandler:
             streams, request.n, writer, num_prompt, content, finish, on_usage
         ):
             yield event
+
+
+async def _noting_first(
+    stream: AsyncGenerator[RequestOutput, None], firsts: list[RequestOutput | None], index: int
+) -> AsyncGenerator[RequestOutput, None]:
+    """`stream`'s outputs, its first kept in `firsts[index]` (it carries the prompt's
+    logprobs); closing this closes `stream`, which aborts its request."""
+    try:
+        async for out in stream:
+            if firsts[index] is None:
+                firsts[index] = out
+            yield out
+    finally:
+        await stream.aclose()

@@ -215,6 +215,30 @@ def test_text_offsets_walk_the_tokens_streamed_or_not_echoed_or_not(client, serv
     assert streamed_offsets == plain.text_offset
 
 
+def test_echo_with_logprobs_streams_as_it_returns(client, server):
+    """Streamed, echo with logprobs leads each choice's first chunk with the prompt's text
+    and logprobs (as vLLM streams it; it was a 400), so the chunks join to the response
+    that is not streamed: the same text, tokens, logprobs and offsets."""
+    prompt = "Café über naïve € Hello, world!"
+    kwargs = dict(max_tokens=6, echo=True, logprobs=2, n=2, extra_body=IGNORE_EOS)
+    whole = greedy(client, server, prompt, **kwargs).choices
+    texts, tokens, logprobs, offsets = ([[], []] for _ in range(4))
+    for chunk in greedy(client, server, prompt, stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index].append(choice.text)
+            if choice.logprobs is not None:
+                tokens[choice.index] += choice.logprobs.tokens
+                logprobs[choice.index] += choice.logprobs.token_logprobs
+                offsets[choice.index] += choice.logprobs.text_offset
+    for index, choice in enumerate(whole):
+        assert choice.text.startswith(prompt) and "".join(texts[index]) == choice.text
+        assert texts[index][0].startswith(prompt)  # the echo leads the first chunk
+        assert tokens[index] == choice.logprobs.tokens
+        assert offsets[index] == choice.logprobs.text_offset
+        assert logprobs[index][0] is None  # the prompt's first token has none
+        assert logprobs[index][1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+
+
 def test_labels_of_split_characters_join_to_the_text(client, server, http):
     """A character split over several byte tokens is labelled as vLLM labels it: "" on
     its first pieces, the whole character on the piece that completes it. So the labels

@@ -33,7 +33,7 @@ def test_stream_options_need_stream(http, server):
         {"prompt": [10**6]},
         {"prompt": 5},
         {"logprobs": 50},
-        {"echo": True, "logprobs": 1, "stream": True},
+        {"prompt_logprobs": 1, "stream": True},
         {"suffix": "x"},
         {"n": 3, "best_of": 2},
         {"best_of": 3, "stream": True},  # the best cannot be known until the end
