@@ -246,9 +246,10 @@ class CompletionHandler:
             if request.return_token_ids
             else None,
         )
-        streams = self._open(request, engine_id, prompts)
-        if request.requested_max_tokens == 0:
+        if request.requested_max_tokens == 0:  # one chunk per choice, at its end
+            streams = self._open(request, engine_id, prompts, OutputKind.FINAL_ONLY)
             return self._prompt_score_events(request, prompts, streams, writer, on_usage)
+        streams = self._open(request, engine_id, prompts)
         return self._events(request, prompts, streams, writer, on_usage)
 
     async def _prompt_score_events(
@@ -333,11 +334,12 @@ class CompletionHandler:
 async def _noting_first(
     stream: AsyncGenerator[RequestOutput, None], firsts: list[RequestOutput | None], index: int
 ) -> AsyncGenerator[RequestOutput, None]:
-    """`stream`'s outputs, its first kept in `firsts[index]` (it carries the prompt's
-    logprobs); closing this closes `stream`, which aborts its request."""
+    """`stream`'s outputs, the first with the prompt's logprobs kept in `firsts[index]`
+    (a DELTA stream gives them once); closing this closes `stream`, which aborts its
+    request."""
     try:
         async for out in stream:
-            if firsts[index] is None:
+            if firsts[index] is None and out.prompt_logprobs is not None:
                 firsts[index] = out
             yield out
     finally:

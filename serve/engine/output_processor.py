@@ -138,6 +138,7 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_ranks: list[int | None] | None = None
         self.pooled: list[float] | None = None
+        self.gave_prompt_logprobs = False  # a DELTA reader gets them once, as vLLM's
         self.is_finished = False
         # time.monotonic() of its arrival here, its first and its latest output tokens.
         self.arrival_time = arrival_time
@@ -196,7 +197,12 @@ class RequestState:
                 completions.append(completion)
         if not completions and not self.is_finished:
             return None
-        return self._request_output(completions)
+        out = self._request_output(completions)
+        if self.gave_prompt_logprobs:  # each delta holds what is new: they were given
+            out.prompt_logprobs = out.prompt_ranks = None
+        elif out.prompt_logprobs is not None:
+            self.gave_prompt_logprobs = True
+        return out
 
     def output(self) -> RequestOutput:
         """Everything so far (for a DELTA request: only before anything was handed out)."""

@@ -421,3 +421,24 @@ def test_the_engine_gives_each_output_kind(llm, prompt):
             whole.token_ids += c.token_ids
             whole.finish_reason = c.finish_reason
     assert len(delta) > 1 and key(joined.values()) == key(final[0].outputs)
+
+
+@pytest.mark.parametrize("kind", [OutputKind.DELTA, OutputKind.CUMULATIVE])
+def test_prompt_logprobs_reach_a_delta_reader_once(tokenizer, kind):
+    """Each DELTA output holds what is new, so the prompt's logprobs come with the first
+    alone (as vLLM's do; they were repeated in every delta); each CUMULATIVE one has all."""
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, PROMPT_IDS, SamplingParams(prompt_logprobs=1), kind)
+    prompt_logprobs = [None, {6: -0.5, 7: -1.0}, {7: -0.25}]
+    prompt_ranks = [None, 1, 1]
+    first = RequestDelta("r", [_token(0, 9)], False, prompt_logprobs, prompt_ranks)
+    outputs = processor.process([first]).outputs
+    for token_id in (10, 11):
+        outputs += _step(processor, _token(0, token_id)).outputs
+    assert [out.prompt_logprobs for out in outputs][0] == prompt_logprobs
+    assert outputs[0].prompt_ranks == prompt_ranks
+    later = [(out.prompt_logprobs, out.prompt_ranks) for out in outputs[1:]]
+    if kind is OutputKind.DELTA:
+        assert later == [(None, None)] * 2
+    else:
+        assert later == [(prompt_logprobs, prompt_ranks)] * 2
