@@ -32,7 +32,9 @@ class Logprob(float):
 
     __slots__ = ("rank", "decoded_token")
 
-    def __new__(cls, logprob: float, rank: int | None, decoded_token: str | None) -> Logprob:
+    def __new__(
+        cls, logprob: float, rank: int | None = None, decoded_token: str | None = None
+    ) -> Logprob:
         self = super().__new__(cls, logprob)
         self.rank, self.decoded_token = rank, decoded_token
         return self
@@ -49,17 +51,18 @@ def ranked_logprobs(
     entries: dict[int, float],
     num_top: int | None,
     decode: Callable[[int], str | None],
+    chosen: int,
     rank: int | None = None,
 ) -> dict[int, Logprob]:
-    """`entries` ({token id: logprob}: the `num_top` most likely tokens, then the chosen
-    one) as `Logprob`s, as vLLM ranks them: the top ones by their order; an entry past the
-    first `num_top` is the chosen token outside them, whose rank is `rank` (its place in
-    the vocabulary, from the worker; None: unknown). `num_top` None: all are the best."""
-    ranked = sorted(entries.items(), key=lambda kv: kv[1], reverse=True)  # stable on ties
-    return {
-        token: Logprob(lp, i + 1 if num_top is None or i < num_top else rank, decode(token))
-        for i, (token, lp) in enumerate(ranked)
-    }
+    """`entries` ({token id: logprob}: the `num_top` most likely tokens and the `chosen`
+    one) as `Logprob`s, in vLLM's order and ranks: the chosen token first, then the others
+    best first; the top ones ranked by their order, the chosen token outside them by
+    `rank` (its place in the vocabulary, from the worker; None: unknown). `num_top` None:
+    all are the best."""
+    ranked = sorted(entries, key=entries.__getitem__, reverse=True)  # stable on ties
+    ranks = {t: i + 1 if num_top is None or i < num_top else rank for i, t in enumerate(ranked)}
+    order = [chosen, *(t for t in ranked if t != chosen)] if chosen in entries else ranked
+    return {t: Logprob(entries[t], ranks[t], decode(t)) for t in order}
 
 
 @dataclass

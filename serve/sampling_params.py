@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -225,6 +226,10 @@ class SamplingParams:
             self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, as vLLM's `clone` (a script's per-prompt variants of one base)."""
+        return copy.deepcopy(self)
 
     def token_ids_to_check(self) -> list[int]:
         """The token ids this request names (stop, bias, allowed), for the engine to check

@@ -539,9 +539,9 @@ class LLM:
                 ranks = completion.ranks or [None] * len(completion.logprobs)
                 sequence, start = [*prompt, *completion.token_ids], len(prompt)
                 completion.logprobs = [
-                    ranked_logprobs(entries, num_top, decoder(sequence, start + i), rank)
-                    for i, (entries, rank) in enumerate(
-                        zip(completion.logprobs, ranks, strict=True)
+                    ranked_logprobs(entries, num_top, decoder(sequence, start + i), token, rank)
+                    for i, (entries, token, rank) in enumerate(
+                        zip(completion.logprobs, completion.token_ids, ranks, strict=True)
                     )
                 ]
         if out.prompt_logprobs is not None:
@@ -549,7 +549,9 @@ class LLM:
             out.prompt_logprobs = [
                 None
                 if entries is None
-                else ranked_logprobs(entries, params.prompt_logprobs, decoder(prompt, i), rank)
+                else ranked_logprobs(
+                    entries, params.prompt_logprobs, decoder(prompt, i), prompt[i], rank
+                )
                 for i, (entries, rank) in enumerate(
                     zip(out.prompt_logprobs, prompt_ranks, strict=True)
                 )

@@ -7,6 +7,7 @@ from tiny_models import hf_greedy
 from tqdm import tqdm
 
 from serve import LLM, SamplingParams
+from serve.outputs import Logprob
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,8 @@ def test_stop_strings_and_stop_token_ids(llm):
 def test_logprobs_in_vllms_shape(llm):
     """vLLM scripts read `lp[token].logprob`, `.rank` and `.decoded_token`; the values stay
     floats too. Ranks follow the top ones; a sampled token outside them has its rank in
-    the vocabulary, past theirs."""
+    the vocabulary, past theirs. Each dict starts with the sampled (or prompt) token, then
+    the others best first, as vLLM orders them (scripts take `next(iter(entries))`)."""
     tokenizer = llm.get_tokenizer()
     params = SamplingParams(
         temperature=1.5, seed=3, max_tokens=8, logprobs=2, prompt_logprobs=1, ignore_eos=True
@@ -72,6 +74,9 @@ def test_logprobs_in_vllms_shape(llm):
         assert [lp.logprob for lp in ranked] == sorted(entries.values(), reverse=True)
         if len(entries) == 3:  # sampled outside the best two
             assert entries[token].rank > 2
+        assert next(iter(entries)) == token
+        others = [lp.logprob for t, lp in entries.items() if t != token]
+        assert others == sorted(others, reverse=True)
         for t, lp in entries.items():  # a piece of a split character reads in context
             alone = tokenizer.decode([t])
             assert lp.decoded_token == alone or alone.endswith("\ufffd")
@@ -84,7 +89,14 @@ def test_logprobs_in_vllms_shape(llm):
     assert out.prompt_logprobs[0] is None
     for token, entries in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert entries[token].logprob <= 0 and min(lp.rank for lp in entries.values()) == 1
-        assert entries[token].rank >= 1
+        assert entries[token].rank >= 1 and next(iter(entries)) == token
+    # vLLM's members a script builds or copies them with
+    assert Logprob(-0.5).logprob == -0.5 and Logprob(-0.5).rank is None
+    base = SamplingParams(stop=["a"], logit_bias={5: 1.0}, logprobs=2)
+    copy = base.clone()
+    copy.stop.append("b")
+    copy.logit_bias[6] = 2.0
+    assert copy.logprobs == 2 and (base.stop, base.logit_bias) == (["a"], {5: 1.0})
 
 
 def test_decoded_tokens_of_split_characters_join_to_the_text(llm):
