@@ -80,8 +80,8 @@ def prompt_logprobs_json(
     tokenizer: Any, out: RequestOutput, num_top: int
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs` field: per prompt token, null for the first, else
-    {token id: {logprob, rank, decoded_token}} for the `num_top` best (ranked by their
-    order) and the prompt token (outside them: its rank under the model). Each
+    {token id: {logprob, rank, decoded_token}} for the prompt token (outside the best: its
+    rank under the model), then the `num_top` best (ranked by their order). Each
     `decoded_token` is read after the prompt tokens before it (`token_label`)."""
     if out.prompt_logprobs is None:
         return None
@@ -94,8 +94,11 @@ def prompt_logprobs_json(
         if top is None:
             result.append(None)
             continue
-        entries = {t: (lp, i + 1) for i, (t, lp) in enumerate(ranked_alternatives(top, num_top))}
-        entries.setdefault(token_id, (top[token_id], rank))
+        # The prompt token first, then the best in order, as vLLM lists them; its rank is
+        # its place among them where it is one of them.
+        entries = {token_id: (top[token_id], rank)}
+        for i, (t, lp) in enumerate(ranked_alternatives(top, num_top)):
+            entries[t] = (lp, i + 1)
         context = prompt_ids[max(0, position - MAX_CHAR_TOKENS) : position]
         result.append(
             {

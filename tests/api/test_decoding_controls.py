@@ -111,8 +111,9 @@ def test_echo_with_logprobs_reports_the_prompt_tokens(http, server, tokenizer, t
 
 
 def test_prompt_logprobs_field(http, server, tokenizer, tiny_llama):
-    """vLLM's field: per prompt token {logprob, rank, decoded_token} for the top one (rank
-    1) and the prompt token, whose rank is HF's count of the tokens at least as likely."""
+    """vLLM's field: per prompt token {logprob, rank, decoded_token} for the prompt token,
+    whose rank is HF's count of the tokens at least as likely, then the top one (rank 1),
+    in vLLM's order: the prompt token's key first."""
     body = completion(server, max_tokens=1, prompt_logprobs=1)
     choice = http.post("/v1/completions", json=body).json()["choices"][0]
     prompt_ids = tokenizer(PROMPT).input_ids
@@ -120,7 +121,7 @@ def test_prompt_logprobs_field(http, server, tokenizer, tiny_llama):
     assert len(entries) == len(prompt_ids) and entries[0] is None
     reference = hf_log_softmax(tiny_llama, prompt_ids)
     for pos, (token_id, entry) in enumerate(zip(prompt_ids[1:], entries[1:]), start=1):
-        assert str(token_id) in entry and len(entry) in (1, 2)
+        assert next(iter(entry)) == str(token_id) and len(entry) in (1, 2)
         assert entry[str(token_id)]["decoded_token"] == tokenizer.decode([token_id])
         assert all(v["logprob"] <= 0 for v in entry.values())
         assert all(list(v) == ["logprob", "rank", "decoded_token"] for v in entry.values())
