@@ -11,6 +11,7 @@ import socket
 import ssl
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
 from serve.api.limits import RequestLimits
@@ -18,6 +19,9 @@ from serve.api.metrics import METRIC_PREFIXES
 from serve.chat.tool_parsers import TOOL_PARSERS
 from serve.config import InvalidSettingError
 from serve.engine.protocol import EngineStartError
+
+if TYPE_CHECKING:
+    from serve.api.settings import Cors
 
 logger = logging.getLogger("serve")
 
@@ -99,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--root-path",
         default="",
-        help="the path prefix a proxy serves the API under when it strips it (e.g. /llm), "
-        "for the URLs the app builds",
+        help="the path prefix a proxy serves the API under (e.g. /llm): every route answers "
+        "with it or without it (a proxy that strips it, or one that passes it on), and the "
+        "URLs the app builds carry it",
     )
     server.add_argument(
         "--log-level",
@@ -271,6 +276,28 @@ def build_parser() -> argparse.ArgumentParser:
         "any; without it, no CORS headers",
     )
     security.add_argument(
+        "--allowed-methods",
+        action="append",
+        default=None,
+        metavar="METHOD",
+        help="with --allowed-origins: the HTTP methods browsers may use, in the same forms "
+        "(vLLM's '[\"*\"]' too) (default: GET, POST, DELETE: every route's)",
+    )
+    security.add_argument(
+        "--allowed-headers",
+        action="append",
+        default=None,
+        metavar="HEADER",
+        help="with --allowed-origins: the request headers browsers may send, in the same "
+        "forms (default: any, as the OpenAI SDKs send headers of their own)",
+    )
+    security.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="with --allowed-origins: browsers may send cookies and HTTP auth (CORS "
+        "credentials); the API key travels in a header either way",
+    )
+    security.add_argument(
         "--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this private key"
     )
     security.add_argument(
@@ -375,21 +402,44 @@ def comma_list(values: list[str] | None) -> tuple[str, ...]:
     return tuple(item for item in items if item)
 
 
-def origins(values: list[str] | None) -> tuple[str, ...]:
-    """--allowed-origins: repeated, comma-separated, or a JSON list (vLLM's form)."""
+def origins(values: list[str] | None, flag: str = "--allowed-origins") -> tuple[str, ...]:
+    """--allowed-origins (and the other CORS lists): repeated, comma-separated, or a JSON
+    list (vLLM's form)."""
     listed = []
     for value in values or ():
         if value.lstrip().startswith("["):
             try:
                 items = json.loads(value)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--allowed-origins {value}: not a JSON list ({e})") from None
+                raise ValueError(f"{flag} {value}: not a JSON list ({e})") from None
             if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-                raise ValueError(f"--allowed-origins {value}: a JSON list of strings, please")
+                raise ValueError(f"{flag} {value}: a JSON list of strings, please")
             listed.extend(items)
         else:
             listed.append(value)
     return comma_list(listed)
+
+
+def cors(args: argparse.Namespace) -> Cors:
+    """The CORS settings from their flags; the lists need --allowed-origins to mean
+    anything, so giving them without it is a mistake said at start-up."""
+    from serve.api.settings import Cors
+
+    lists = {"--allowed-methods": args.allowed_methods, "--allowed-headers": args.allowed_headers}
+    extras = [flag for flag, values in lists.items() if values] + (
+        ["--allow-credentials"] if args.allow_credentials else []
+    )
+    allowed_origins = origins(args.allowed_origins)
+    if extras and not allowed_origins:
+        raise ValueError(f"{', '.join(extras)} need --allowed-origins (no CORS without it).")
+    methods = origins(args.allowed_methods, "--allowed-methods")
+    headers = origins(args.allowed_headers, "--allowed-headers")
+    return Cors(
+        allowed_origins,
+        tuple(m.upper() for m in methods) or Cors.allowed_methods,
+        headers or Cors.allowed_headers,
+        args.allow_credentials,
+    )
 
 
 API_KEY_VARIABLES = ("SERVE_API_KEY", "VLLM_API_KEY")  # the first set wins
@@ -466,7 +516,6 @@ def main(argv: list[str] | None = None) -> None:
             app,
             host=args.host,
             port=args.port,
-            root_path=args.root_path,
             log_level=args.uvicorn_log_level,
             access_log=False,  # serve's own (AccessLog) logs each request
             ssl_keyfile=args.ssl_keyfile,
@@ -516,7 +565,7 @@ def _load(args: argparse.Namespace):
             'the parser is what reads tool calls out of tool_choice "auto" output.'
         )
     keys = api_keys(args.api_key, os.environ)
-    allowed_origins = origins(args.allowed_origins)
+    cross_origin = cors(args)
     check_tls_files(args)
     try:  # before the model loads: a port in use is said at once
         sock = listening_socket(args.host, args.port)
@@ -547,7 +596,8 @@ def _load(args: argparse.Namespace):
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_public=args.metrics_public,
         metrics_names=args.metrics_names,
-        allowed_origins=allowed_origins,
+        cors=cross_origin,
+        root_path=args.root_path,
         tool_call_parser=args.tool_call_parser,
         max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,
         max_body_bytes=args.max_request_body_bytes,

@@ -94,10 +94,10 @@ class AccessLog:
 
 
 def route_path(scope: Scope) -> str:
-    """The path the app routes by: without the proxy's prefix (--root-path), which the
-    server puts in front of `scope["path"]`."""
+    """The path the app routes by: without the proxy's prefix (--root-path) where it
+    leads the path (a proxy that passes it on), as Starlette's routing strips it."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    if root and path.startswith(root):
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
         return path[len(root) :] or "/"
     return path
 

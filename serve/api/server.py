@@ -67,6 +67,9 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(
+        # A request's path may carry it or not: routing strips it where it leads
+        # (route_path), as vLLM's app answers both.
+        root_path=settings.root_path,
         title="serve",
         version=serve.__version__,
         docs_url=None,
@@ -101,7 +104,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404:
-            message = f"No route {request.method} {request.url.path}."
+            message = f"No route {request.method} {route_path(request.scope)}."
         body = error_body(exc.status_code, message, path=route_path(request.scope))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
@@ -121,15 +124,14 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_middleware(
         APIKeyAuth, keys=settings.api_keys, public=public_paths(settings.metrics_public)
     )
-    if settings.allowed_origins:
+    cors = settings.cors
+    if cors.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(settings.allowed_origins),
-            allow_methods=["GET", "POST", "DELETE"],
-            # The OpenAI SDKs send their own headers besides Authorization and
-            # Content-Type (X-Stainless-*, OpenAI-Organization, ...), and no fixed list
-            # keeps up with them. The API key, not CORS, is what guards the routes.
-            allow_headers=["*"],
+            allow_origins=list(cors.allowed_origins),
+            allow_methods=list(cors.allowed_methods),
+            allow_headers=list(cors.allowed_headers),
+            allow_credentials=cors.allow_credentials,
             expose_headers=["Retry-After", "X-Request-Id"],
         )
     app.state.metrics = metrics = ServerMetrics(

@@ -11,6 +11,19 @@ from serve.config import CacheConfig, ResponseStoreConfig
 
 
 @dataclass(frozen=True)
+class Cors:
+    """Which browser origins may call the API, and how (--allowed-origins and friends)."""
+
+    allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    allowed_methods: tuple[str, ...] = ("GET", "POST", "DELETE")  # every route's
+    # The OpenAI SDKs send their own headers besides Authorization and Content-Type
+    # (X-Stainless-*, OpenAI-Organization, ...), and no fixed list keeps up with them. The
+    # API key, not CORS, is what guards the routes.
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
 class ServerSettings:
     served_model_name: str  # the name replies carry, and metrics' model_name
     model_path: str
@@ -22,7 +35,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     metrics_public: bool = False  # /metrics needs no key
     metrics_names: str = "serve"  # the prefix of the vLLM-shaped series: serve_ or vllm:
-    allowed_origins: tuple[str, ...] = ()  # CORS for these browser origins; empty: no CORS
+    cors: Cors = field(default_factory=Cors)
+    root_path: str = ""  # a proxy's prefix: routes answer with it or without it
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
     max_generating_requests: int | None = None  # in flight, running or queued; None: no cap
     max_body_bytes: int | None = None

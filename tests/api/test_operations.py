@@ -114,7 +114,7 @@ def test_quiet_paths_stay_out_of_the_access_log_and_request_ids_come_back(operat
         assert httpx.get(f"{operated.url}/health", timeout=10).status_code == 200
     own = httpx.get(f"{operated.url}/version", headers={"X-Request-Id": "trace-17"}, timeout=10)
     assert own.headers["x-request-id"] == "trace-17"
-    _wait_for_line(operated, 'trace-17 "GET /llm/version" 200')  # the path as asked
+    _wait_for_line(operated, 'trace-17 "GET /version" 200')  # the path as asked
     assert '"GET /health"' not in operated.log()
     # An id the log could not show as one plain word is replaced, never echoed.
     odd = httpx.get(f"{operated.url}/version", headers={"X-Request-Id": "a b\tc"}, timeout=10)
@@ -122,13 +122,20 @@ def test_quiet_paths_stay_out_of_the_access_log_and_request_ids_come_back(operat
     # A quiet path that fails is still logged.
     refused = httpx.delete(f"{operated.url}/health", timeout=10)
     assert refused.status_code == 405
-    _wait_for_line(operated, f'{refused.headers["x-request-id"]} "DELETE /llm/health" 405')
+    _wait_for_line(operated, f'{refused.headers["x-request-id"]} "DELETE /health" 405')
 
 
 def test_the_proxys_prefix_is_the_apps_root_path(server_factory, operated):
-    """Behind a proxy that strips /llm, the API answers on the plain paths, and the
-    schema's servers list carries the prefix, so generated clients call through it."""
-    assert httpx.get(f"{operated.v1}/models", timeout=10).status_code == 200
+    """With --root-path /llm the API answers on the plain paths (a proxy that strips the
+    prefix) and on the prefixed ones (a proxy that passes it on; they were 404s), as vLLM's
+    does; the schema's servers list carries the prefix, so generated clients call through
+    it. A path that only starts with the same letters is not the prefix."""
+    for base in (operated.url, f"{operated.url}/llm"):
+        assert httpx.get(f"{base}/v1/models", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    missing = httpx.get(f"{operated.url}/llmx/v1/models", timeout=10)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["message"] == "No route GET /llmx/v1/models."
     assert httpx.get(f"{operated.url}/openapi.json", timeout=10).status_code == 404
     prefixed = server_factory("--root-path", "/llm")
     schema = httpx.get(f"{prefixed.url}/openapi.json", timeout=10).json()

@@ -15,7 +15,8 @@ from api.openai_errors import assert_openai_error
 from tiny_models import build_tokenizer
 
 from serve.api.auth import is_authorized
-from serve.api.cli import api_keys, comma_list, origins
+from serve.api.cli import api_keys, build_parser, comma_list, cors, origins
+from serve.api.settings import Cors
 from serve.chat.rendering import ChatRenderError, render_chat
 
 KEYS = ("key-one", "key-two")
@@ -41,6 +42,9 @@ def browser_facing(server_factory):
     return server_factory(
         "--allowed-origins",
         f"{ORIGIN}, https://second.example.com",
+        "--allowed-methods",
+        '["*"]',
+        "--allow-credentials",
         "--metrics-public",
         env={"SERVE_API_KEY": ",".join(ENV_KEYS)},
     )
@@ -222,6 +226,31 @@ def test_cors_preflight_from_an_allowed_origin(browser_facing, origin):
     assert "POST" in resp.headers["access-control-allow-methods"]
     allowed_headers = resp.headers["access-control-allow-headers"].lower()
     assert "authorization" in allowed_headers and "content-type" in allowed_headers
+
+
+def test_cors_methods_and_credentials_as_flagged(browser_facing):
+    """vLLM's --allowed-methods '["*"]' lets a PUT preflight through (the methods were
+    fixed at GET, POST, DELETE), and --allow-credentials says so to the browser."""
+    headers = {"Origin": ORIGIN, "Access-Control-Request-Method": "PUT"}
+    resp = httpx.options(f"{browser_facing.url}/v1/chat/completions", headers=headers)
+    assert resp.status_code == 200 and "PUT" in resp.headers["access-control-allow-methods"]
+    assert resp.headers["access-control-allow-credentials"] == "true"
+
+
+def test_cors_flags_as_vllm_writes_them():
+    def parsed(*flags):
+        return cors(build_parser().parse_args(["--model", "m", *flags]))
+
+    assert parsed() == Cors()  # no origins: no CORS
+    flagged = parsed("--allowed-origins", '["*"]', "--allowed-methods", "get,post")
+    assert flagged.allowed_methods == ("GET", "POST") and flagged.allowed_headers == ("*",)
+    headers = parsed("--allowed-origins", "*", "--allowed-headers", '["x-a", "x-b"]')
+    assert headers.allowed_headers == ("x-a", "x-b") and not headers.allow_credentials
+    for alone in (["--allow-credentials"], ["--allowed-methods", "PUT"]):
+        with pytest.raises(ValueError, match="need --allowed-origins"):
+            parsed(*alone)
+    with pytest.raises(ValueError, match="--allowed-headers"):
+        parsed("--allowed-origins", "*", "--allowed-headers", "[1]")
 
 
 def test_cors_preflight_from_another_origin(browser_facing):
