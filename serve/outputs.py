@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -107,6 +108,9 @@ class RequestOutput:
     # A pooling request's vector (its embedding), once finished; its `outputs` hold one
     # empty completion.
     pooled: list[float] | None = None
+    # Prompt tokens whose K/V the prefix cache held when the request was first scheduled
+    # (vLLM's field); None before the core has scheduled it.
+    num_cached_tokens: int | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -132,6 +136,7 @@ class RequestOutput:
         self.finished = later.finished
         self.error = later.error
         self.pooled = later.pooled
+        self.num_cached_tokens = later.num_cached_tokens
 
 
 class RequestsFailedError(RuntimeError):
@@ -220,6 +225,47 @@ class RequestTimes:
     decode_s: float
 
 
+@dataclass
+class Histogram:
+    """Observations per bucket (not cumulative; the last is above every bound) and their
+    sum: plain data, which /metrics exports as a Prometheus histogram."""
+
+    bounds: tuple[float, ...]  # strictly increasing
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self, up_to: float = float("inf")) -> list[tuple[float, int]]:
+        """Prometheus' buckets: (le, observations at most le) for the bounds up to
+        `up_to`, ending with (inf, all of them)."""
+        out, running = [], 0
+        for bound, n in zip(self.bounds, self.counts):
+            if bound > up_to:
+                break
+            running += n
+            out.append((bound, running))
+        out.append((float("inf"), self.count))
+        return out
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+
+# vLLM's buckets of tokens per engine step: powers of two up to a large batch budget.
+ITERATION_TOKENS_BUCKETS = (
+    1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0,
+)  # fmt: skip
 QUEUE_TIME_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 MAX_PRIORITY_LABELS = 16  # distinct priorities with their own series; later ones share one
 
@@ -295,10 +341,14 @@ class EngineStats:
     kv_waste_fraction: float  # allocated token slots holding no token / allocated slots
     num_running: int = 0  # requests
     num_waiting: int = 0
+    num_waiting_for_grammar: int = 0  # of num_waiting, those whose grammar still compiles
     num_swapped: int = 0
     num_cpu_blocks_used: int = 0  # swap space in use
     num_cpu_blocks_total: int = 0  # swap space
     queue_times: QueueTimes = field(default_factory=QueueTimes)
+    # Tokens each engine step ran through the model: prompt chunks, decode tokens and the
+    # proposals checked (the scheduler's).
+    iteration_tokens: Histogram = field(default_factory=lambda: Histogram(ITERATION_TOKENS_BUCKETS))
     # --scheduling-policy sjf: the output-length predictor's mean absolute error in tokens
     # (None until it predicts).
     sjf_predictor_mae_tokens: float | None = None

@@ -185,6 +185,10 @@ class SequenceGroup:
     # --scheduling-policy priority: lower runs first (vLLM's convention); 0 otherwise.
     priority: int = 0
     started: bool = False  # scheduled at least once (a preempted request stays started)
+    # The scheduler's: prompt tokens the prefix cache held when it was first scheduled
+    # (None before), and the times it was preempted.
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
     # The scheduler's clock when it was first scheduled, and when its first token came.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

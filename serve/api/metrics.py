@@ -3,12 +3,16 @@ counters, and HTTP answers.
 
 Two kinds of series:
 - vLLM's: the request-level histograms (time to first token, inter-token and end-to-end
-  latency, queue, prefill and decode time, tokens per request), the token and finished
-  request counters, the scheduler's queue lengths, KV cache use, prefix cache hits,
-  preemptions, and the cache's settings (`cache_config_info`, a gauge at 1). Their names
-  and meanings are vLLM's and they carry its `model_name` label; the prefix is `serve_` by
-  default (Prometheus reserves `:` for recording rules) and `vllm:` with `--metrics-names
-  vllm`, under which vLLM's dashboards and autoscaling rules work unchanged (the older names its example dashboard still reads come too).
+  latency, queue, prefill and decode time, tokens and preemptions per request), the token
+  (cached prompt tokens too) and finished request counters, tokens per engine step, the
+  scheduler's queue lengths (waiting by reason too), KV cache use, prefix cache hits,
+  preemptions, and the cache's settings (`cache_config_info`, a gauge at 1). Their names,
+  meanings and buckets are vLLM's (the token counts' sized by max_model_len), and they
+  carry its `model_name` and `engine` ("0": serve runs one engine core) labels, which
+  vLLM's dashboards filter and group by; the prefix is `serve_` by default (Prometheus
+  reserves `:` for recording rules) and `vllm:` with `--metrics-names vllm`, under which
+  vLLM's dashboards and autoscaling rules work unchanged (the older names its example
+  dashboard still reads come too).
 - serve's own, always `serve_`: engine liveness, KV blocks, step phases, HTTP statuses.
 
 The request metrics are the front end's (engine/request_metrics.py), read at scrape time;
@@ -29,11 +33,12 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from serve.config import CacheConfig
 from serve.engine.protocol import EngineClient
-from serve.engine.request_metrics import HISTOGRAMS, Histogram
-from serve.outputs import QUEUE_TIME_BUCKETS_S, QueueTimes, SpecDecodeStats
+from serve.engine.request_metrics import HISTOGRAMS, TOKEN_HISTOGRAMS
+from serve.outputs import QUEUE_TIME_BUCKETS_S, Histogram, QueueTimes, SpecDecodeStats
 
 METRIC_PREFIXES = {"serve": "serve_", "vllm": "vllm:"}  # --metrics-names
 # vLLM's older names, which its example Grafana dashboard still reads: alias → name.
@@ -43,6 +48,7 @@ VLLM_ALIASES = {
 }
 _STEP_PHASES = ("schedule", "prepare", "forward", "sample", "output")
 DEFAULT_PRIORITY_LABEL = "0"  # the queue time's priority label of a request that gives none
+ENGINE_LABEL = "0"  # vLLM's engine index: serve runs one engine core
 
 
 class _EngineCollector(Collector):
@@ -50,7 +56,8 @@ class _EngineCollector(Collector):
         self, engine: EngineClient, model_name: str, names: str, cache: CacheConfig
     ) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.labels = ["model_name", "engine"]  # on every vLLM-shaped series, as vLLM's
+        self.label_values = [model_name, ENGINE_LABEL]
         self.cache = cache
         self.prefix = METRIC_PREFIXES[names]
         self.aliases = names == "vllm"
@@ -123,31 +130,36 @@ class _EngineCollector(Collector):
 
     def _request_metrics(self) -> Iterator[Metric]:
         snap = self.engine.request_metrics.snapshot()
-        model = [self.model_name]
+        max_model_len = self.engine.max_model_len
         for name, (_, doc) in HISTOGRAMS.items():
+            # vLLM's token buckets: 1, 2, 5, 10, ... up to max_model_len.
+            up_to = max_model_len if name in TOKEN_HISTOGRAMS else float("inf")
             for exported in self._names(name):
-                yield _histogram(
-                    exported, doc, ["model_name"], {tuple(model): snap.histograms[name]}
-                )
+                yield self._histogram(exported, doc, snap.histograms[name], up_to)
         for name, doc, value in (
             ("prompt_tokens", "Prompt tokens of requests that have started.", snap.prompt_tokens),
+            (
+                "prompt_tokens_cached",
+                "Of prompt_tokens, those whose K/V the prefix cache held when their request "
+                "was first scheduled.",
+                snap.prompt_tokens_cached,
+            ),
             ("generation_tokens", "Generated tokens (all sequences).", snap.generation_tokens),
         ):
-            yield _counter(self.prefix + name, doc, model, value)
+            yield self._counter(self.prefix + name, doc, value)
         finished = CounterMetricFamily(
             self.prefix + "request_success",
             "Requests that ended, by finish reason (stop, length, abort, error).",
-            labels=["model_name", "finished_reason"],
+            labels=[*self.labels, "finished_reason"],
         )
         for reason, count in sorted(snap.finished.items()):
-            finished.add_metric([self.model_name, reason], count)
+            finished.add_metric([*self.label_values, reason], count)
         yield finished
 
     def _engine_metrics(self) -> Iterator[Metric]:
         stats = self.engine.core_stats
         assert stats is not None
         e = stats.engine
-        model = [self.model_name]
         for name, doc, value in (
             ("num_requests_running", "Requests in the running batch.", e.num_running),
             ("num_requests_waiting", "Requests waiting to start.", e.num_waiting),
@@ -164,9 +176,17 @@ class _EngineCollector(Collector):
             ),
         ):
             for exported in self._names(name):
-                gauge = GaugeMetricFamily(exported, doc, labels=["model_name"])
-                gauge.add_metric(model, value)
-                yield gauge
+                yield self._gauge(exported, doc, value)
+        waiting = GaugeMetricFamily(
+            self.prefix + "num_requests_waiting_by_reason",
+            "Waiting requests by reason: capacity (for seats, blocks or tokens in a step), "
+            "deferred (for their grammar to compile). They add up to num_requests_waiting.",
+            labels=[*self.labels, "reason"],
+        )
+        num_deferred = e.num_waiting_for_grammar
+        waiting.add_metric([*self.label_values, "capacity"], e.num_waiting - num_deferred)
+        waiting.add_metric([*self.label_values, "deferred"], num_deferred)
+        yield waiting
         for name, doc, value in (
             (
                 "prefix_cache_queries",
@@ -176,8 +196,14 @@ class _EngineCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", e.prefix_cache_hits),
             ("num_preemptions", "Requests preempted for lack of KV blocks.", e.num_preemptions),
         ):
-            yield _counter(self.prefix + name, doc, model, value)
+            yield self._counter(self.prefix + name, doc, value)
         yield self._queue_time_histogram(e.queue_times)
+        yield self._histogram(
+            self.prefix + "iteration_tokens_total",
+            "Tokens per engine step: the prompt chunks, decode tokens and proposals it ran "
+            "through the model.",
+            e.iteration_tokens,
+        )
         if e.spec_decode is not None:
             yield from self._spec_decode_metrics(e.spec_decode)
 
@@ -210,7 +236,6 @@ class _EngineCollector(Collector):
     def _spec_decode_metrics(self, spec: SpecDecodeStats) -> Iterator[Metric]:
         """vLLM's speculative decoding counters; the acceptance rate is accepted over draft
         tokens, the mean accepted length 1 + accepted over drafts (as rates of these)."""
-        model = [self.model_name]
         for name, doc, value in (
             ("spec_decode_num_drafts", "Sequence steps that checked proposals.", spec.num_drafts),
             ("spec_decode_num_draft_tokens", "Proposed tokens checked.", spec.num_draft_tokens),
@@ -220,14 +245,14 @@ class _EngineCollector(Collector):
                 spec.num_accepted_tokens,
             ),
         ):
-            yield _counter(self.prefix + name, doc, model, value)
+            yield self._counter(self.prefix + name, doc, value)
         per_position = CounterMetricFamily(
             self.prefix + "spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose proposal at this position (0-based) was accepted.",
-            labels=["model_name", "position"],
+            labels=[*self.labels, "position"],
         )
         for position, count in enumerate(spec.accepted_per_position):
-            per_position.add_metric([self.model_name, str(position)], count)
+            per_position.add_metric([*self.label_values, str(position)], count)
         yield per_position
         for name, doc, value in (
             (
@@ -241,39 +266,43 @@ class _EngineCollector(Collector):
                 spec.mean_accepted_length,
             ),
         ):
-            gauge = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
-            gauge.add_metric(model, value)
-            yield gauge
+            yield self._gauge(self.prefix + name, doc, value)
 
     def _queue_time_histogram(self, queue_times: QueueTimes) -> HistogramMetricFamily:
         family = HistogramMetricFamily(
             self.prefix + "request_queue_time_seconds",
             "Seconds from a request's arrival at the engine to its first scheduled step, "
             "by priority (0 unless --scheduling-policy priority).",
-            labels=["model_name", "priority"],
+            labels=[*self.labels, "priority"],
         )
-        bounds = [str(b) for b in QUEUE_TIME_BUCKETS_S] + ["+Inf"]
+        bounds = [floatToGoString(b) for b in QUEUE_TIME_BUCKETS_S] + ["+Inf"]
         # The default priority's series is there from the start, at 0, as vLLM's is.
         counts_by_label = {DEFAULT_PRIORITY_LABEL: [0] * len(bounds), **queue_times.counts}
         for label, counts in sorted(counts_by_label.items()):
             buckets = list(zip(bounds, counts))
-            family.add_metric([self.model_name, label], buckets, queue_times.sums.get(label, 0.0))
+            total = queue_times.sums.get(label, 0.0)
+            family.add_metric([*self.label_values, label], buckets, total)
         return family
 
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, doc, labels=self.labels)
+        family.add_metric(self.label_values, value)
+        return family
 
-def _counter(name: str, doc: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, doc, labels=["model_name"])
-    family.add_metric(labels, value)
-    return family
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, doc, labels=self.labels)
+        family.add_metric(self.label_values, value)
+        return family
 
-
-def _histogram(
-    name: str, doc: str, label_names: list[str], series: dict[tuple[str, ...], Histogram]
-) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, doc, labels=label_names)
-    for labels, h in series.items():
-        family.add_metric(list(labels), h.cumulative(), h.total)
-    return family
+    def _histogram(
+        self, name: str, doc: str, h: Histogram, up_to: float = float("inf")
+    ) -> HistogramMetricFamily:
+        """`h` with its bounds up to `up_to`, written as prometheus_client writes its
+        own (1e+06, not 1000000.0), as vLLM's are."""
+        family = HistogramMetricFamily(name, doc, labels=self.labels)
+        buckets = [(floatToGoString(le), n) for le, n in h.cumulative(up_to)]
+        family.add_metric(self.label_values, buckets, h.total)
+        return family
 
 
 class ServerMetrics:

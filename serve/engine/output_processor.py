@@ -138,6 +138,10 @@ class RequestState:
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_ranks: list[int | None] | None = None
         self.pooled: list[float] | None = None
+        # The core's, from its latest message (RequestDelta): prompt tokens the prefix
+        # cache held (None until scheduled), and the times it was preempted.
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
         self.gave_prompt_logprobs = False  # a DELTA reader gets them once, as vLLM's
         self.is_finished = False
         # time.monotonic() of its arrival here, its first and its latest output tokens.
@@ -164,6 +168,9 @@ class RequestState:
             self.prompt_ranks = delta.prompt_ranks
         if delta.pooled is not None:
             self.pooled = delta.pooled
+        if delta.num_cached_tokens is not None:
+            self.num_cached_tokens = delta.num_cached_tokens
+        self.num_preemptions = delta.num_preemptions
         changed = False
         stopped: list[int] = []  # sequences a stop string ended while the core runs them
         for d in delta.seqs:
@@ -226,6 +233,7 @@ class RequestState:
             self.prompt_logprobs,
             self.prompt_ranks,
             pooled=self.pooled,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _new_seq(self, index: int) -> _SeqOutput:
@@ -385,7 +393,11 @@ class OutputProcessor:
         if num_new:
             if state.first_token_time is None:
                 state.first_token_time = now
-                self.metrics.first_token(now - state.arrival_time, len(state.prompt_token_ids))
+                self.metrics.first_token(
+                    now - state.arrival_time,
+                    len(state.prompt_token_ids),
+                    state.num_cached_tokens or 0,
+                )
                 self.metrics.new_tokens(num_new, None)
             else:
                 self.metrics.new_tokens(num_new, now - (state.last_token_time or now))
@@ -398,7 +410,7 @@ class OutputProcessor:
             return
         params = state.params
         if params.is_prefill_only:  # no first token: its prompt counts now
-            self.metrics.prompt_done(len(state.prompt_token_ids))
+            self.metrics.prompt_done(len(state.prompt_token_ids), state.num_cached_tokens or 0)
         decode_s = None  # its tokens came all at once (beam search's results), or none did
         if state.first_token_time is not None and state.last_token_time is not None:
             if state.last_token_time > state.first_token_time:
@@ -415,6 +427,7 @@ class OutputProcessor:
                 max_tokens=params.max_tokens,
                 n=params.n,
                 times=delta.times,
+                num_preemptions=state.num_preemptions,
                 is_prefill_only=params.is_prefill_only,
             )
         )

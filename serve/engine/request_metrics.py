@@ -4,7 +4,9 @@ Measured where a request's outputs reach the front end (`OutputProcessor`, on th
 that receives the core's steps), so time to first token and inter-token latency include
 everything but the HTTP hop: the queue, the forward passes, the IPC and the decoding of
 text. The core adds what only it knows: how long a finished request waited, prefilled
-and decoded (`RequestTimes`). /metrics reads a `snapshot()` at scrape time.
+and decoded (`RequestTimes`), how many of its prompt tokens the prefix cache held and how
+often it was preempted (on its `RequestDelta`s). /metrics reads a `snapshot()` at scrape
+time.
 
 Names are vLLM's metric names without the `vllm:` prefix (api/metrics.py adds a prefix),
 buckets are vLLM's, so dashboards and autoscaling rules written for vLLM read them.
@@ -12,11 +14,10 @@ buckets are vLLM's, so dashboards and autoscaling rules written for vLLM read th
 
 from __future__ import annotations
 
-import bisect
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from serve.outputs import RequestTimes
+from serve.outputs import Histogram, RequestTimes
 from serve.sequence import FinishReason
 
 TTFT_BUCKETS_S = (
@@ -31,9 +32,12 @@ REQUEST_LATENCY_BUCKETS_S = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
-# 1, 2, 5, 10, 20, 50, ... up to a million tokens: every context a model has today.
-TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5)) + (1e6,)
+# 1, 2, 5, 10, 20, 50, ... tokens, past every context a model has today. vLLM's token
+# histograms take this ladder up to max_model_len: /metrics shows those bounds of it,
+# whose cumulative counts are the same whatever bounds follow.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(10) for m in (1, 2, 5))
 N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
+PREEMPTION_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 # request_success's finished_reason labels, every one exported from the start (at 0, as
 # vLLM does) so that ratios of their rates have data before the first of each.
 FINISHED_REASONS = (*(reason.value for reason in FinishReason), "error")
@@ -83,39 +87,13 @@ HISTOGRAMS: dict[str, tuple[tuple[float, ...], str]] = {
     ),
     "request_params_max_tokens": (TOKEN_BUCKETS, "The max_tokens of finished requests."),
     "request_params_n": (N_BUCKETS, "The n of finished requests."),
+    "request_num_preemptions": (
+        PREEMPTION_BUCKETS,
+        "Per finished request: the times the engine preempted it.",
+    ),
 }
-
-
-@dataclass
-class Histogram:
-    """Counts per bucket (not cumulative; the last is above every bound) and the sum."""
-
-    bounds: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.bounds) + 1)
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le: value <= bound
-        self.total += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """Prometheus' buckets: (le, observations at most le), ending with +Inf."""
-        out, running = [], 0
-        for bound, n in zip([*map(str, self.bounds), "+Inf"], self.counts):
-            running += n
-            out.append((bound, running))
-        return out
-
-    def copy(self) -> Histogram:
-        return Histogram(self.bounds, list(self.counts), self.total)
+# The histograms of token counts, whose buckets /metrics cuts at max_model_len.
+TOKEN_HISTOGRAMS = frozenset(name for name, (b, _) in HISTOGRAMS.items() if b is TOKEN_BUCKETS)
 
 
 @dataclass
@@ -133,6 +111,7 @@ class FinishedRequest:
     max_tokens: int | None
     n: int
     times: RequestTimes | None  # the core's phases
+    num_preemptions: int = 0  # times the core preempted it
     # Sampled nothing (max_tokens 0: a pooling request, a prompt scored): it observes no
     # generation histogram, whose 0s would only drag their averages down.
     is_prefill_only: bool = False
@@ -142,6 +121,7 @@ class FinishedRequest:
 class RequestMetricsSnapshot:
     histograms: dict[str, Histogram]
     prompt_tokens: int  # of requests that have had their first token (or finished without)
+    prompt_tokens_cached: int  # of those, the tokens the prefix cache held
     generation_tokens: int  # output tokens that reached the front end
     finished: dict[str, int]  # requests by finish reason: stop, length, abort, error
 
@@ -154,19 +134,24 @@ class RequestMetrics:
         self._lock = threading.Lock()
         self._histograms = {name: Histogram(bounds) for name, (bounds, _) in HISTOGRAMS.items()}
         self._prompt_tokens = 0
+        self._prompt_tokens_cached = 0
         self._generation_tokens = 0
         self._finished = dict.fromkeys(FINISHED_REASONS, 0)
 
-    def first_token(self, ttft_s: float, num_prompt_tokens: int) -> None:
+    def first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """A request's first output tokens came: its prompt's tokens count, and those of
+        them the prefix cache held."""
         with self._lock:
             self._histograms["time_to_first_token_seconds"].observe(ttft_s)
             self._prompt_tokens += num_prompt_tokens
+            self._prompt_tokens_cached += num_cached_tokens
 
-    def prompt_done(self, num_prompt_tokens: int) -> None:
+    def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """A request that samples no token (max_tokens 0, an embedding) finished its
         prompt: its prompt tokens count, with no time to first token."""
         with self._lock:
             self._prompt_tokens += num_prompt_tokens
+            self._prompt_tokens_cached += num_cached_tokens
 
     def new_tokens(self, num_tokens: int, since_last_s: float | None) -> None:
         """A step gave a request `num_tokens`; `since_last_s` since its previous output
@@ -184,6 +169,7 @@ class RequestMetrics:
             h["e2e_request_latency_seconds"].observe(r.e2e_s)
             h["request_prompt_tokens"].observe(r.num_prompt_tokens)
             h["request_params_n"].observe(r.n)
+            h["request_num_preemptions"].observe(r.num_preemptions)
             if r.times is not None:
                 h["request_prefill_time_seconds"].observe(r.times.prefill_s)
                 h["request_inference_time_seconds"].observe(r.times.prefill_s + r.times.decode_s)
@@ -212,6 +198,7 @@ class RequestMetrics:
             return RequestMetricsSnapshot(
                 {name: h.copy() for name, h in self._histograms.items()},
                 self._prompt_tokens,
+                self._prompt_tokens_cached,
                 self._generation_tokens,
                 dict(self._finished),
             )

@@ -59,6 +59,11 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
     times: RequestTimes | None = None  # with the final message of a request that finished
     # A pooling request's final message: its pooled vector (RequestOutput.pooled).
     pooled: list[float] | None = None
+    # On every message: prompt tokens the prefix cache held at the request's first
+    # scheduling (None before it; RequestOutput.num_cached_tokens), and the times it has
+    # been preempted so far. Two small ints: cheaper than knowing which message is first.
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
 
 
 def step_delta(group: SequenceGroup) -> RequestDelta:
@@ -75,7 +80,15 @@ def step_delta(group: SequenceGroup) -> RequestDelta:
         has_news = seq.num_output_tokens > seq.num_sent_tokens
         if has_news or (seq.finish_reason is not None and not seq.is_finish_sent):
             seqs.append(_seq_delta(index, seq, seq.num_sent_tokens))
-    return RequestDelta(group.request_id, seqs, group.is_finished, prompt_logprobs, prompt_ranks)
+    return RequestDelta(
+        group.request_id,
+        seqs,
+        group.is_finished,
+        prompt_logprobs,
+        prompt_ranks,
+        num_cached_tokens=group.num_cached_tokens,
+        num_preemptions=group.num_preemptions,
+    )
 
 
 def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> RequestDelta:
@@ -102,7 +115,13 @@ def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> Reques
 def whole_delta(group: SequenceGroup, seqs: list[SeqDelta]) -> RequestDelta:
     """A request's only message, with complete sequences (beam search's results)."""
     return RequestDelta(
-        group.request_id, seqs, group.is_finished, group.prompt_logprobs, group.prompt_ranks
+        group.request_id,
+        seqs,
+        group.is_finished,
+        group.prompt_logprobs,
+        group.prompt_ranks,
+        num_cached_tokens=group.num_cached_tokens,
+        num_preemptions=group.num_preemptions,
     )
 
 

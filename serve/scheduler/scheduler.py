@@ -73,7 +73,14 @@ from msgspec.structs import replace
 
 from serve.config import SchedulerConfig, SpeculativeMethod
 from serve.kv_cache.block_manager import BlockManager
-from serve.outputs import QueueTimes, RequestTimes, SpecDecodeStats, request_error_message
+from serve.outputs import (
+    ITERATION_TOKENS_BUCKETS,
+    Histogram,
+    QueueTimes,
+    RequestTimes,
+    SpecDecodeStats,
+    request_error_message,
+)
 from serve.sampling_params import SamplingParams
 from serve.scheduler.beam_search import BeamSearch
 from serve.scheduler.output_deltas import (
@@ -126,6 +133,7 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.num_preemptions = 0
         self.queue_times = QueueTimes()  # arrival to first scheduled, by priority
+        self.iteration_tokens = Histogram(ITERATION_TOKENS_BUCKETS)  # tokens per step run
         self.num_generated_tokens = 0  # tokens appended to sequences, beams included
         self.spec_decode = SpecDecodeStats() if speculation is not None else None
         self._groups: dict[str, SequenceGroup] = {}  # every unfinished request
@@ -636,6 +644,7 @@ class Scheduler:
         self.policy.on_admit(group)
         if not group.started:
             group.started = True
+            group.num_cached_tokens = group.seqs[0].num_computed_tokens  # its prompt's hits
             group.first_scheduled_time = self.clock()
             self.queue_times.observe(
                 group.priority, group.first_scheduled_time - group.arrival_time
@@ -711,6 +720,7 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(group)
         self.num_preemptions += 1
+        group.num_preemptions += 1
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -727,6 +737,8 @@ class Scheduler:
         samples of `best_of` fork; beam search advances. Returns the token deltas of the
         requests that moved, and the final messages of those that ended."""
         deltas, self._ended = self._ended, []
+        if out.scheduled:
+            self.iteration_tokens.observe(out.num_batched_tokens)
         self._settle_computed(out, result)
         if self.spec_decode is not None:
             for seq_id, num_proposed in result.spec_proposed.items():

@@ -55,16 +55,22 @@ class Server:
 
 
 def scrape_metrics(server: Server, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """The server's /metrics samples, as {'name{label="v",...}': value}, without the
-    `model_name` label every vLLM-shaped series carries (a server serves one model)."""
+    """The server's /metrics samples (`metric_samples`)."""
+    return metric_samples(httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text)
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """The samples of /metrics' text, as {'name{label="v",...}': value}, without the
+    `model_name` and `engine` labels every vLLM-shaped series carries (a server serves one
+    model, with one engine); cache_config_info, which has no model_name, keeps its engine."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            dropped = ("model_name", "engine") if "model_name" in sample.labels else ()
             labels = ",".join(
-                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name"
+                f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k not in dropped
             )
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
