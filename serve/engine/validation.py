@@ -30,7 +30,7 @@ def check_params(
     eos_token_ids: Iterable[int] = (),
 ) -> None:
     """What SamplingParams cannot check alone: token ids against the vocabulary, logprob
-    counts against --max-logprobs, pooling against the model (`dimensions`), allowed tokens
+    counts against --max-logprobs and the vocabulary, pooling against the model (`dimensions`), allowed tokens
     against the model's end-of-sequence ones and the bad words (tokenized first:
     `update_from_tokenizer`). Each message starts with the field's name."""
     for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
@@ -59,6 +59,11 @@ def check_params(
             raise ValueError(
                 f"{name} asks for {value} alternatives; this server returns at most "
                 f"{max_logprobs} (--max-logprobs)."
+            )
+        if value is not None and value > vocab_size:
+            raise ValueError(
+                f"{name} asks for {value} alternatives; the model's vocabulary has "
+                f"{vocab_size} tokens."
             )
     if params.pooling is not None and pooling is not None:
         pooling.check(params.pooling)

@@ -7,6 +7,7 @@ import pytest
 from tiny_models import hf_log_softmax, random_prompts
 
 from serve import LLM, SamplingParams
+from serve.engine.validation import check_params
 
 TOLERANCE = 1e-4
 
@@ -188,3 +189,12 @@ def test_more_logprobs_than_the_server_allows_is_refused(model, prompts, field):
     _, llm = model
     with pytest.raises(ValueError, match=rf"^{field} asks for 21 .*--max-logprobs"):
         llm.generate(prompts[0], SamplingParams(**{field: 21}), use_tqdm=False)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_more_logprobs_than_the_vocabulary_is_refused(field):
+    """With --max-logprobs above the vocabulary, a request for more alternatives than there
+    are tokens was a 500 (the sampler's top-k past the row); now it is refused up front."""
+    with pytest.raises(ValueError, match=rf"^{field} asks for 515 .*vocabulary has 512 tokens"):
+        check_params(SamplingParams(**{field: 515}), vocab_size=512, max_logprobs=600)
+    check_params(SamplingParams(**{field: 512}), vocab_size=512, max_logprobs=600)
