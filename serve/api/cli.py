@@ -66,6 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
         "template itself (as vLLM takes it)",
     )
     model.add_argument(
+        "--default-chat-template-kwargs",
+        type=_template_kwargs,
+        default=None,
+        metavar="JSON",
+        help='template variables every chat gets, a JSON object (e.g. \'{"enable_thinking": '
+        "false}'); a request's own chat_template_kwargs win, except where null or \"auto\"",
+    )
+    model.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="how a message's content reaches the chat template: string (its text, text "
+        'parts joined by newlines), openai (OpenAI\'s list of parts, [{"type": "text", '
+        '"text": ...}]), or auto: openai for a template that loops over a message\'s '
+        "content, else string (as vLLM decides)",
+    )
+    model.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSERS),
@@ -85,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='vLLM\'s switch for tool_choice "auto", accepted so vLLM command lines run: '
         "here --tool-call-parser alone turns it on, and this flag needs one",
+    )
+    model.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='a request with tool_choice "none" is rendered without its tools (by default '
+        "the template still sees them, or for a template that knows no tools serve lists "
+        "them in the system message)",
     )
 
     server = p.add_argument_group("server")
@@ -367,6 +391,25 @@ def _chat_template(value: str) -> str:
     return text
 
 
+def _template_kwargs(value: str) -> dict:
+    """--default-chat-template-kwargs: a JSON object of template variables, none of them
+    an argument the rendering sets itself."""
+    from serve.chat.rendering import RENDERING_ARGUMENTS
+
+    try:
+        kwargs = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value}")
+    reserved = sorted(set(kwargs) & RENDERING_ARGUMENTS)
+    if reserved:
+        raise argparse.ArgumentTypeError(
+            f"{reserved} are set by each request's own fields, not as template variables"
+        )
+    return kwargs
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -594,6 +637,9 @@ def _load(args: argparse.Namespace):
         api_keys=keys,
         chat_template=args.chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        chat_template_content_format=args.chat_template_content_format,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         metrics_public=args.metrics_public,
         metrics_names=args.metrics_names,
         cors=cross_origin,

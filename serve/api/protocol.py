@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -422,6 +424,26 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class RefusalPart(OpenAIModel):
+    """An assistant's refusal, as OpenAI returns it; rendered as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+def _part_kind(part: Any) -> str:
+    # Any type but "refusal" is checked as a text part, so that an unknown one is refused
+    # at `content.N.type`.
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "refusal" if kind == "refusal" else "text"
+
+
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")],
+    Discriminator(_part_kind),
+]
+
+
 class FunctionDefinition(OpenAIModel):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -478,19 +500,31 @@ class MessageToolCall(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles ("function": its deprecated function result, which vLLM renders as
+    # that role); not any other name, as OpenAI refuses them too.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
     # Checked even when absent (validate_default): only a call-carrying assistant message
-    # may leave it out. After role and tool_calls, which its check reads.
-    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
-    name: str | None = None
+    # (and OpenAI's function message) may leave it out. After role and tool_calls, which
+    # its check reads.
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+    name: str | None = None  # required in a function message: the function's name
     tool_call_id: str | None = None  # tool messages: the call they answer
+
+    @property
+    def text(self) -> str:
+        """The content as text: its parts' texts (a refusal's included) joined by newlines."""
+        if isinstance(self.content, list):
+            return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+        return self.content or ""
 
     @field_validator("content")
     @classmethod
     def _content_given(cls, content: Any, info: ValidationInfo) -> Any:
         if content is not None or not {"role", "tool_calls"} <= info.data.keys():
             return content  # given, or the message is invalid already
+        if info.data["role"] == "function":
+            return content  # OpenAI's function message may have null content
         if info.data["role"] != "assistant":
             raise PydanticCustomError("missing", f"a {info.data['role']} message needs content")
         if not info.data.get("tool_calls"):
@@ -503,6 +537,11 @@ class ChatMessage(OpenAIModel):
             raise ValueError("only assistant messages have tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError('a "tool" message needs the tool_call_id of the call it answers')
+        if self.role == "function" and not self.name:
+            raise ValueError('a "function" message needs the name of the function it answers')
+        if self.role != "assistant" and isinstance(self.content, list):
+            if any(isinstance(part, RefusalPart) for part in self.content):
+                raise ValueError("only assistant messages have refusal content parts")
         return self
 
 

@@ -30,7 +30,7 @@ from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
 from serve.api.streaming import UsageCallback, final_outputs, finish_chunk, stream_choices, usage
-from serve.chat.rendering import ChatRenderError, render_chat, template_messages
+from serve.chat.rendering import ChatRenderError, render_chat
 from serve.chat.tool_parsers import (
     TOOL_PARSERS,
     FirstCallOnly,
@@ -79,6 +79,31 @@ def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any
             chunks.append({"delta": {}})
         chunks[0]["logprobs"] = logprobs
     return chunks
+
+
+def template_tools(request: ChatCompletionRequest, exclude_when_none: bool) -> list[dict[str, Any]]:
+    """The request's tools as vLLM hands them to a template (`description` and
+    `parameters` null when not given, `strict` only when given, nothing else); none for
+    tool_choice "none" under `--exclude-tools-when-tool-choice-none`."""
+    if exclude_when_none and request.effective_tool_choice == "none":
+        return []
+    tools = []
+    for tool in request.tools or []:
+        f = tool.function
+        function = {"name": f.name, "description": f.description, "parameters": f.parameters}
+        if f.strict is not None:
+            function["strict"] = f.strict
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def template_kwargs(defaults: dict[str, Any], given: dict[str, Any] | None) -> dict[str, Any]:
+    """The server's `--default-chat-template-kwargs` under a request's own; a value the
+    request leaves null or "auto" keeps the default (vLLM's rule)."""
+    unset = (None, "auto")
+    return defaults | {
+        k: v for k, v in (given or {}).items() if k not in defaults or v not in unset
+    }
 
 
 def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -131,19 +156,22 @@ class ChatHandler:
                 "is refused unless the server was started with --trust-request-chat-template.",
                 param="chat_template",
             )
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+        settings = self.settings
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         try:
             return render_chat(
                 self.tokenizer,
-                template_messages(messages),
+                messages,
                 request.add_generation_prompt,
-                request.chat_template or self.settings.chat_template,
-                tools,
+                request.chat_template or settings.chat_template,
+                template_tools(request, settings.exclude_tools_when_tool_choice_none),
                 self.tool_parser,
                 lambda text: self.prompt_chars.check(text, "messages"),
                 request.continue_final_message,
-                request.chat_template_kwargs,
+                template_kwargs(
+                    settings.default_chat_template_kwargs, request.chat_template_kwargs
+                ),
+                settings.chat_template_content_format,
             )
         except ChatRenderError as e:
             raise APIError(400, str(e)) from None
@@ -179,9 +207,7 @@ class ChatHandler:
         last = request.messages[-1]
         if not request.echo or last.role != self.response_role(request):
             return ""
-        if isinstance(last.content, list):
-            return "\n".join(part.text for part in last.content)
-        return last.content or ""
+        return last.text
 
     def _message(
         self, parser: OutputParser | None, completion: CompletionOutput, role: str

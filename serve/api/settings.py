@@ -33,6 +33,12 @@ class ServerSettings:
     # A request's own `chat_template` is rendered only when the operator trusts clients
     # with it (sandboxed or not, a template is code the server runs for them).
     trust_request_chat_template: bool = False
+    # Template variables every chat gets unless the request sets them (vLLM's flag).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How content reaches the template: auto, string (text), openai (parts); content_format.py.
+    chat_template_content_format: str = "auto"
+    # tool_choice "none" renders no tools (vLLM's flag; else the template still sees them).
+    exclude_tools_when_tool_choice_none: bool = False
     metrics_public: bool = False  # /metrics needs no key
     metrics_names: str = "serve"  # the prefix of the vLLM-shaped series: serve_ or vllm:
     cors: Cors = field(default_factory=Cors)

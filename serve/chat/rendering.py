@@ -1,12 +1,15 @@
 """A conversation, with its tools, to prompt text through the model's chat template: one
 path for the server's chat (and what maps onto it) and the offline `LLM.chat`.
 
-OpenAI's messages become the dicts HF chat templates expect: `content` never None (text
-parts joined), a call's arguments an object (templates write `arguments | tojson`),
-`tool_call_id` on tool results. Templates that know tools get them as `tools`; for those
-that do not (SmolLM2's ChatML), the tool list goes into the system message and past calls
-into the assistant's text, both in a tool parser's format, so that the model reads what it
-is asked to write.
+OpenAI's messages become the dicts HF chat templates expect, as vLLM hands them over:
+`content` never None (text and refusal parts joined, or for a template that loops over
+the parts, OpenAI's list of them: `content_format.py`), a call's arguments an object
+(templates write `arguments | tojson`), `tool_call_id` on tool results, `name` where the
+message has one (the deprecated `function` role's included). A template that never names
+the `developer` role gets developer messages as system ones (vLLM's rule). Templates that
+know tools get them as `tools`; for those that do not (SmolLM2's ChatML), the tool list
+goes into the system message and past calls into the assistant's text, both in a tool
+parser's format, so that the model reads what it is asked to write (vLLM writes neither).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from serve.chat.content_format import resolve_content_format
 from serve.chat.tool_parsers import ToolParser, get_tool_parser
 from serve.chat.tool_parsers.base import load_json
 
@@ -45,17 +49,27 @@ class ChatRenderError(ValueError):
     """A conversation the template cannot render (the server answers 400)."""
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def template_messages(
+    messages: list[dict[str, Any]], content_format: str = "string"
+) -> list[dict[str, Any]]:
     """OpenAI-shaped messages (as the API validated them, or a script wrote them) as HF
-    chat templates take them."""
-    return [_template_message(message) for message in messages]
+    chat templates take them; `content_format` "string" or "openai" (content_format.py)."""
+    return [_template_message(message, content_format) for message in messages]
 
 
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+def _template_message(message: dict[str, Any], content_format: str) -> dict[str, Any]:
     if not isinstance(message, dict) or "role" not in message:
         raise ChatRenderError(f"A message is a dict with a role; got {message!r:.100}.")
     role = message["role"]
-    entry: dict[str, Any] = {"role": role, "content": _text(message.get("content"))}
+    texts = _texts(message.get("content"))
+    # A tool result is text in either format: templates write it as one string.
+    if content_format == "openai" and role != "tool":
+        content: Any = [{"type": "text", "text": text} for text in texts]
+    else:
+        content = "\n".join(texts)
+    entry: dict[str, Any] = {"role": role, "content": content}
+    if isinstance(message.get("name"), str):
+        entry["name"] = message["name"]
     if message.get("tool_calls"):
         entry["tool_calls"] = [
             {
@@ -70,24 +84,40 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
         ]
     if role == "tool":
         entry["tool_call_id"] = message.get("tool_call_id")
-        if message.get("name"):
-            entry["name"] = message["name"]
     return entry
 
 
-def _text(content: Any) -> str:
-    """A message's text: a string, or its text parts joined by newlines."""
+# The text a part of each kind carries: an assistant's refusal is rendered as its text.
+_PART_TEXT = {"text": "text", "refusal": "refusal"}
+
+
+def _texts(content: Any) -> list[str]:
+    """A message's texts: a string, or the text of each of its parts."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     texts = []
     for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ChatRenderError(f"Only text content parts can be rendered; got {kind!r}.")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _PART_TEXT:
+            raise ChatRenderError(
+                f"Only text and refusal content parts can be rendered; got {kind!r}."
+            )
+        texts.append(part[_PART_TEXT[kind]])
+    return texts
+
+
+def _joined(content: str | list[dict[str, Any]]) -> str:
+    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+
+
+def _appended(content: str | list[dict[str, Any]], text: str, separator: str) -> Any:
+    """A message's content with `text` added at its end: after `separator`, or as one
+    more part."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return f"{content}{separator}{text}" if content else text
 
 
 def _arguments_object(arguments: Any) -> Any:
@@ -101,12 +131,35 @@ def _mentions(template: str, variable: str) -> bool:
     return re.search(rf"\b{variable}\b", template) is not None
 
 
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's rule for a template that never names the developer role (as a quoted
+    string): developer messages become system ones; then, if a system message stands
+    anywhere but first, the system messages' texts (blank line apart) make one first
+    message."""
+    if not any(m["role"] == "developer" for m in messages):
+        return messages
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    if [i for i, m in enumerate(messages) if m["role"] == "system"] == [0]:
+        return messages
+    texts = [_joined(m["content"]) for m in messages if m["role"] == "system"]
+    system = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
+    return [system, *(m for m in messages if m["role"] != "system")]
+
+
+def _given_fields(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as its tools block lists it: without the null fields (a missing description)
+    that a template is handed."""
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        return tool
+    return {**tool, "function": {k: v for k, v in function.items() if v is not None}}
+
+
 def _with_tools_prompt(messages: list[dict[str, Any]], prompt: str) -> list[dict[str, Any]]:
     """The tools' description at the end of the system message (a new one if none)."""
     if messages and messages[0]["role"] in ("system", "developer"):
         first = messages[0]
-        text = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
-        return [{**first, "content": text}, *messages[1:]]
+        return [{**first, "content": _appended(first["content"], prompt, "\n\n")}, *messages[1:]]
     return [{"role": "system", "content": prompt}, *messages]
 
 
@@ -114,8 +167,7 @@ def _calls_as_text(message: dict[str, Any], tool_format: ToolParser) -> dict[str
     if "tool_calls" not in message:
         return message
     calls = [call["function"] for call in message["tool_calls"]]
-    text = tool_format.calls_text(calls)
-    content = f"{message['content']}\n{text}" if message["content"] else text
+    content = _appended(message["content"], tool_format.calls_text(calls), "\n")
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
 
 
@@ -129,13 +181,15 @@ def render_chat(
     check_text: Callable[[str], None] | None = None,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    content_format: str = "auto",
 ) -> tuple[str, list[int]]:
-    """The prompt text and ids for a conversation (`template_messages`) and its tools
-    (OpenAI's tool objects). `tool_format` (default hermes) writes the tools and past calls
-    that the template does not. `check_text` sees the text before it is tokenized. With
-    `continue_final_message` the prompt ends inside the final message, for the model to
-    continue it. `template_kwargs` are more variables for the template (vLLM's
-    `chat_template_kwargs`)."""
+    """The prompt text and ids for a conversation (OpenAI's messages, made
+    `template_messages` here) and its tools (OpenAI's tool objects). `tool_format`
+    (default hermes) writes the tools and past calls that the template does not.
+    `check_text` sees the text before it is tokenized. With `continue_final_message` the
+    prompt ends inside the final message, for the model to continue it. `template_kwargs`
+    are more variables for the template (vLLM's `chat_template_kwargs`); `content_format`
+    is vLLM's `chat_template_content_format` (auto, string, openai)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatRenderError(
             "This model has no chat template, so chats cannot be rendered. Give one (serve "
@@ -152,9 +206,17 @@ def render_chat(
             f"chat_template_kwargs: {reserved} are set by their own arguments, not as template "
             "variables."
         )
+    try:
+        content_format = resolve_content_format(content_format, template)
+    except ValueError as e:
+        raise ChatRenderError(str(e)) from None
+    messages = template_messages(messages, content_format)
+    if "'developer'" not in template and '"developer"' not in template:
+        messages = _developer_as_system(messages)
     tool_format = tool_format or get_tool_parser(DEFAULT_TOOL_FORMAT)
     if tools and not _mentions(template, "tools"):
-        messages = _with_tools_prompt(messages, tool_format.tools_prompt(tools))
+        prompt = tool_format.tools_prompt([_given_fields(tool) for tool in tools])
+        messages = _with_tools_prompt(messages, prompt)
     if not _mentions(template, "tool_calls"):
         messages = [_calls_as_text(m, tool_format) for m in messages]
     try:

@@ -9,7 +9,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from serve.chat.rendering import render_chat, template_messages
+from serve.chat.rendering import render_chat
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.detokenizer import MAX_CHAR_TOKENS, text_decoder, token_text_in_context
@@ -440,12 +440,13 @@ class LLM:
         for conversation in conversations:
             text, ids = render_chat(
                 self.get_tokenizer(),
-                template_messages(conversation),
+                conversation,
                 add_generation_prompt,
                 chat_template,
                 tools,
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
+                content_format=chat_template_content_format,
             )
             if add_special_tokens:
                 ids = self.get_tokenizer()(text, add_special_tokens=True).input_ids
