@@ -96,7 +96,17 @@ MAX_BLOCK_SIZE = 256  # the CPU attention kernel's bound on a block's rows (kMax
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
 MODEL_IMPLS = ("auto", "native", "transformers")
-GENERATION_CONFIGS = ("auto", "vllm")
+GENERATION_CONFIG_WORDS = ("auto", "vllm")  # --generation-config's; anything else is a folder
+# The generation config keys serve applies, by generation_config.json's names (vLLM's,
+# less presence_penalty and frequency_penalty).
+GENERATION_CONFIG_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -126,9 +136,18 @@ class ModelConfig:
         "auto",
         "auto: requests that leave out temperature, top_p, top_k, min_p, "
         "repetition_penalty or max_tokens take the values of the model's "
-        "generation_config.json, as in vLLM (a max_new_tokens there caps every request); "
-        "vllm: serve's and vLLM's neutral defaults",
-        choices=GENERATION_CONFIGS,
+        "generation_config.json, as in vLLM (its max_new_tokens: the max_tokens of requests "
+        "that set none); vllm: serve's and vLLM's neutral values; a folder: the "
+        "generation_config.json in it, whose max_new_tokens also caps every request's max_tokens",
+        metavar="auto|vllm|DIR",
+    )
+    override_generation_config: str | dict[str, Any] | None = setting(
+        None,
+        "generation config values as JSON, applied over what --generation-config gives, as "
+        'vLLM takes them: {"temperature": 0.5, "max_new_tokens": 10} (temperature, top_p, '
+        "top_k, min_p, repetition_penalty, max_new_tokens; null drops one); a "
+        "max_new_tokens here caps every request's max_tokens",
+        metavar="JSON",
     )
     load_format: str = setting(
         "auto",
@@ -172,6 +191,11 @@ class ModelConfig:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         object.__setattr__(self, "seed", _engine_seed(self.seed))
         object.__setattr__(self, "max_model_len", _token_count(self.max_model_len))
+        # Read now, so that a folder without a readable file or an override serve cannot
+        # apply is said before the model loads.
+        if self.generation_config not in GENERATION_CONFIG_WORDS:
+            read_generation_config_folder(self.generation_config)
+        parse_override_generation_config(self.override_generation_config)
         if self.max_logprobs < 0:
             raise InvalidSettingError("max_logprobs", f"must be >= 0, got {self.max_logprobs}.")
         if self.load_format == "pt" and not self.allow_pickle_weights:
@@ -180,6 +204,56 @@ class ModelConfig:
                 "'pt' loads pickled weights, which can run arbitrary code when loaded: "
                 "add --allow-pickle-weights (allow_pickle_weights=True) if you trust them.",
             )
+
+
+def read_generation_config_folder(folder: str | Path) -> dict[str, Any]:
+    """The generation_config.json in `folder` (`--generation-config DIR`);
+    InvalidSettingError says why it cannot be used."""
+    path = Path(folder) / "generation_config.json"
+    name = "generation_config"
+    if not path.is_file():
+        raise InvalidSettingError(
+            name, f"must be auto, vllm or a folder holding {path.name}; {path} is not a file."
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidSettingError(name, f"names {path}, which cannot be read: {e}.") from None
+    if not isinstance(data, dict):
+        raise InvalidSettingError(name, f"names {path}, which is not a JSON object.")
+    return data
+
+
+def parse_override_generation_config(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """`override_generation_config` (JSON text, or a dict from `LLM(...)`) as
+    generation_config.json's names -> values; a null drops the key. InvalidSettingError
+    says what is wrong."""
+    name = "override_generation_config"
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidSettingError(name, f"is not valid JSON: {e}.") from None
+    if not isinstance(value, dict):
+        raise InvalidSettingError(name, f"must be a JSON object, got {value!r}.")
+    unknown = sorted(set(value) - set(GENERATION_CONFIG_KEYS))
+    if unknown:
+        raise InvalidSettingError(
+            name,
+            f"has keys serve does not apply: {unknown}; it takes "
+            f"{', '.join(GENERATION_CONFIG_KEYS)}.",
+        )
+    for key, item in value.items():
+        if item is not None and (isinstance(item, bool) or not isinstance(item, (int, float))):
+            raise InvalidSettingError(name, f"needs {key} to be a number or null, got {item!r}.")
+    tokens = value.get("max_new_tokens")
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+        raise InvalidSettingError(
+            name, f"needs max_new_tokens to be a positive integer, got {tokens!r}."
+        )
+    return dict(value)
 
 
 def _dtype_name(dtype: Any) -> Any:

@@ -22,6 +22,9 @@ EXAMPLES = {
     "max_model_len": Example(("--max-model-len", "2048"), 2048),
     "seed": Example(("--seed", "7"), 7),
     "generation_config": Example(("--generation-config", "vllm"), "vllm"),
+    "override_generation_config": Example(
+        ("--override-generation-config", '{"temperature": 0.5}'), '{"temperature": 0.5}'
+    ),
     "load_format": Example(("--load-format", "safetensors"), "safetensors"),
     "max_logprobs": Example(("--max-logprobs", "5"), 5),
     "allow_pickle_weights": Example(("--allow-pickle-weights",), True),

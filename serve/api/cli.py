@@ -618,7 +618,7 @@ def _load(args: argparse.Namespace):
     from serve.api.request_log import RequestLog
     from serve.api.server import build_app
     from serve.api.settings import ServerSettings
-    from serve.models.generation_config import sampling_defaults
+    from serve.models.generation_config import generation_defaults
 
     if args.disable_frontend_multiprocessing:
         from serve.engine.async_engine import AsyncEngine
@@ -630,6 +630,9 @@ def _load(args: argparse.Namespace):
         engine = EngineCoreClient(config)
     model_path = str(engine.model_path)
     names = args.served_model_name or [args.model or Path(model_path).name]
+    generation = generation_defaults(
+        model_path, config.model.generation_config, config.model.override_generation_config
+    )
     settings = ServerSettings(
         names[0],
         model_path,
@@ -652,7 +655,8 @@ def _load(args: argparse.Namespace):
         scheduling_policy=config.scheduler.scheduling_policy,
         limits=RequestLimits(args.max_n, args.max_stop_sequences, args.max_logit_bias),
         response_store=config.responses,
-        sampling_defaults=sampling_defaults(engine.model_path, config.model.generation_config),
+        sampling_defaults=generation.sampling,
+        max_tokens_cap=generation.max_tokens_cap,
         access_log=not args.disable_uvicorn_access_log,
         quiet_access_paths=frozenset(comma_list(args.disable_access_log_for_endpoints)),
         openapi_schema=not args.disable_fastapi_docs,

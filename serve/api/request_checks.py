@@ -9,7 +9,7 @@ import asyncio
 from typing import Any
 
 from serve.api.errors import APIError
-from serve.api.protocol import FORMAT_FIELDS, SamplingRequest
+from serve.api.protocol import FORMAT_FIELDS, CompletionRequest, SamplingRequest
 from serve.api.settings import ServerSettings
 from serve.engine.offline_inputs import truncated_prompt
 from serve.engine.protocol import EngineClient
@@ -69,20 +69,76 @@ def fit_prompt(
     request: SamplingRequest,
     tokenizer: Any,
     max_model_len: int,
-    max_tokens_cap: int | None = None,
+    settings: ServerSettings,
 ) -> tuple[str, list[int], int]:
     """A prompt cut to the request's `truncate_prompt_tokens` (its text decoded from what
-    is kept), and its completion budget (`resolve_max_tokens`). A default the client did
-    not ask for (completions' 16 tokens) takes what room the context leaves, as vLLM's."""
+    is kept), and its completion budget (`resolve_max_tokens`, with the generation
+    config's default and cap from `settings`)."""
     requested = request.requested_max_tokens
     prefill_only = requested == 0  # completions' echo scoring
     kept = truncate_prompt(ids, request.truncate_prompt_tokens, max_model_len, prefill_only)
     if len(kept) < len(ids):
         text, ids = tokenizer.decode(kept), kept
-    if requested and not {"max_tokens", "max_completion_tokens"} & request.model_fields_set:
-        requested = min(requested, max(max_model_len - len(ids), 1))
-    budget = resolve_max_tokens(len(ids), requested, max_model_len, max_tokens_cap)
+    check_context(len(ids), requested, max_model_len, request)
+    default = settings.sampling_defaults.get("max_tokens")
+    budget = resolve_max_tokens(
+        len(ids), requested, max_model_len, default, settings.max_tokens_cap
+    )
     return text, ids, budget
+
+
+def check_context(
+    prompt_len: int, requested: int | None, max_model_len: int, request: SamplingRequest
+) -> None:
+    """A 400 in OpenAI's words where vLLM refuses what the context cannot hold: a
+    max_tokens larger than the whole context, or a prompt that leaves no room for one
+    token of output (for completions' echo scoring, max_tokens 0: one longer than the
+    context). A prompt and max_tokens that together overflow it are not refused: the
+    budget shrinks to fit (`resolve_max_tokens`)."""
+    if requested is not None and requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+            f"{requested} for the completion). Please reduce the length of the prompt or the "
+            "completion.",
+            param=_max_tokens_param(request),
+            code="context_length_exceeded",
+        )
+    if prompt_len + (0 if requested == 0 else 1) > max_model_len:
+        noun = "prompt" if isinstance(request, CompletionRequest) else "messages"
+        room = "" if requested == 0 else ", which leaves no room for the completion"
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"{noun} resulted in {prompt_len} tokens{room}. Please reduce the length of the "
+            f"{noun}.",
+            param=noun,
+            code="context_length_exceeded",
+        )
+
+
+def resolve_max_tokens(
+    prompt_len: int,
+    requested: int | None,
+    max_model_len: int,
+    default: int | None = None,
+    cap: int | None = None,
+) -> int:
+    """The completion budget, as vLLM's `get_max_tokens` finds it: what the request asks
+    for (None: the generation config's `default`, else all the room left), bounded by the
+    room the context leaves beside the prompt and by `cap`. A request past the room runs
+    to it and ends with finish_reason "length". `check_context` first."""
+    asked = requested if requested is not None else default
+    room = max_model_len - prompt_len
+    return min(value for value in (room, asked, cap) if value is not None)
+
+
+def _max_tokens_param(request: SamplingRequest) -> str:
+    """The field that set the budget: chat's max_completion_tokens wins over max_tokens."""
+    return (
+        "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+    )
 
 
 def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
@@ -105,26 +161,6 @@ def _check_num_entries(
             f"{name} has {len(entries)} entries; this server allows at most {limit} ({flag}).",
             param=name,
         )
-
-
-def resolve_max_tokens(
-    prompt_len: int, requested: int | None, max_model_len: int, cap: int | None = None
-) -> int:
-    """The completion budget; a 400 in OpenAI's words when prompt + output cannot fit
-    (with `requested` None, at least one token of output must). `cap`, the model's
-    generation config's max_new_tokens, bounds it, as in vLLM."""
-    if prompt_len + (1 if requested is None else requested) > max_model_len:
-        asked = prompt_len + (requested or 0)
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {asked} tokens ({prompt_len} in the prompt, {requested or 0} for the "
-            "completion). Please reduce the length of the prompt or the completion.",
-            param="messages" if requested is None else "max_tokens",
-            code="context_length_exceeded",
-        )
-    budget = requested if requested is not None else max_model_len - prompt_len
-    return budget if cap is None else min(budget, cap)
 
 
 class PromptCharLimit:

@@ -137,7 +137,7 @@ class ChatHandler:
             request,
             self.tokenizer,
             self.engine.max_model_len,
-            self.settings.sampling_defaults.get("max_tokens"),
+            self.settings,
         )
         return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
 

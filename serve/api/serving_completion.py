@@ -86,9 +86,8 @@ class CompletionHandler:
             )
         if request.stream and request.requested_max_tokens != 0:
             check_no_streamed_prompt_logprobs(request)
-        cap = self.settings.sampling_defaults.get("max_tokens")
         return [
-            fit_prompt(text, ids, request, self.tokenizer, self.engine.max_model_len, cap)
+            fit_prompt(text, ids, request, self.tokenizer, self.engine.max_model_len, self.settings)
             for text, ids in self._prompts(request)
         ]
 

@@ -51,9 +51,12 @@ class ServerSettings:
     scheduling_policy: str = "fcfs"  # a request's `priority` is refused under the others
     limits: RequestLimits = field(default_factory=RequestLimits)
     response_store: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
-    # The model's generation_config.json values for requests that leave them out
-    # (--generation-config auto): SamplingParams' names, `max_tokens` a cap on every request.
+    # The generation config's values for requests that leave them out (--generation-config,
+    # --override-generation-config): SamplingParams' names, `max_tokens` the budget of a
+    # request that sets none. `max_tokens_cap` bounds every request's (vLLM's
+    # override_max_tokens: max_new_tokens of a --generation-config folder or the override).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int | None = None
     access_log: bool = True  # a line per request (serve.access)
     quiet_access_paths: frozenset[str] = frozenset()  # logged only when they fail
     openapi_schema: bool = True  # GET /openapi.json

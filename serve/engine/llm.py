@@ -24,7 +24,7 @@ from serve.engine.offline_inputs import (
     truncated_prompt,
 )
 from serve.engine.output_processor import OutputProcessor
-from serve.models.generation_config import sampling_defaults
+from serve.models.generation_config import generation_defaults
 from serve.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -67,9 +67,11 @@ class LLM:
         # Each running request's params: its outputs' logprobs and text follow them (`_present`).
         self._params: dict[str, SamplingParams] = {}
         self._spaces_special_tokens: bool | None = None  # found on first need
-        self._sampling_defaults = sampling_defaults(
-            self.engine.model_path, config.model.generation_config
-        )
+        self._sampling_defaults = generation_defaults(
+            self.engine.model_path,
+            config.model.generation_config,
+            config.model.override_generation_config,
+        ).sampling
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -129,9 +131,11 @@ class LLM:
         return outputs
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What `generate` samples with when given no `SamplingParams`: the model's
-        generation_config.json values (`generation_config="auto"`, as in vLLM), else
-        SamplingParams' own defaults."""
+        """What `generate` samples with when given no `SamplingParams`: the generation
+        config's values (`generation_config`: the model's, "vllm" none, or a folder's;
+        `override_generation_config` over them), as in vLLM, else SamplingParams' own
+        defaults. Their max_new_tokens is this `max_tokens`, not a cap: vLLM's offline
+        `LLM` caps nothing."""
         return SamplingParams(**self._sampling_defaults)
 
     def embed(

@@ -1,48 +1,97 @@
-"""The sampling defaults a checkpoint's generation_config.json sets (Qwen's temperature 0.7,
-top_p 0.8, ...), which vLLM's `--generation-config auto` gives every request that leaves
-them out. Only the keys the file sets count: transformers' own defaults (top_k 50) are
-not the model's."""
+"""The sampling defaults a generation config sets (Qwen's temperature 0.7, top_p 0.8, ...),
+which requests that leave them out take, as vLLM's `--generation-config` and
+`--override-generation-config` give them. Only the keys the file sets count:
+transformers' own defaults (top_k 50) are not the model's.
+
+Where each comes from, and what its max_new_tokens does (vLLM 0.32's rules):
+
+    --generation-config   file read                            max_new_tokens is
+    auto                  the model's generation_config.json   the default max_tokens
+    vllm                  none                                 -
+    DIR                   DIR/generation_config.json           the default and a cap
+
+`--override-generation-config` is applied over what the file gives (under `vllm`, over
+nothing); its own max_new_tokens caps every request's max_tokens.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from serve.config import (
+    GENERATION_CONFIG_KEYS,
+    GENERATION_CONFIG_WORDS,
+    parse_override_generation_config,
+    read_generation_config_folder,
+)
+
 logger = logging.getLogger(__name__)
 
-# generation_config.json's names -> SamplingParams'.
-_SAMPLING_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
+FILE_NAME = "generation_config.json"
+# generation_config.json's names -> SamplingParams': max_new_tokens is max_tokens.
+SAMPLING_NAMES = {key: key for key in GENERATION_CONFIG_KEYS} | {"max_new_tokens": "max_tokens"}
 
 
-def sampling_defaults(model_path: Path, generation_config: str = "auto") -> dict[str, Any]:
-    """SamplingParams fields and values from the model's generation_config.json, under
-    `--generation-config auto`; {} under `vllm`, or where the file sets none."""
-    path = Path(model_path) / "generation_config.json"
-    if generation_config != "auto" or not path.exists():
+@dataclass(frozen=True)
+class GenerationDefaults:
+    # SamplingParams fields and values for requests that leave them out; `max_tokens`
+    # the budget of a request that sets none.
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_tokens_cap: int | None = None  # every request's budget's bound; None: none
+
+
+def generation_defaults(
+    model_path: str | Path,
+    generation_config: str = "auto",
+    override: str | dict[str, Any] | None = None,
+) -> GenerationDefaults:
+    """The sampling defaults and max_tokens cap that `generation_config` and `override`
+    (the settings of those names) give requests."""
+    given = parse_override_generation_config(override)
+    if generation_config == "vllm":
+        found: dict[str, Any] = {}
+    elif generation_config == "auto":
+        found = _model_file(Path(model_path) / FILE_NAME)
+    else:
+        found = read_generation_config_folder(generation_config)
+    merged = {**found, **given}
+    sampling = {
+        ours: merged[theirs]
+        for theirs, ours in SAMPLING_NAMES.items()
+        if _is_number(merged.get(theirs))
+    }
+    if generation_config in GENERATION_CONFIG_WORDS:
+        cap = given.get("max_new_tokens")
+    else:
+        cap = sampling.get("max_tokens")
+    if sampling:
+        logger.info(
+            "Sampling defaults for requests that leave them out (--generation-config %s%s): %s",
+            generation_config,
+            ", --override-generation-config" if given else "",
+            ", ".join(f"{k}={v}" for k, v in sampling.items()),
+        )
+    if cap is not None:
+        logger.info("Every request's max_tokens is capped at %d (max_new_tokens)", cap)
+    return GenerationDefaults(sampling, cap)
+
+
+def _model_file(path: Path) -> dict[str, Any]:
+    """The model's own file, where it has one; one that cannot be read is ignored, with a
+    warning (a folder named by the setting is refused at start instead)."""
+    if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         logger.warning("Ignoring %s, which cannot be read: %s", path, e)
         return {}
-    defaults = {
-        ours: data[theirs]
-        for theirs, ours in _SAMPLING_KEYS.items()
-        if isinstance(data, dict) and isinstance(data.get(theirs), (int, float))
-    }
-    if defaults:
-        logger.info(
-            "Sampling defaults from the model's generation_config.json, for requests that "
-            "leave them out: %s (--generation-config vllm: serve's own)",
-            ", ".join(f"{k}={v}" for k, v in defaults.items()),
-        )
-    return defaults
+    return data if isinstance(data, dict) else {}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

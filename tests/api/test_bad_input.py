@@ -193,17 +193,20 @@ def test_bad_max_tokens_are_400(http, server, path, fields, param):
 
 
 def test_context_window_overflow_says_the_numbers(http, server):
+    """Only a max_tokens over the whole window is refused (one that merely overflows it
+    beside the prompt runs, cut to the room: test_context_budget.py)."""
     max_model_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
-    body = {"model": server.model, "prompt": "Hi there", "max_tokens": max_model_len}
+    body = {"model": server.model, "prompt": "Hi there", "max_tokens": max_model_len + 1}
     error = assert_openai_error(http.post(COMPLETIONS, json=body), 400, "max_tokens")
     assert error["code"] == "context_length_exceeded"
     assert str(max_model_len) in error["message"]
     prompt_len = len(http.post("/tokenize", json={"prompt": "Hi there"}).json()["tokens"])
-    assert str(prompt_len + max_model_len) in error["message"]
+    assert str(prompt_len + max_model_len + 1) in error["message"]
 
-    long_prompt = list(range(3, 3 + max_model_len))  # no room left for output
+    long_prompt = [3 + i % 500 for i in range(max_model_len)]  # no room left for output
     refused = http.post(COMPLETIONS, json={"model": server.model, "prompt": long_prompt})
-    assert_openai_error(refused, 400)
+    error = assert_openai_error(refused, 400, "prompt")
+    assert "no room for the completion" in error["message"]
     assert_still_serving(http, server, refused)
 
 

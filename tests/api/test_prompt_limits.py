@@ -28,8 +28,8 @@ def test_a_prompt_within_the_character_bound_is_judged_by_its_tokens(http, serve
     response = http.post(
         "/v1/completions", json={"model": server.model, "prompt": "a b c d " * 2000}
     )
-    error = assert_openai_error(response, 400, "max_tokens")
-    assert "in the prompt" in error["message"]
+    error = assert_openai_error(response, 400, "prompt")
+    assert "your prompt resulted in" in error["message"]
 
 
 def test_tokenize_refuses_a_text_far_over_the_context_untokenized(http, server):

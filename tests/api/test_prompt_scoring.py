@@ -90,7 +90,7 @@ def test_a_prompt_as_long_as_the_context_window_is_scored(http, server):
     assert resp.status_code == 200, resp.text
     assert len(resp.json()["choices"][0]["logprobs"]["tokens"]) == 512
     error = assert_openai_error(
-        http.post(COMPLETIONS, json=_scored(server, prompt=[*prompt, 3])), 400, "max_tokens"
+        http.post(COMPLETIONS, json=_scored(server, prompt=[*prompt, 3])), 400, "prompt"
     )
     assert error["code"] == "context_length_exceeded"
 
