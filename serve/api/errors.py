@@ -77,9 +77,16 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     }
 
 
+# Statuses a client's retry would only repeat: the OpenAI and Anthropic SDKs retry 5xx
+# (twice by default) unless told not to. A --request-timeout 504 would run the whole
+# request again, twice, and end in the same 504.
+_NOT_RETRIED = {504}
+
+
 def error_response(error: APIError, path: str = "") -> JSONResponse:
     body = error_body(error.status, error.message, error.param, error.code, path)
-    return JSONResponse(body, status_code=error.status)
+    headers = {"x-should-retry": "false"} if error.status in _NOT_RETRIED else None
+    return JSONResponse(body, status_code=error.status, headers=headers)
 
 
 def validation_message(errors: Sequence[Any], body: Any) -> tuple[str, str | None]:

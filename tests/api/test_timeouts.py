@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+import openai
 import pytest
 from api.conftest import wait_until_idle
 from api.openai_errors import assert_openai_error
@@ -50,6 +51,24 @@ def test_a_request_past_the_deadline_is_a_504(server):
     assert "--request-timeout" in error["message"]
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3
     assert wait_until_idle(server)["serve_kv_cache_blocks_used"] == 0
+
+
+def test_the_sdks_do_not_retry_a_timeout(server):
+    """The OpenAI SDK retries a 5xx twice by default: a 504 ran the request three times
+    (three deadlines, three times the engine's work) to the same end. It says not to."""
+    sent = []
+    http_client = httpx.Client(event_hooks={"request": [sent.append]})
+    client = openai.OpenAI(
+        base_url=server.v1, api_key="unused", max_retries=2, http_client=http_client
+    )
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(
+            model=server.model, prompt="Once upon a time", max_tokens=4000,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+    assert e.value.status_code == 504
+    assert e.value.response.headers["x-should-retry"] == "false"
+    assert len(sent) == 1  # one attempt
 
 
 def test_a_stream_past_the_deadline_ends_with_an_error_event(server):
