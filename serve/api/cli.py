@@ -175,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         "end, as if it asked (stream_options include_usage and continuous_usage_stats)",
     )
     server.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="chat and completions usage says how many prompt tokens the prefix cache "
+        "held (prompt_tokens_details.cached_tokens, as vLLM's flag); the Responses API's "
+        "input_tokens_details always does",
+    )
+    server.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="accepted so vLLM command lines run: every response carries X-Request-Id (the "
@@ -661,6 +668,7 @@ def _load(args: argparse.Namespace):
         quiet_access_paths=frozenset(comma_list(args.disable_access_log_for_endpoints)),
         openapi_schema=not args.disable_fastapi_docs,
         force_include_usage=args.enable_force_include_usage,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         request_log=RequestLog(
             args.enable_log_requests and not args.disable_log_requests, args.max_log_len

@@ -164,11 +164,11 @@ def listed_input(item: ConversationItem) -> dict[str, Any]:
     return {"id": item_id("fco"), **fields, "status": "completed"}
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """The Responses API's usage; serve keeps no per-request count of cached tokens."""
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """The Responses API's usage: `cached_tokens` of the input the prefix cache held."""
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,

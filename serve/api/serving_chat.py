@@ -283,7 +283,11 @@ class ChatHandler:
             "created": now(),
             "model": self.settings.served_model_name,
             "choices": choices,
-            "usage": usage(len(prompt.token_ids), out.num_output_tokens),
+            "usage": usage(
+                len(prompt.token_ids),
+                out.num_output_tokens,
+                out.num_cached_tokens or 0 if self.settings.prompt_tokens_details else None,
+            ),
         }
         if request.return_token_ids:
             body["prompt_token_ids"] = prompt.token_ids
@@ -380,5 +384,6 @@ class ChatHandler:
             content,
             finish,
             on_usage,
+            self.settings.prompt_tokens_details,
         ):
             yield event

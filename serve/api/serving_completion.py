@@ -215,8 +215,11 @@ class CompletionHandler:
             out.outputs.sort(key=lambda c: c.index)
             for j in range(request.n):
                 choices.append(self._choice(request, i * request.n + j, prompts[i][0], out))
+        cached = sum(out.num_cached_tokens or 0 for out in outs)
         counts = usage(
-            sum(len(ids) for _, ids, _ in prompts), sum(out.num_output_tokens for out in outs)
+            sum(len(ids) for _, ids, _ in prompts),
+            sum(out.num_output_tokens for out in outs),
+            cached if self.settings.prompt_tokens_details else None,
         )
         if on_usage is not None:
             on_usage(counts)
@@ -325,7 +328,14 @@ class CompletionHandler:
 
         num_prompt = sum(len(ids) for _, ids, _ in prompts)
         async for event in stream_choices(
-            streams, request.n, writer, num_prompt, content, finish, on_usage
+            streams,
+            request.n,
+            writer,
+            num_prompt,
+            content,
+            finish,
+            on_usage,
+            self.settings.prompt_tokens_details,
         ):
             yield event
 

@@ -107,7 +107,7 @@ class ResponsesHandler:
         pieces = in_written_order(prompt.output_parser, completion.text)
         output = output_items(pieces, status, self._logprobs(turn, completion))
         counts = (len(prompt.token_ids), out.num_output_tokens)
-        body = self._response(turn, status, output, usage(*counts))
+        body = self._response(turn, status, output, usage(*counts, out.num_cached_tokens or 0))
         self._remember(turn, body)
         if on_usage is not None:
             on_usage(chat_usage(*counts))
@@ -219,7 +219,7 @@ class ResponsesHandler:
         state = StreamState(1)
         status = "completed"
         async with guard_stream() as failed:
-            async for _, completion in choice_outputs([stream], 1):
+            async for _, completion in choice_outputs([stream], 1, state):
                 state.take(0, completion)
                 text = completion.text
                 pieces = (reader.feed(text) if reader is not None else [text]) if text else []
@@ -238,13 +238,15 @@ class ResponsesHandler:
             error = failed.error["error"]
             code = error["code"] or error["type"]
             yield events.sse("error", code=code, message=error["message"], param=error["param"])
-            body = self._response(turn, "failed", output.items, usage(*counts))
+            body = self._response(
+                turn, "failed", output.items, usage(*counts, state.num_cached_tokens)
+            )
             body["error"] = {"code": "server_error", "message": error["message"]}
             yield events.sse("response.failed", response=body)
             return
         for kind, fields in output.finish(status):
             yield events.sse(kind, **fields)
-        body = self._response(turn, status, output.items, usage(*counts))
+        body = self._response(turn, status, output.items, usage(*counts, state.num_cached_tokens))
         self._remember(turn, body)  # before the last event: a client may look it up at once
         yield events.sse(f"response.{status}", response=body)
 

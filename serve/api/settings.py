@@ -61,6 +61,8 @@ class ServerSettings:
     quiet_access_paths: frozenset[str] = frozenset()  # logged only when they fail
     openapi_schema: bool = True  # GET /openapi.json
     force_include_usage: bool = False  # every stream carries usage, as if asked for
+    # Chat and completions usage has prompt_tokens_details.cached_tokens (vLLM's flag).
+    prompt_tokens_details: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     request_log: RequestLog = field(default_factory=RequestLog)  # --enable-log-requests
     # A chat completion's role after a generation prompt (without one: the last message's).

@@ -78,6 +78,17 @@ class StreamState:
     def __post_init__(self) -> None:
         self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
 
+    # By engine request: its prompt tokens the prefix cache held (each output carries it).
+    cached_tokens: dict[int, int] = field(default_factory=dict)
+
+    def note_cached(self, stream_index: int, out: RequestOutput) -> None:
+        if out.num_cached_tokens is not None:
+            self.cached_tokens[stream_index] = out.num_cached_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_tokens.values())
+
     def take(self, index: int, delta: CompletionOutput) -> None:
         """Count choice `index`'s next DELTA output."""
         progress = self.choices[index]
@@ -89,15 +100,22 @@ class StreamState:
         return sum(c.num_tokens for c in self.choices)
 
 
-UsageCallback = Callable[[dict[str, int]], None]
+UsageCallback = Callable[[dict[str, Any]], None]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; with `cached_tokens` (vLLM's --enable-prompt-tokens-details), its
+    `prompt_tokens_details`: the prompt tokens the prefix cache held."""
+    counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return counts
 
 
 # What an engine request's stream may raise, and the HTTP status each means. ValueError
@@ -157,11 +175,13 @@ def finish_chunk(
 
 
 async def choice_outputs(
-    streams: list[AsyncGenerator[RequestOutput, None]], n: int
+    streams: list[AsyncGenerator[RequestOutput, None]], n: int, state: StreamState | None = None
 ) -> AsyncIterator[tuple[int, CompletionOutput]]:
     """Every choice's outputs as they come: choice `i * n + j` is output j of prompt i, as
-    OpenAI numbers them."""
+    OpenAI numbers them. `state` notes each request's cached prompt tokens."""
     async for stream_index, out in merge_streams(streams):
+        if state is not None:
+            state.note_cached(stream_index, out)
         for completion in out.outputs:
             yield stream_index * n + completion.index, completion
 
@@ -187,13 +207,14 @@ async def stream_choices(
     content_fields: ContentFields,
     finish_fields: FinishFields,
     on_usage: UsageCallback | None,
+    shows_cached_tokens: bool = False,
 ) -> AsyncIterator[bytes]:
     """The content, finish and usage chunks of a streamed response (from DELTA outputs),
     then [DONE]. Chat and completions differ only in the fields of a choice, which the
-    callers supply."""
+    callers supply. `shows_cached_tokens`: the usage has `prompt_tokens_details`."""
     state = StreamState(len(streams) * n)
     async with guard_stream() as failed:
-        async for index, completion in choice_outputs(streams, n):
+        async for index, completion in choice_outputs(streams, n, state):
             if state.choices[index].finish_reason is not None:
                 continue  # said all it had
             state.take(index, completion)
@@ -205,16 +226,16 @@ async def stream_choices(
             if completion.finished():
                 for fields in finish_fields(index, completion):
                     yield writer.chunk(index, num_tokens, **fields)
-    for event in stream_end(
-        writer, failed, usage(num_prompt_tokens, state.completion_tokens), on_usage
-    ):
+    cached = state.num_cached_tokens if shows_cached_tokens else None
+    counts = usage(num_prompt_tokens, state.completion_tokens, cached)
+    for event in stream_end(writer, failed, counts, on_usage):
         yield event
 
 
 def stream_end(
     writer: ChunkWriter,
     failure: StreamFailure,
-    counts: dict[str, int],
+    counts: dict[str, Any],
     on_usage: UsageCallback | None,
 ) -> Iterator[bytes]:
     """A streamed response's last events: the error of a failure mid-stream, else the

@@ -32,6 +32,7 @@ def operated(server_factory):
         "--disable-fastapi-docs",
         "--enable-force-include-usage",
         "--return-tokens-as-token-ids",
+        "--enable-prompt-tokens-details",
     )
 
 
@@ -74,6 +75,31 @@ def test_forced_usage_comes_with_every_stream(operated):
     # Each chunk its choice's usage so far, as continuous_usage_stats gives it.
     counted = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counted == sorted(counted) and counted[-1] == 3 and counted[0] >= 1
+
+
+def test_usage_tells_the_prompt_tokens_the_cache_held(operated):
+    """vLLM's --enable-prompt-tokens-details: a prompt sent again finds its full blocks in
+    the prefix cache, and usage says how many tokens (they were never told); so does the
+    Responses API's input_tokens_details, always (it said 0)."""
+    client = operated.client()
+    prompt = "A long and winding prompt about the sea, the sky and the wind. " * 6
+    common = dict(model=operated.model, max_tokens=2, extra_body=IGNORE_EOS)
+    first = client.completions.create(prompt=prompt, **common).usage
+    again = client.completions.create(prompt=prompt, **common).usage
+    full_blocks = first.prompt_tokens // 16 * 16  # the last, partial block is computed
+    assert again.prompt_tokens_details.cached_tokens >= full_blocks - 16 > 0
+    assert again.prompt_tokens_details.cached_tokens < again.prompt_tokens
+    streamed = list(client.completions.create(prompt=prompt, stream=True, **common))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (
+        again.prompt_tokens_details.cached_tokens
+    )
+    messages = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(messages=messages, **common)
+    chat = client.chat.completions.create(messages=messages, **common).usage
+    assert chat.prompt_tokens_details.cached_tokens > 0
+    client.responses.create(model=operated.model, input=prompt, max_output_tokens=2)
+    reply = client.responses.create(model=operated.model, input=prompt, max_output_tokens=2)
+    assert reply.usage.input_tokens_details.cached_tokens > 0
 
 
 def test_tokens_as_token_ids_by_flag_and_by_request(operated):

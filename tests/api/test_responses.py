@@ -137,7 +137,7 @@ def test_max_output_tokens_makes_it_incomplete(server):
     assert resp.incomplete_details.reason == "max_output_tokens"
     assert resp.usage.output_tokens == 5 and resp.max_output_tokens == 5
     assert resp.output[0].status == "incomplete"
-    assert resp.usage.input_tokens_details.cached_tokens == 0
+    assert 0 <= resp.usage.input_tokens_details.cached_tokens < resp.usage.input_tokens
     assert resp.usage.output_tokens_details.reasoning_tokens == 0
 
 
