@@ -252,14 +252,13 @@ def test_sampling_values_out_of_range_are_400(http, server, path, fields, param,
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
-        (COMPLETIONS, {"echo": True, "logprobs": 1}, "echo"),
         (COMPLETIONS, {"prompt_logprobs": 1}, "prompt_logprobs"),
         (CHAT, {"prompt_logprobs": 0}, "prompt_logprobs"),
     ],
 )
 def test_prompt_logprobs_are_not_streamed(http, server, path, fields, param):
-    """A streamed response has no place for the prompt's logprobs: refused (as vLLM does),
-    not dropped without a word."""
+    """A streamed response has no place for vLLM's prompt_logprobs field: refused (as vLLM
+    does), not dropped without a word. (Echo's prompt logprobs do stream: test_completions.)"""
     build = chat if path == CHAT else completion
     refused = post_json(http, path, build(server, stream=True, **fields))
     error = assert_openai_error(refused, 400, param)
