@@ -26,7 +26,6 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from serve.chat.rendering import RENDERING_ARGUMENTS
-from serve.chat.tool_parsers.base import load_json
 from serve.chat.tool_parsers.forced import named_function_schema, required_tool_calls_schema
 from serve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from serve.structured_outputs import (
@@ -207,8 +206,15 @@ Priority = Field(default=0, ge=-(2**63), le=2**63 - 1)
 TruncatePromptTokens = Field(default=None, ge=-1)
 
 
-# vLLM's request fields that serve cannot honour, and why: given, they are a 400 (vLLM
-# acts on them; ignored, they would change the output without a word).
+# vLLM's and OpenAI's request fields that serve cannot honour, and why: given, they are a
+# 400 (vLLM or OpenAI acts on them; ignored, they would change what the client gets
+# without a word).
+_FUNCTIONS = (
+    "is OpenAI's deprecated function calling, which this server does not take: give the "
+    'functions as tools (each {"type": "function", "function": {...}}) and function_call '
+    "as tool_choice."
+)
+_AUDIO_OUT = "asks for audio output, which this server cannot give (its models write text): "
 UNHONOURED = {
     "guided_whitespace_pattern": REFUSED_OPTIONS["whitespace_pattern"],
     "logits_processors": "is not supported by this server: it loads no custom logits "
@@ -216,6 +222,12 @@ UNHONOURED = {
     "the penalties, structured_outputs).",
     "prompt_embeds": "is not supported by this server (vLLM's --enable-prompt-embeds): "
     "give the prompt as text or token ids.",
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
+    "modalities": _AUDIO_OUT + 'leave it out, or set it to ["text"].',
+    "audio": _AUDIO_OUT + "leave it out.",
+    "web_search_options": "asks for a web search, which this server cannot run (it has no "
+    "built-in tools): leave it out, or give a function in tools that the client runs.",
 }
 
 
@@ -483,14 +495,10 @@ class NamedToolChoice(OpenAIModel):
 
 class FunctionCall(OpenAIModel):
     name: str
-    arguments: str  # a JSON object, as text ("" for none)
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        if v.strip() and not isinstance(load_json(v), dict):
-            raise ValueError("must be a JSON object, as text")
-        return v
+    # A JSON object as text, but any text is taken, as OpenAI takes it: a call cut short by
+    # max_tokens comes back in the history as it was returned (rendered with empty
+    # arguments: chat/rendering.py).
+    arguments: str
 
 
 class MessageToolCall(OpenAIModel):
@@ -504,9 +512,12 @@ class ChatMessage(OpenAIModel):
     # that role); not any other name, as OpenAI refuses them too.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
-    # Checked even when absent (validate_default): only a call-carrying assistant message
-    # (and OpenAI's function message) may leave it out. After role and tool_calls, which
-    # its check reads.
+    # An assistant's refusal, as OpenAI returns it beside null content: it becomes a
+    # refusal part at the end of the content (`_refusal_as_part`), rendered as its text.
+    refusal: str | None = None
+    # Checked even when absent (validate_default): only an assistant message with calls or
+    # a refusal (and OpenAI's function message) may leave it out. After role, tool_calls
+    # and refusal, which its check reads.
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None  # required in a function message: the function's name
     tool_call_id: str | None = None  # tool messages: the call they answer
@@ -527,8 +538,10 @@ class ChatMessage(OpenAIModel):
             return content  # OpenAI's function message may have null content
         if info.data["role"] != "assistant":
             raise PydanticCustomError("missing", f"a {info.data['role']} message needs content")
-        if not info.data.get("tool_calls"):
-            raise PydanticCustomError("missing", "an assistant message needs content or tool_calls")
+        if not info.data.get("tool_calls") and info.data.get("refusal") is None:
+            raise PydanticCustomError(
+                "missing", "an assistant message needs content, tool_calls or a refusal"
+            )
         return content
 
     @model_validator(mode="after")
@@ -539,9 +552,23 @@ class ChatMessage(OpenAIModel):
             raise ValueError('a "tool" message needs the tool_call_id of the call it answers')
         if self.role == "function" and not self.name:
             raise ValueError('a "function" message needs the name of the function it answers')
+        if self.role != "assistant" and self.refusal is not None:
+            raise ValueError("only assistant messages have a refusal")
         if self.role != "assistant" and isinstance(self.content, list):
             if any(isinstance(part, RefusalPart) for part in self.content):
                 raise ValueError("only assistant messages have refusal content parts")
+        return self
+
+    @model_validator(mode="after")
+    def _refusal_as_part(self) -> ChatMessage:
+        """A message-level refusal moved to the content's end, as a refusal part, so that
+        the content alone says what the template renders."""
+        if self.refusal is not None:
+            given = self.content
+            parts = [TextPart(type="text", text=given)] if isinstance(given, str) and given else []
+            parts += given if isinstance(given, list) else []
+            self.content = [*parts, RefusalPart(type="refusal", refusal=self.refusal)]
+            self.refusal = None
         return self
 
 
@@ -564,6 +591,29 @@ class ChatCompletionRequest(SamplingRequest):
     # Default: "auto" when tools are given, else "none" (see `effective_tool_choice`).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's fields this server cannot honour: a 400 by name (UNHONOURED), not ignored.
+    # (`prediction`, Predicted Outputs, changes only the latency: it is left unknown.)
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    web_search_options: Any = None
+
+    _unhonoured_openai = field_validator("functions", "audio", "web_search_options")(
+        refuse_unhonoured
+    )
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, value: Any, info: ValidationInfo) -> Any:
+        return None if value == "none" else refuse_unhonoured(value, info)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, list) and all(kind == "text" for kind in value):
+            return None
+        return refuse_unhonoured(value, info)
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -16,7 +16,6 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from serve.api.protocol import FunctionDefinition, OpenAIModel
-from serve.chat.tool_parsers.base import load_json
 
 # Fields of the chat request a Responses request may also set, as vLLM's extras.
 SAMPLING_EXTRAS = frozenset(
@@ -115,14 +114,7 @@ class FunctionCallItem(OpenAIModel):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    arguments: str  # a JSON object, as text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v: str) -> str:
-        if v.strip() and not isinstance(load_json(v), dict):
-            raise ValueError("must be a JSON object, as text")
-        return v
+    arguments: str  # a JSON object as text; any text is taken (see protocol.FunctionCall)
 
 
 class FunctionCallOutputItem(OpenAIModel):

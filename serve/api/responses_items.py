@@ -22,7 +22,6 @@ from serve.api.protocol_responses import (
 )
 from serve.api.response_store import ConversationItem
 from serve.chat.tool_parsers import ToolCall
-from serve.chat.tool_parsers.base import load_json
 
 
 def new_id(prefix: str) -> str:
@@ -33,12 +32,15 @@ def new_id(prefix: str) -> str:
 def chat_messages(
     instructions: str | None, items: Sequence[ConversationItem]
 ) -> list[dict[str, Any]]:
-    """The chat messages (ChatMessage's fields) of a conversation. A function_call_output
-    must answer a function_call made earlier in it: a 400 otherwise."""
+    """The chat messages (ChatMessage's fields) of a conversation (a stored chain's items,
+    then the request's input). A function_call_output must answer a function_call made
+    earlier in it, and every function_call must have its output: a 400 otherwise, as
+    OpenAI answers."""
     messages: list[dict[str, Any]] = []
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
     call_names: dict[str, str] = {}
+    unanswered: list[str] = []  # call ids, in the order made
     for item in items:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": chat_content(item.content)})
@@ -54,6 +56,7 @@ def chat_messages(
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             call_names[item.call_id] = item.name
+            unanswered.append(item.call_id)
         else:  # a function_call_output
             if item.call_id not in call_names:
                 raise APIError(
@@ -71,6 +74,11 @@ def chat_messages(
                     "content": chat_content(item.output),
                 }
             )
+            unanswered = [call_id for call_id in unanswered if call_id != item.call_id]
+    if unanswered:
+        raise APIError(
+            400, f"No tool output found for function call {unanswered[0]}.", param="input"
+        )
     return messages
 
 
@@ -121,10 +129,8 @@ def output_items(
 
 
 def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
-    """Output items as the input items a continuation sees. A call cut short by the token
-    limit (its arguments not yet a JSON object) goes on with empty arguments, as vLLM
-    coerces a history's broken call: kept as written, the server's own output would fail
-    every continuation of the response."""
+    """Output items as the input items a continuation sees, as they were sent (a call cut
+    short by the token limit is rendered with empty arguments, as vLLM renders it)."""
     items: list[ConversationItem] = []
     for item in output:
         if item["type"] == "message":
@@ -132,8 +138,6 @@ def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
             items.append(MessageItem(role="assistant", content=parts))
         else:
             fields = {k: item[k] for k in ("type", "call_id", "name", "arguments")}
-            if not isinstance(load_json(fields["arguments"] or "{}"), dict):
-                fields["arguments"] = "{}"
             items.append(FunctionCallItem.model_construct(**fields))
     return items
 

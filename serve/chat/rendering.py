@@ -120,11 +120,14 @@ def _appended(content: str | list[dict[str, Any]], text: str, separator: str) ->
     return f"{content}{separator}{text}" if content else text
 
 
-def _arguments_object(arguments: Any) -> Any:
-    """A past call's arguments as an object: OpenAI sends them as JSON text."""
+def _arguments_object(arguments: Any) -> dict[str, Any]:
+    """A past call's arguments as an object: OpenAI sends them as JSON text. Text that is
+    not a JSON object (a call cut short by max_tokens, `[]`) is an empty one, as vLLM
+    coerces it: templates write `arguments | tojson` and need a mapping, and refusing the
+    history would fail every later turn of the conversation."""
     if isinstance(arguments, str):
-        return load_json(arguments) if arguments.strip() else {}
-    return arguments if arguments is not None else {}
+        arguments = load_json(arguments)
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def _mentions(template: str, variable: str) -> bool:

@@ -363,6 +363,15 @@ def test_unknown_and_unstored_ids_are_404s(client, server):
             "input",
             "call_x",
         ),
+        (
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "call_y", "name": "f", "arguments": "{"}
+                ]
+            },
+            "input",
+            "No tool output found for function call call_y.",
+        ),
         ({"input": "Hi", "max_output_tokens": 100000}, "max_output_tokens", "context length"),
         ({"input": "Hi", "top_logprobs": 50}, "top_logprobs", "top_logprobs"),
         ({"input": []}, "input", "empty"),
@@ -473,7 +482,8 @@ def test_a_forced_function_call_and_its_continuation(tool_server):
 
 def test_a_call_cut_short_can_be_continued(tool_server):
     """A response that the token limit stopped inside a call's arguments is stored as it
-    was sent, and a continuation goes on from it (the cut call with empty arguments)."""
+    was sent, and a continuation that answers the call goes on from it (the cut call with
+    empty arguments); one that does not answer it is a 400, as on OpenAI."""
     client = tool_server.client()
     cut = forced_call(client, tool_server, max_output_tokens=6)
     assert cut.status == "incomplete"
@@ -481,13 +491,17 @@ def test_a_call_cut_short_can_be_continued(tool_server):
     assert call.type == "function_call" and call.status == "incomplete"
     assert not isinstance(load_json(call.arguments), dict)  # stored as written
     kwargs = dict(model=tool_server.model, max_output_tokens=4, extra_body=IGNORE_EOS, **GREEDY)
-    continued = client.responses.create(previous_response_id=cut.id, input="Go on.", **kwargs)
+    with pytest.raises(openai.BadRequestError) as unanswered:
+        client.responses.create(previous_response_id=cut.id, input="Go on.", **kwargs)
+    assert f"No tool output found for function call {call.call_id}." in str(unanswered.value)
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "cut short"}
+    continued = client.responses.create(previous_response_id=cut.id, input=[answer], **kwargs)
     assert continued.output[0].type == "message" and continued.output_text
     as_if_empty = client.responses.create(
         input=[
             {"role": "user", "content": "What is the weather like in Paris?"},
             {**call.model_dump(exclude_none=True), "arguments": "{}"},
-            {"role": "user", "content": "Go on."},
+            answer,
         ],
         store=False,
         **kwargs,

@@ -3,8 +3,7 @@ is a 5xx, and none hangs.
 
 Bodies come three ways: valid by the schema, invalid by it, and valid with a plain
 prompt or conversation. The schema cannot state all the server's rules (a tool message
-needs content, a call's arguments are a JSON object as text, token ids are in the
-vocabulary), so schema-valid bodies are mostly refused before the engine; the third kind
+needs content, token ids are in the vocabulary), so schema-valid bodies are mostly refused before the engine; the third kind
 reaches it with generated sampling fields. The server's limits keep what a request can ask for small: a 32-token context
 bounds `max_tokens`, --max-n the choices per prompt.
 """

@@ -130,3 +130,24 @@ def test_parts_reach_the_template_as_openai_lists(tokenizer):
 def test_an_unknown_content_format_is_a_render_error(tokenizer):
     with pytest.raises(ChatRenderError, match="auto, string, openai"):
         render(tokenizer, [USER], content_format="parts")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "shown"),
+    [
+        ('{"city": "Par', "{}"),  # a call cut short by max_tokens
+        ("[1]", "{}"),
+        ("", "{}"),
+        (None, "{}"),
+        ({"city": "Paris"}, '{"city": "Paris"}'),  # a script's own object
+        ('{"city": "Paris"}', '{"city": "Paris"}'),
+    ],
+)
+def test_a_past_calls_arguments_reach_the_template_as_an_object(tokenizer, arguments, shown):
+    """Arguments text that is no JSON object is an empty one, as vLLM coerces it."""
+    template = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}"
+    )
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    assert render(tokenizer, [USER, {"role": "assistant", "tool_calls": [call]}], template) == shown
