@@ -16,7 +16,6 @@ from serve.engine.detokenizer import MAX_CHAR_TOKENS, text_decoder, token_text_i
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.offline_inputs import (
     Prompt,
-    check_content_format,
     check_no_lora,
     prompt_list,
     spaces_between_special_tokens,
@@ -422,13 +421,13 @@ class LLM:
         defaults to False, else to True); `chat_template_kwargs` are more template
         variables (Qwen3's `enable_thinking`). A ValueError says what cannot be rendered.
 
-        vLLM's `chat_template_content_format` may be "auto" or "string": serve hands the
-        template each message's content as text (text parts joined by newlines); "openai"
-        (the parts themselves) is refused. `tokenization_kwargs` and `lora_request` as in
+        vLLM's `chat_template_content_format`: "string" hands the template each message's
+        content as text (text parts joined by newlines), "openai" as OpenAI's list of
+        parts, "auto" the parts to a template that loops over them, else the text (as the
+        server's --chat-template-content-format). `tokenization_kwargs` and `lora_request` as in
         `generate` (the template writes the special tokens: `add_special_tokens` defaults
         to False, as in vLLM)."""
         check_no_lora(lora_request)
-        check_content_format(chat_template_content_format)
         keep, add_special_tokens = tokenization_options(tokenization_kwargs)
         if not messages:
             return []

@@ -16,7 +16,6 @@ Prompt = str | list[int] | dict[str, Any]
 TOKENIZATION_KWARGS = ("truncate_prompt_tokens", "add_special_tokens")
 # vLLM's `chat_template_content_format`s that are what serve renders: a message's content
 # as text (its text parts joined). "openai" (the parts themselves) is not.
-CONTENT_FORMATS = ("auto", "string")
 
 
 def truncated_prompt(
@@ -42,15 +41,6 @@ def truncated_prompt(
     if len(token_ids) <= keep:
         return token_ids
     return token_ids[:keep] if is_pooling else token_ids[-keep:]
-
-
-def check_content_format(content_format: str) -> None:
-    if content_format not in CONTENT_FORMATS:
-        raise ValueError(
-            f"chat_template_content_format must be auto or string: serve renders a "
-            f"message's content as text (its text parts joined), not as OpenAI's list of "
-            f"parts; got {content_format!r}."
-        )
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

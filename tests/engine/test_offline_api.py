@@ -372,15 +372,29 @@ def test_lora_request_none_is_taken_and_a_real_one_refused(llm):
 
 
 def test_chat_template_content_format(llm):
+    """vLLM's chat_template_content_format, as the server takes it: "openai" hands a
+    template the parts (it was refused offline), "string" their text, and "auto" the parts
+    to a template that loops over them."""
+    looping = (
+        "{% for m in messages %}{% for part in m['content'] %}<{{ part['text'] }}>"
+        "{% endfor %}{% endfor %}"
+    )
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     params = SamplingParams(max_tokens=1)
-    outs = [
-        llm.chat(messages, params, use_tqdm=False, chat_template_content_format=form)[0]
-        for form in ("auto", "string")
-    ]
-    assert outs[0].prompt_token_ids == outs[1].prompt_token_ids
-    with pytest.raises(ValueError, match="chat_template_content_format must be auto or string"):
-        llm.chat(messages, params, chat_template_content_format="openai")
+    tokenizer = llm.get_tokenizer()
+
+    def prompt(form: str, template: str | None = looping) -> str:
+        (out,) = llm.chat(
+            messages, params, use_tqdm=False, chat_template=template,
+            chat_template_content_format=form,
+        )  # fmt: skip
+        return tokenizer.decode(out.prompt_token_ids)
+
+    assert prompt("openai") == prompt("auto") == "<Hi>"
+    assert prompt("string") == "<><>"  # the text: a part per character, none with a text
+    assert prompt("auto", None) == prompt("string", None)  # the model's own template
+    with pytest.raises(ValueError, match="chat_template_content_format is one of"):
+        llm.chat(messages, params, chat_template_content_format="parts")
 
 
 def test_beam_search_in_vllms_form(llm):
