@@ -62,6 +62,8 @@ def _template_message(message: dict[str, Any], content_format: str) -> dict[str,
         raise ChatRenderError(f"A message is a dict with a role; got {message!r:.100}.")
     role = message["role"]
     texts = _texts(message.get("content"))
+    if isinstance(message.get("refusal"), str):  # an assistant's, beside its content
+        texts.append(message["refusal"])
     # A tool result is text in either format: templates write it as one string.
     if content_format == "openai" and role != "tool":
         content: Any = [{"type": "text", "text": text} for text in texts]

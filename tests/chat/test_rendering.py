@@ -76,6 +76,9 @@ def test_a_refusal_part_is_rendered_as_its_text(tokenizer):
     }
     text = render(tokenizer, [USER, refused])
     assert "<|im_start|>assistant\nHmm.\nNo.<|im_end|>" in text
+    # OpenAI's message-level refusal, as a script replays it (the API makes it a part)
+    replayed = {"role": "assistant", "content": None, "refusal": "No."}
+    assert "<|im_start|>assistant\nNo.<|im_end|>" in render(tokenizer, [USER, replayed])
 
 
 def test_a_function_message_is_rendered_in_its_role_with_its_name(tokenizer):
