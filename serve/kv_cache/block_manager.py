@@ -4,7 +4,8 @@
 device's and the CPU swap space's) of ref counts, so `check_invariants` can verify the
 whole allocation state in one place. It implements PagedAttention's sharing:
 
-- fork: a child table lists the parent's blocks, whose ref counts go up;
+- fork: a child table lists the parent's blocks, whose ref counts go up (`share_prefix`:
+  the first of them, for a recomputed sequence catching up after a sibling);
 - copy-on-write: a sequence about to write into a block that others hold gets a fresh
   block, and the caller copies the K/V (`allocate_slots` returns the (src, dst) pairs).
   Only a partly filled last block is ever written, so full shared blocks are never copied;
@@ -75,10 +76,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu_pool.num_free_blocks
 
     @property
     def usage(self) -> float:
@@ -273,6 +270,23 @@ class BlockManager:
         self._num_registered[child.seq_id] = self._num_registered.get(parent.seq_id, 0)
         if parent.seq_id in self._block_hashes:
             self._block_hashes[child.seq_id] = list(self._block_hashes[parent.seq_id])
+
+    def share_prefix(self, src: Sequence, dst: Sequence, num_blocks: int) -> None:
+        """Make `dst`'s table the first `num_blocks` blocks of `src`'s, as a fork would
+        have left them, giving back what `dst` held (nothing, or a shorter prefix): a
+        recomputed sequence takes the full blocks it shares with a sibling computed before
+        it. The caller guarantees that those blocks hold (or a step already scheduled
+        writes) tokens `dst` shares with `src`."""
+        table = self.block_tables[src.seq_id][:num_blocks]
+        if len(table) < num_blocks:
+            raise ValueError(f"seq {src.seq_id} holds fewer than {num_blocks} blocks")
+        for block_id in table:  # before the frees: a block both hold never becomes free
+            self.block_pool.incref(block_id)
+        for block_id in reversed(self.block_tables.get(dst.seq_id, [])):
+            self.block_pool.free(block_id)
+        self.block_tables[dst.seq_id] = table
+        self._num_slots_filled[dst.seq_id] = num_blocks * self.block_size
+        self._num_registered[dst.seq_id] = min(self._num_registered.get(src.seq_id, 0), num_blocks)
 
     def trim(self, seq: Sequence, num_tokens: int) -> int:
         """Give back the blocks of `seq`'s table past those `num_tokens` tokens fill: the

@@ -27,6 +27,9 @@ request's priority then arrival, or sjf's predicted remaining output. Blocks are
 matter: running groups take theirs in rank order, and when blocks run out the worst-ranked
 are preempted — swapped to the CPU when they have several sequences (recomputing all of
 them would cost more than the copy), recomputed otherwise, unless `preemption_mode` says.
+A recomputed group of several sequences comes back in the blocks it held: it is admitted
+once its whole catch-up fits, and catches up one sequence at a time, each starting from
+the blocks of the prefix it shares with those before it (as its forks had shared them).
 A step that preempts for blocks admits nothing and swaps nothing in. Under priority, a
 waiting request that lacks seats or blocks first preempts running ones of a worse rank.
 A group that cannot grow even holding the whole cache ends with finish reason "length".
@@ -384,7 +387,7 @@ class Scheduler:
             if not self._admit(group, budget, out):
                 fits_nowhere = not self.running and not out.scheduled and group.forked
                 if cannot_fit is not None and fits_nowhere:
-                    # A recomputed group whose sequences, unshared, outgrow the empty cache.
+                    # A recomputed group that outgrows the empty cache, sharing what it can.
                     self.waiting.popleft()
                     cannot_fit.append(group)
                     continue
@@ -413,12 +416,50 @@ class Scheduler:
         for group in self.running:
             if group in decoding or _is_fully_scheduled(group):
                 continue
+            if group.forked:
+                self._share_caught_up_prefix(group)
             plan = self._plan(group, budget)
             if not plan:
                 break
             plans[group] = plan
             budget -= sum(n for _, n in plan)
         return plans, spec_slots
+
+    def _share_caught_up_prefix(self, group: SequenceGroup) -> None:
+        """A recomputed group catches up one sequence at a time (`_plan`). The next one
+        to start takes the full blocks of the longest prefix it shares with a sibling
+        already caught up (scheduled in an earlier step, so those blocks' K/V are written
+        before it reads them), as the forks that made them had shared them. The group
+        thus comes back in the blocks it held when it was preempted: one that fitted the
+        cache fits again, and its shared prefixes are computed once."""
+        bm = self.block_manager
+        caught_up: list[tuple[Sequence, int]] = []  # (sibling, tokens it has planned)
+        for seq in group.live_seqs:
+            if seq.num_unscheduled_tokens <= 1:
+                caught_up.append((seq, seq.num_planned_tokens))
+                continue
+            if not caught_up or seq.num_scheduled_tokens:
+                return  # the first to catch up, or under way (a step in flight computes it)
+            sibling, num_blocks = _most_shared_blocks(seq, caught_up, bm.block_size)
+            if sibling is not None and num_blocks * bm.block_size > seq.num_computed_tokens:
+                bm.share_prefix(sibling, seq, num_blocks)
+                self.worker_sync.table_changed(seq.seq_id)
+                seq.num_computed_tokens = num_blocks * bm.block_size
+            return
+
+    def _num_catch_up_blocks(self, group: SequenceGroup) -> int:
+        """Blocks a recomputed group's catch-up takes at most: each sequence's tokens but
+        its last, less the full blocks it will share with one before it
+        (`_share_caught_up_prefix`). Prefix-cache hits can only lower it."""
+        bm = self.block_manager
+        total = 0
+        caught_up: list[tuple[Sequence, int]] = []
+        for seq in group.live_seqs:
+            target = seq.num_unscheduled_tokens - 1
+            _, num_shared = _most_shared_blocks(seq, caught_up, bm.block_size)
+            total += bm.num_required_blocks(target) - num_shared
+            caught_up.append((seq, target))
+        return total
 
     def _ends_by_length(self, group: SequenceGroup) -> bool:
         """Every live sequence's last token is being sampled by the step in flight:
@@ -492,14 +533,13 @@ class Scheduler:
             return [(live[0], n)] if n > 0 else []
         if any(r > 1 for r in remaining):
             # Catching up after a recompute: compute all but each sequence's last token, so
-            # that every sequence samples in the same later step (beams need that).
-            plan = []
+            # that every sequence samples in the same later step (beams need that). One
+            # sequence at a time, so that the next can start from the blocks it shares
+            # with those before it (`_share_caught_up_prefix`), computed in earlier steps.
             for seq, r in zip(live, remaining):
-                n = self._fit(r - 1, budget)
-                if n > 0:
-                    plan.append((seq, n))
-                    budget -= n
-            return plan
+                if r > 1:
+                    n = self._fit(r - 1, budget)
+                    return [(seq, n)] if n > 0 else []
         return [(seq, 1) for seq in live] if len(live) <= budget else []
 
     def _schedule(
@@ -542,8 +582,9 @@ class Scheduler:
         preempted: list[SequenceGroup],
         cannot_fit: list[SequenceGroup],
     ) -> None:
-        """Grow `group`'s blocks for `plan`, preempting others (`_victim`) until they fit,
-        or `group` itself."""
+        """Grow `group`'s blocks for `plan`, preempting the worst-ranked running groups
+        (mostly after it: they have allocated nothing yet this step) until they fit, or
+        `group` itself."""
         totals = [(seq, seq.num_planned_tokens + n) for seq, n in plan]
         while not self.block_manager.can_allocate(totals):
             if self.running == [group]:
@@ -552,49 +593,12 @@ class Scheduler:
                 self.running.pop()
                 cannot_fit.append(group)
                 return
-            victim = self._victim(group)
-            self.running.remove(victim)
+            victim = self.running.pop()  # the worst-ranked: it may be `group` itself
             self._preempt(victim, out)
             preempted.append(victim)
             if victim is group:
                 return
         self._allocate(plan, out)
-
-    def _victim(self, group: SequenceGroup) -> SequenceGroup:
-        """Whom to preempt for `group`'s blocks: the worst-ranked from `group` on (the
-        groups after it have allocated nothing this step), passing over a group that
-        preemption would cut short (`_would_be_cut_short`) while another is there. Where
-        every one from `group` on is such a group, a better-ranked one of a single
-        sequence that never forked goes instead: its blocks this step were fresh (no
-        copy-on-write), so freeing them undoes its allocation whole."""
-        at = self.running.index(group)
-        for victim in reversed(self.running[at:]):
-            if not self._would_be_cut_short(victim):
-                return victim
-        for victim in reversed(self.running[:at]):
-            params = victim.sampling_params
-            if victim.num_live_seqs == 1 and params.best_of == 1 and not params.use_beam_search:
-                return victim
-        return self.running[-1]
-
-    def _would_be_cut_short(self, group: SequenceGroup) -> bool:
-        """Whether preempting `group` would end it short of its max_tokens: a group of
-        several sequences that cannot be swapped out is recomputed, its sequences then
-        come back as separate prompts that no longer share their blocks, and unshared
-        they may outgrow the whole cache (it is then ended, "length")."""
-        live, params = group.live_seqs, group.sampling_params
-        if len(live) == 1 or params.max_tokens is None:
-            return False
-        if (self.preemption_mode or "swap") == "swap":
-            needed = self.block_manager.num_swap_blocks(live, swapped_out=False)
-            if needed <= self.block_manager.num_free_cpu_blocks:
-                return False
-        block_size = self.block_manager.block_size
-        unshared = sum(
-            -(-min(s.num_prompt_tokens + params.max_tokens, self.max_model_len) // block_size)
-            for s in live
-        )
-        return unshared > self.block_manager.num_blocks
 
     def _swap_in_blocks(self, group: SequenceGroup, plan: Plan) -> int:
         """Device blocks that swapping `group` back in and running `plan` would take."""
@@ -626,6 +630,10 @@ class Scheduler:
         needed = bm.num_blocks_to_admit(
             (hits[seq.seq_id], cached[seq.seq_id] + new_tokens.get(seq.seq_id, 0)) for seq in live
         )
+        if group.forked and len(live) > 1:
+            # Recomputed: it starts once its whole catch-up fits, rather than take blocks
+            # only to give them back, preempted again, as its later sequences start.
+            needed = max(needed, self._num_catch_up_blocks(group))
         return hits, plan, needed
 
     def _admit(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> bool:
@@ -976,12 +984,12 @@ class Scheduler:
     def _end_cannot_fit(self, group: SequenceGroup) -> RequestDelta:
         logger.warning(
             "Request %s: its %d sequences need more KV blocks than the whole cache holds "
-            "(%d); ending them at %d tokens. Raise --kv-cache-memory / "
+            "(%d); ending them after %d output tokens. Raise --kv-cache-memory / "
             "--gpu-memory-utilization, or lower n, best_of or the beam width.",
             group.request_id,
             group.num_live_seqs,
             self.block_manager.num_blocks,
-            max(seq.num_tokens for seq in group.live_seqs),
+            max(seq.num_output_tokens for seq in group.live_seqs),
         )
         self._end(group, FinishReason.LENGTH)
         return self._delta(group)
@@ -1052,6 +1060,27 @@ class _RequestScope:
             return False  # no error, or one that is not the request's (KeyboardInterrupt)
         self.scheduler._on_request_error(self.group, self.failed, exc)
         return True
+
+
+def _most_shared_blocks(
+    seq: Sequence, siblings: list[tuple[Sequence, int]], block_size: int
+) -> tuple[Sequence | None, int]:
+    """Of `siblings` (each with the tokens its blocks reach), the one whose blocks hold the
+    most full blocks of `seq`'s tokens but its last (which still runs through the model,
+    for its logits), and how many: siblings share their prompt, and the output they had
+    before a fork parted them."""
+    best, most = None, 0
+    for sibling, reach in siblings:
+        limit = min(seq.num_tokens - 1, sibling.num_tokens, reach) // block_size
+        n = min(seq.num_prompt_tokens // block_size, limit)  # blocks of the prompt alone
+        while n < limit:  # a block at a time: a slice compares in C
+            start, end = n * block_size, (n + 1) * block_size
+            if seq.token_ids_between(start, end) != sibling.token_ids_between(start, end):
+                break
+            n += 1
+        if n > most:
+            best, most = sibling, n
+    return best, most
 
 
 def _is_fully_scheduled(group: SequenceGroup) -> bool:

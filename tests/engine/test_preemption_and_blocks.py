@@ -82,9 +82,9 @@ def test_max_model_len_ends_generation_with_length(tiny_llama):
     ],
 )
 def test_a_group_that_fits_alone_is_not_cut_short_by_a_neighbour(tiny_llama, engine_kwargs):
-    """Recomputed, a group of n sequences comes back as n prompts that no longer share
-    their blocks; on a small cache it then never fits again and was ended short, as if
-    by max_tokens. The neighbour of one sequence is preempted instead."""
+    """Recomputed, a group of n sequences comes back with its sequences sharing their
+    prompt's blocks again: it fits as it did (unshared, it would never fit again on a
+    small cache, and would be ended short, as if by max_tokens)."""
     llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=30, block_size=4, **engine_kwargs)
     neighbour, target = random_prompts(512, 2, 20, 44, seed=3)
     neighbour, target = neighbour[:20], (target * 3)[:44]
@@ -96,3 +96,31 @@ def test_a_group_that_fits_alone_is_not_cut_short_by_a_neighbour(tiny_llama, eng
     assert [c.token_ids for c in beside.outputs] == [c.token_ids for c in alone.outputs]
     assert [c.finish_reason for c in beside.outputs] == ["length", "length"]
     assert len(first.outputs[0].token_ids) == 40
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        pytest.param({"preemption_mode": "recompute"}, id="recompute"),
+        pytest.param({"swap_space": 0.00001}, id="swap-space-full"),
+    ],
+)
+def test_beam_searches_that_each_fit_alone_all_finish_side_by_side(tiny_llama, engine_kwargs):
+    """Two beam searches of width 4, each of which fits the 20-block cache alone (its
+    beams share their prompt and much of their output: 19 blocks at most), not both. The
+    one preempted is recomputed, its beams sharing again what they shared; it was ended
+    after 5 of its 40 tokens ("length"), its beams unshared outgrowing the cache."""
+    llm = LLM(
+        model=str(tiny_llama),
+        block_size=4,
+        num_gpu_blocks_override=20,
+        max_num_batched_tokens=16,
+        **engine_kwargs,
+    )
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(512, 2, 20, 20, seed=5)]
+    beams = SamplingParams(use_beam_search=True, best_of=4, max_tokens=40, temperature=0.0)
+    crowd = llm.generate(prompts, beams, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = [llm.generate([p], beams, use_tqdm=False)[0] for p in prompts]
+    assert [len(o.outputs[0].token_ids) for o in crowd] == [40, 40]
+    assert [o.outputs[0].token_ids for o in crowd] == [o.outputs[0].token_ids for o in alone]

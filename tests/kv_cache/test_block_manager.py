@@ -195,3 +195,25 @@ def test_a_burst_of_prompts_then_lockstep_decodes_keeps_each_table_one_run():
         assert len(table) == manager.num_required_blocks(seq.num_computed_tokens)
         assert table == list(range(table[0], table[0] + len(table))), table
     manager.check_invariants()
+
+
+def test_share_prefix_gives_a_sequence_the_first_blocks_of_another():
+    # A recomputed sibling: it drops what it held and takes the first 2 of 3 full blocks.
+    manager = make_manager(num_blocks=8, block_size=4)
+    first = make_seq(0)
+    compute(manager, first, 12)
+    second = first.fork(1)
+    compute(manager, second, 4)  # its own copy of the first block, say
+    manager.share_prefix(first, second, 2)
+    manager.check_invariants()
+    assert manager.get_block_table(1) == manager.get_block_table(0)[:2]
+    assert [manager.block_pool.ref_count(b) for b in manager.get_block_table(0)] == [2, 2, 1]
+    assert manager.num_free_blocks == 8 - 3
+    second.num_computed_tokens = 8
+    compute(manager, second, 3)  # its own block after the shared ones
+    assert manager.get_block_table(1)[:2] == manager.get_block_table(0)[:2]
+    assert manager.num_free_blocks == 8 - 4
+    manager.free(0)
+    manager.free(1)
+    manager.check_invariants()
+    assert manager.num_free_blocks == 8

@@ -1,9 +1,9 @@
 """A hypothesis state machine over the BlockManager with a fake KV cache.
 
-Random admit (with prefix reuse) / append / compute / fork / free / swap-out / swap-in,
-where "KV content" is simulated: each physical block holds the token ids written into its
-slots. `compute` writes a sequence's tokens into its table's slots, copy-on-write copies
-and swaps copy block contents. After every operation each sequence's table must read back
+Random admit (with prefix reuse) / append / compute / fork / share a prefix / free /
+swap-out / swap-in, where "KV content" is simulated: each physical block holds the token
+ids written into its slots. `compute` writes a sequence's tokens into its table's slots,
+copy-on-write copies and swaps copy block contents. After every operation each sequence's table must read back
 its own tokens: so fork, copy-on-write, swap round trips and prefix-cache hits can never
 hand a sequence another sequence's K/V.
 """
@@ -168,6 +168,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.manager.fork(parent, child)
         assert self.manager.num_free_blocks == num_free
         self.seqs[child.seq_id] = child
+
+    @precondition(lambda self: len(self.resident()) > 1)
+    @rule(data=st.data())
+    def share_prefix(self, data: st.DataObject) -> None:
+        """A sequence recomputed after another: it starts over from the full blocks of the
+        prefix it shares with the other's computed tokens."""
+        src_id, dst_id = data.draw(st.permutations(self.resident()))[:2]
+        src, dst = self.seqs[src_id], self.seqs[dst_id]
+        limit = min(src.num_computed_tokens, dst.num_tokens - 1)
+        common = 0
+        while common < limit and src.token_at(common) == dst.token_at(common):
+            common += 1
+        if common < BLOCK_SIZE:
+            return
+        num_blocks = data.draw(st.integers(1, common // BLOCK_SIZE))
+        manager = self.manager
+        held = manager.block_pool.held_ref_counts()
+        dropped = [b for b in manager.get_block_table(dst_id) if held[b] == 1]
+        gained = manager.get_block_table(src_id)[:num_blocks]
+        manager.share_prefix(src, dst, num_blocks)
+        dst.num_computed_tokens = num_blocks * BLOCK_SIZE
+        assert manager.get_block_table(dst_id) == gained
+        assert manager.block_pool.num_used_blocks == len(held) - len(dropped)
+        event("shares one block" if num_blocks == 1 else "shares several blocks")
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

@@ -24,7 +24,7 @@ from scheduler.harness import (
 )
 
 from serve.scheduler.scheduler import Scheduler
-from serve.sequence import FinishReason, SequenceGroup, SequenceStatus
+from serve.sequence import FinishReason, Sequence, SequenceGroup, SequenceStatus
 from serve.step import SchedulerOutput
 
 # -- forks and copy-on-write ----------------------------------------------------------------
@@ -180,6 +180,93 @@ def test_recompute_mode_catches_up_then_samples_all_sequences_together(
     assert_all_free(sched)
 
 
+def fewest_blocks(seqs: list[Sequence], block_size: int) -> int:
+    """Blocks the sequences' computed tokens take at best: each distinct full-block prefix
+    once (as forks leave them shared), and each sequence's partly filled last block."""
+    full: set[tuple[int, ...]] = set()
+    num_partial = 0
+    for seq in seqs:
+        tokens = seq.token_ids_between(0, seq.num_computed_tokens)
+        num_full = len(tokens) // block_size
+        full.update(tuple(tokens[: (i + 1) * block_size]) for i in range(num_full))
+        num_partial += len(tokens) % block_size != 0
+    return len(full) + num_partial
+
+
+@pytest.mark.parametrize("enable_chunked_prefill", [True, False])
+@pytest.mark.parametrize("enable_prefix_caching", [False, True])
+@pytest.mark.parametrize("width", [{"best_of": 4}, {"beam_width": 4}], ids=["n", "beams"])
+def test_a_recomputed_group_comes_back_sharing_its_prefixes(
+    width, enable_prefix_caching, enable_chunked_prefill, caplog
+):
+    # 20 blocks; two groups of 4 sequences, each with a 6-block prompt and 8 output
+    # tokens: 6 + 4 x 2 = 14 blocks alone, 28 together, so one is preempted and
+    # recomputed. Its sequences came back unshared (4 x 8 = 32 blocks) and it was ended
+    # short ("length") once alone; now they share their prompt again (and beams their
+    # common output), as they did running.
+    sched = make_scheduler(
+        num_blocks=20,
+        block_size=4,
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        preemption_mode="recompute",
+        enable_prefix_caching=enable_prefix_caching,
+        enable_chunked_prefill=enable_chunked_prefill,
+    )
+    groups = add_all(sched, [make_group(i, prompt_of(i, 24), 8, **width) for i in (0, 1)])
+    bm = sched.block_manager
+    finals, catching_up, num_caught_up = {}, set(), 0
+    while sched.has_unfinished_requests():
+        _, deltas = run_step_with_deltas(sched)
+        finals.update((d.request_id, d) for d in deltas if d.finished)
+        for group in sched.running:
+            if any(s.num_uncomputed_tokens > 1 for s in group.live_seqs):
+                catching_up.add(group.request_id)
+            elif group.request_id in catching_up:
+                # Caught up: it holds no more blocks than its tokens need, shared.
+                held = {b for s in group.live_seqs for b in bm.get_block_table(s.seq_id)}
+                assert len(held) == fewest_blocks(group.live_seqs, bm.block_size)
+                catching_up.remove(group.request_id)
+                num_caught_up += group.num_preemptions > 0
+    assert "more KV blocks than the whole cache" not in caplog.text
+    for group in groups:  # every sample, or every beam, reached max_tokens
+        if "best_of" in width:
+            assert [s.num_output_tokens for s in group.seqs] == [8] * 4
+        else:
+            assert [len(s.token_ids) for s in finals[group.request_id].seqs] == [8] * 4
+    assert sched.num_preemptions and num_caught_up
+    assert_all_free(sched)
+
+
+def test_a_recomputed_sequence_starts_from_the_blocks_it_shares_with_one_caught_up():
+    # 8 blocks, no prefix caching. Recomputed, the group's first sample catches up alone;
+    # the second starts in a later step from the first's full prompt block (tokens 0-3),
+    # computing only its own tokens after it. Both used to recompute from token 0 at once.
+    sched = make_scheduler(
+        num_blocks=8,
+        block_size=4,
+        max_model_len=24,
+        preemption_mode="recompute",
+        enable_prefix_caching=False,
+    )
+    _, group = squeeze(sched)
+    run_until(sched, lambda: sched.num_preemptions)
+    first, second = group.live_seqs
+    bm = sched.block_manager
+    outs = [run_step(sched)]
+    while second.seq_id not in {s.seq_id for s in outs[-1].scheduled}:
+        outs.append(run_step(sched))
+        assert len(outs) < 100
+    assert (first.seq_id, 10) in scheduled_ids(outs[-2])  # its catch-up: all but its last
+    (started,) = [s for s in outs[-1].scheduled if s.seq_id in (first.seq_id, second.seq_id)]
+    assert (started.seq_id, started.start, started.num_new_tokens) == (second.seq_id, 4, 6)
+    (shared,) = bm.get_block_table(first.seq_id)[:1]
+    assert bm.get_block_table(second.seq_id)[0] == shared and bm.block_pool.ref_count(shared) == 2
+    run_to_completion(sched)
+    assert all(s.num_output_tokens == 6 for s in group.seqs)
+    assert_all_free(sched)
+
+
 def test_swap_mode_swaps_a_single_sequence_too():
     sched = make_scheduler(
         num_blocks=6, block_size=4, max_model_len=24, num_cpu_blocks=8, preemption_mode="swap"
@@ -323,11 +410,13 @@ def test_a_swapped_group_that_can_never_fit_again_is_given_up():
     assert_all_free(sched)
 
 
-def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
+def test_a_recomputed_group_that_outgrows_the_cache_is_given_up_once_alone(caplog):
     # 8 blocks. Forked, the group holds its 2-block prompt once and a block per sequence
-    # (6 blocks); the early request's growth preempts it. Recomputed, each of its 4
-    # sequences needs the prompt again (12 blocks): rather than wait forever, it ends
-    # (cannot_fit) once nothing else runs.
+    # (6 blocks); the early request's growth preempts it. Recomputed, it comes back in
+    # those 6 blocks, its sequences sharing the prompt again (unshared they needed 12, and
+    # it was ended at once, after 4 tokens), and runs until, alone, its next 4 blocks do
+    # not fit: 13 tokens, 5 of them output. It ends (cannot_fit), saying so in output
+    # tokens, as the client counts them.
     sched = make_scheduler(
         num_blocks=8,
         block_size=4,
@@ -336,8 +425,14 @@ def test_a_recomputed_group_that_outgrows_the_cache_unshared_is_given_up():
         preemption_mode="recompute",
         enable_prefix_caching=False,
     )
-    add_all(sched, [make_group(0, prompt_of(0, 5), 12), make_group(1, prompt_of(1, 8), 5, 4)])
+    early, group = add_all(
+        sched, [make_group(0, prompt_of(0, 5), 12), make_group(1, prompt_of(1, 8), None, 4)]
+    )
     run_to_completion(sched, max_steps=100)
+    assert sched.num_preemptions == 1 and early.seqs[0].num_output_tokens == 12
+    assert [s.num_output_tokens for s in group.seqs] == [5] * 4
+    assert all(s.finish_reason is FinishReason.LENGTH for s in group.seqs)
+    assert "(8); ending them after 5 output tokens" in caplog.text
     assert_all_free(sched)
 
 
@@ -381,13 +476,13 @@ def test_a_group_wider_than_the_token_budget_is_refused_or_runs():
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "unchunked"])
 @pytest.mark.parametrize("seed", range(20))
-def test_random_workload_with_forks_tiny_cache_and_swap_space(seed, chunked):
+def test_random_workload_with_forks_tiny_cache_and_swap_space(seed, chunked, caplog):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4])
     max_best_of = 4
     max_model_len = rng.randint(4, 24)
-    # Any one group fits with its sequences unshared (as a recompute without prefix hits
-    # prefills them), plus two blocks a sequence of headroom.
+    # Any one group fits with its sequences unshared, plus two blocks a sequence of
+    # headroom: none is ever cut short.
     num_blocks = max_best_of * (-(-max_model_len // block_size) + 2) + rng.randint(0, 4)
     max_num_batched_tokens = rng.randint(max_best_of, 64)
     if not chunked:  # every prompt, recompute and catch-up must fit one step
@@ -425,4 +520,61 @@ def test_random_workload_with_forks_tiny_cache_and_swap_space(seed, chunked):
             run_step(sched)
     run_to_completion(sched, max_steps=5_000)
     assert all(g.is_finished for g in groups)
+    assert "more KV blocks than the whole cache" not in caplog.text
+    assert_all_free(sched)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_groups_that_fit_alone_only_sharing_are_never_cut_short(seed, caplog):
+    # The cache holds any one group alone, its prompt's full blocks shared, but not all of
+    # them, nor one with its sequences unshared: groups are preempted (swapped, or
+    # recomputed where the swap space is short), yet every sequence reaches max_tokens.
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    max_model_len = rng.randint(8, 32)
+    groups = []
+    for i in range(rng.randint(3, 8)):
+        prompt = [rng.randrange(50) for _ in range(rng.randint(1, max_model_len - 2))]
+        max_tokens = rng.randint(1, max_model_len - len(prompt))
+        width = rng.randint(2, 4)
+        kind = {"beam_width": width} if rng.random() < 0.4 else {"best_of": width}
+        groups.append(make_group(i, prompt, max_tokens, **kind))
+
+    def alone(group: SequenceGroup) -> int:  # the most blocks it ever holds alone
+        params, (seq,) = group.sampling_params, group.seqs
+        shared = seq.num_prompt_tokens // block_size
+        end = -(-(seq.num_prompt_tokens + params.max_tokens) // block_size)
+        return shared + params.best_of * (end - shared)
+
+    num_blocks = max(max(map(alone, groups)), -(-max_model_len // block_size))
+    chunked = rng.random() < 0.7
+    sched = make_scheduler(
+        num_blocks=num_blocks + rng.randint(0, 2),
+        block_size=block_size,
+        max_num_seqs=rng.randint(4, 16),
+        max_num_batched_tokens=rng.randint(4, 48) if chunked else max_model_len,
+        max_model_len=max_model_len,
+        num_cpu_blocks=rng.choice([0, 2, num_blocks]),
+        preemption_mode=rng.choice([None, "swap", "recompute"]),
+        enable_prefix_caching=rng.random() < 0.7,
+        enable_chunked_prefill=chunked,
+    )
+    finals = {}
+    pending = list(groups)
+    while pending or sched.has_unfinished_requests():
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            if pending:
+                sched.add(pending.pop(0))
+        if sched.has_unfinished_requests():
+            _, deltas = run_step_with_deltas(sched)
+            finals.update((d.request_id, d) for d in deltas if d.finished)
+        assert len(finals) <= len(groups)
+    assert "more KV blocks than the whole cache" not in caplog.text
+    for group in groups:
+        max_tokens = group.sampling_params.max_tokens
+        if group.sampling_params.use_beam_search:
+            lengths = [len(s.token_ids) for s in finals[group.request_id].seqs]
+        else:
+            lengths = [s.num_output_tokens for s in group.seqs]
+        assert lengths == [max_tokens] * group.sampling_params.n, group.request_id
     assert_all_free(sched)
