@@ -224,13 +224,9 @@ def read_generation_config_folder(folder: str | Path) -> dict[str, Any]:
     return data
 
 
-def parse_override_generation_config(value: str | dict[str, Any] | None) -> dict[str, Any]:
-    """`override_generation_config` (JSON text, or a dict from `LLM(...)`) as
-    generation_config.json's names -> values; a null drops the key. InvalidSettingError
-    says what is wrong."""
-    name = "override_generation_config"
-    if value is None:
-        return {}
+def _json_object(name: str, value: str | dict[str, Any]) -> dict[str, Any]:
+    """A setting given as a JSON object's text (a flag) or a dict (`LLM(...)`), as a dict;
+    InvalidSettingError says what it is instead."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -238,6 +234,17 @@ def parse_override_generation_config(value: str | dict[str, Any] | None) -> dict
             raise InvalidSettingError(name, f"is not valid JSON: {e}.") from None
     if not isinstance(value, dict):
         raise InvalidSettingError(name, f"must be a JSON object, got {value!r}.")
+    return value
+
+
+def parse_override_generation_config(value: str | dict[str, Any] | None) -> dict[str, Any]:
+    """`override_generation_config` (JSON text, or a dict from `LLM(...)`) as
+    generation_config.json's names -> values; a null drops the key. InvalidSettingError
+    says what is wrong."""
+    name = "override_generation_config"
+    if value is None:
+        return {}
+    value = _json_object(name, value)
     unknown = sorted(set(value) - set(GENERATION_CONFIG_KEYS))
     if unknown:
         raise InvalidSettingError(
@@ -494,13 +501,7 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeM
     if value is None:
         return None
     name = "speculative_config"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise InvalidSettingError(name, f"is not valid JSON: {e}.") from None
-    if not isinstance(value, dict):
-        raise InvalidSettingError(name, f"must be a JSON object, got {value!r}.")
+    value = _json_object(name, value)
     known = {f.name for f in fields(SpeculativeMethod)}
     unknown = sorted(set(value) - known)
     if unknown:
