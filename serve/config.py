@@ -221,6 +221,7 @@ def read_generation_config_folder(folder: str | Path) -> dict[str, Any]:
         raise InvalidSettingError(name, f"names {path}, which cannot be read: {e}.") from None
     if not isinstance(data, dict):
         raise InvalidSettingError(name, f"names {path}, which is not a JSON object.")
+    _check_sampling_values(name, data)
     return data
 
 
@@ -260,7 +261,26 @@ def parse_override_generation_config(value: str | dict[str, Any] | None) -> dict
         raise InvalidSettingError(
             name, f"needs max_new_tokens to be a positive integer, got {tokens!r}."
         )
+    _check_sampling_values(name, value)
     return dict(value)
+
+
+def _check_sampling_values(name: str, config: dict[str, Any]) -> None:
+    """The values serve applies from a generation config (`GENERATION_CONFIG_KEYS` given
+    as numbers), checked as a request's are: one out of range is said at start-up, not
+    blamed on every request that leaves the field out."""
+    from serve.sampling_params import SamplingParams
+
+    as_params = {"max_new_tokens": "max_tokens"}
+    values = {
+        as_params.get(key, key): config[key]
+        for key in GENERATION_CONFIG_KEYS
+        if isinstance(config.get(key), (int, float)) and not isinstance(config[key], bool)
+    }
+    try:
+        SamplingParams(**values)
+    except ValueError as e:
+        raise InvalidSettingError(name, f"gives a value no request may have: {e}") from None
 
 
 def _dtype_name(dtype: Any) -> Any:

@@ -133,6 +133,11 @@ def test_a_generation_config_folder_replaces_the_models_and_caps(
         (("--override-generation-config", '{"temperature": '), "is not valid JSON"),
         (("--override-generation-config", '{"presence_penalty": 1}'), "presence_penalty"),
         (("--override-generation-config", '{"max_new_tokens": 0}'), "positive integer"),
+        # In range, as a request's: it was taken, then every request that left the field
+        # out got a 400 blaming it.
+        (("--override-generation-config", '{"temperature": -1}'), "temperature must be"),
+        (("--override-generation-config", '{"top_k": -7}'), "top_k"),
+        (("--generation-config", "{tmp}/hot"), "top_p"),
     ],
 )
 def test_a_bad_generation_config_is_a_start_up_error(tiny_llama, tmp_path, capsys, flags, words):
@@ -140,6 +145,8 @@ def test_a_bad_generation_config_is_a_start_up_error(tiny_llama, tmp_path, capsy
 
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "generation_config.json").write_text("{not json")
+    (tmp_path / "hot").mkdir()
+    (tmp_path / "hot" / "generation_config.json").write_text('{"top_p": 1.5}')
     argv = ["--model", str(tiny_llama), *(f.replace("{tmp}", str(tmp_path)) for f in flags)]
     handler = signal.getsignal(signal.SIGTERM)
     try:
