@@ -777,6 +777,9 @@ class TokenizeRequest(OpenAIModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
+    # Shapes the prompt too: under --exclude-tools-when-tool-choice-none, "none" leaves
+    # the tools out, as chat would (checked by chat's rules).
+    tool_choice: Any = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -794,6 +797,7 @@ class TokenizeRequest(OpenAIModel):
             "chat_template",
             "chat_template_kwargs",
             "tools",
+            "tool_choice",
         )
         return {name: getattr(self, name) for name in names if name in self.model_fields_set}
 

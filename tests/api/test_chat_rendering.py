@@ -183,3 +183,10 @@ def test_the_flags_reach_a_running_servers_chat(server_factory, tokenizer):
     assert reply.status_code == 200, reply.text
     prompt = tokenizer.decode(reply.json()["prompt_token_ids"])
     assert prompt == 'greeting=hello;user=[{"type": "text", "text": "Hi"}];'
+    # /tokenize counts the prompt chat renders: tool_choice "none" leaves the tools out
+    # there too (it counted them, ignoring tool_choice).
+    fields = {key: body[key] for key in ("model", "messages", "tools", "tool_choice")}
+    counted = httpx.post(f"{server.url}/tokenize", json=fields, timeout=60).json()
+    assert counted["tokens"] == reply.json()["prompt_token_ids"]
+    with_tools = httpx.post(f"{server.url}/tokenize", json={**fields, "tool_choice": "auto"})
+    assert with_tools.json()["count"] > counted["count"]
