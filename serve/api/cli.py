@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--root-path",
+        type=_root_path,
         default="",
         help="the path prefix a proxy serves the API under (e.g. /llm): every route answers "
         "with it or without it (a proxy that strips it, or one that passes it on), and the "
@@ -396,6 +397,13 @@ def _chat_template(value: str) -> str:
     except jinja2.TemplateSyntaxError as e:
         raise argparse.ArgumentTypeError(f"not a valid Jinja template: {e}") from None
     return text
+
+
+def _root_path(value: str) -> str:
+    """--root-path as routing compares it: one leading slash, none trailing ("" for none),
+    so "llm", "/llm" and "/llm/" are the same prefix."""
+    stripped = value.strip().strip("/")
+    return f"/{stripped}" if stripped else ""
 
 
 def _template_kwargs(value: str) -> dict:

@@ -93,6 +93,21 @@ class AccessLog:
         return route_path(scope) in self.quiet_paths
 
 
+class RootPath:
+    """--root-path, the prefix a proxy serves the API under: set as every request's
+    `root_path`, where routing strips it from a path that leads with it (`route_path`) and
+    the schema lists it as the server's URL. A path may carry it or not, as vLLM's app
+    answers both (a proxy that strips it, one that passes it on). The outermost layer."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app, self.root_path = app, root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
+
+
 def route_path(scope: Scope) -> str:
     """The path the app routes by: without the proxy's prefix (--root-path) where it
     leads the path (a proxy that passes it on), as Starlette's routing strips it."""

@@ -27,7 +27,7 @@ from serve.api.errors import (
 )
 from serve.api.json_body import JSONBodyRoute
 from serve.api.metrics import ServerMetrics
-from serve.api.middleware import CLIENT_CLOSED, AccessLog, InternalErrors, route_path
+from serve.api.middleware import CLIENT_CLOSED, AccessLog, InternalErrors, RootPath, route_path
 from serve.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -67,9 +67,6 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(
-        # A request's path may carry it or not: routing strips it where it leads
-        # (route_path), as vLLM's app answers both.
-        root_path=settings.root_path,
         title="serve",
         version=serve.__version__,
         docs_url=None,
@@ -143,6 +140,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         quiet_paths=settings.quiet_access_paths,
         enabled=settings.access_log,
     )
+    if settings.root_path:
+        app.add_middleware(RootPath, root_path=settings.root_path)
 
     def _log_unknown(body: OpenAIModel) -> None:
         if body.unknown_fields:

@@ -163,10 +163,13 @@ def test_the_proxys_prefix_is_the_apps_root_path(server_factory, operated):
     assert missing.status_code == 404
     assert missing.json()["error"]["message"] == "No route GET /llmx/v1/models."
     assert httpx.get(f"{operated.url}/openapi.json", timeout=10).status_code == 404
-    prefixed = server_factory("--root-path", "/llm")
+    # Written loosely, it is the same prefix ("/llm/" answered only "/llm//health").
+    prefixed = server_factory("--root-path", "llm/")
     schema = httpx.get(f"{prefixed.url}/openapi.json", timeout=10).json()
     assert schema["servers"] == [{"url": "/llm"}]
     assert "/v1/chat/completions" in schema["paths"]
+    assert httpx.get(f"{prefixed.url}/llm/health", timeout=10).status_code == 200
+    assert "deprecated" not in prefixed.log()
 
 
 @pytest.fixture(scope="module")
