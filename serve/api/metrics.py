@@ -25,7 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -320,6 +328,12 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         collector = _EngineCollector(engine, model_name, names, cache or CacheConfig())
         self.registry.register(collector)
+        # The front end's process_* (memory, CPU, open files) and python_* series, as
+        # vLLM's server exports them for dashboards and alerts (the engine core is a
+        # process of its own: its memory is not in these).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.http_responses = Counter(
             "serve_http_responses",
             "HTTP responses by status code (499: the client hung up first).",

@@ -170,6 +170,16 @@ VLLM_ENGINE_SERIES = (
 )
 
 
+def test_the_front_ends_process_and_python_series_are_there():
+    """process_* and python_* come with vLLM's server; dashboards and alerts read them
+    (the resident memory, the CPU seconds), and serve's /metrics had none."""
+    samples = metric_samples(ServerMetrics(_engine(), "m").render().decode())
+    assert samples["process_resident_memory_bytes"] > 0
+    assert samples["process_cpu_seconds_total"] > 0
+    assert any(name.startswith("python_info{") for name in samples)
+    assert any(name.startswith("python_gc_collections_total{") for name in samples)
+
+
 def test_vllm_series_carry_the_engine_label_as_vllms_do():
     """vLLM's dashboards filter and group by `engine`: every series of model_name has it
     ("0": one engine core), as in vLLM."""
