@@ -265,20 +265,24 @@ def parse_override_generation_config(value: str | dict[str, Any] | None) -> dict
     return dict(value)
 
 
-def _check_sampling_values(name: str, config: dict[str, Any]) -> None:
+def generation_sampling_values(config: dict[str, Any]) -> dict[str, Any]:
     """The values serve applies from a generation config (`GENERATION_CONFIG_KEYS` given
-    as numbers), checked as a request's are: one out of range is said at start-up, not
-    blamed on every request that leaves the field out."""
-    from serve.sampling_params import SamplingParams
-
-    as_params = {"max_new_tokens": "max_tokens"}
-    values = {
-        as_params.get(key, key): config[key]
+    as numbers), by SamplingParams' names: max_new_tokens is max_tokens."""
+    return {
+        "max_tokens" if key == "max_new_tokens" else key: config[key]
         for key in GENERATION_CONFIG_KEYS
         if isinstance(config.get(key), (int, float)) and not isinstance(config[key], bool)
     }
+
+
+def _check_sampling_values(name: str, config: dict[str, Any]) -> None:
+    """A generation config's values (`generation_sampling_values`), checked as a
+    request's are: one out of range is said at start-up, not blamed on every request
+    that leaves the field out."""
+    from serve.sampling_params import SamplingParams
+
     try:
-        SamplingParams(**values)
+        SamplingParams(**generation_sampling_values(config))
     except ValueError as e:
         raise InvalidSettingError(name, f"gives a value no request may have: {e}") from None
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from serve.config import (
-    GENERATION_CONFIG_KEYS,
     GENERATION_CONFIG_WORDS,
+    generation_sampling_values,
     parse_override_generation_config,
     read_generation_config_folder,
 )
@@ -32,8 +32,6 @@ from serve.config import (
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "generation_config.json"
-# generation_config.json's names -> SamplingParams': max_new_tokens is max_tokens.
-SAMPLING_NAMES = {key: key for key in GENERATION_CONFIG_KEYS} | {"max_new_tokens": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -58,12 +56,7 @@ def generation_defaults(
         found = _model_file(Path(model_path) / FILE_NAME)
     else:
         found = read_generation_config_folder(generation_config)
-    merged = {**found, **given}
-    sampling = {
-        ours: merged[theirs]
-        for theirs, ours in SAMPLING_NAMES.items()
-        if _is_number(merged.get(theirs))
-    }
+    sampling = generation_sampling_values({**found, **given})
     if generation_config in GENERATION_CONFIG_WORDS:
         cap = given.get("max_new_tokens")
     else:
@@ -91,7 +84,3 @@ def _model_file(path: Path) -> dict[str, Any]:
         logger.warning("Ignoring %s, which cannot be read: %s", path, e)
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
