@@ -8,7 +8,7 @@ completion token is counted. Streamed, each choice is one chunk with all of that
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from serve.api.errors import APIError
@@ -25,6 +25,7 @@ from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
 from serve.api.streaming import (
+    StreamState,
     UsageCallback,
     final_outputs,
     finish_chunk,
@@ -291,9 +292,7 @@ class CompletionHandler:
             for index in range(num_choices):
                 echo = prompts[index // request.n][0]
                 yield writer.chunk(index, text=echo, logprobs=None, finish_reason=None)
-        firsts: list[RequestOutput | None] = [None] * len(streams)
-        if echo_waits:
-            streams = [_noting_first(stream, firsts, i) for i, stream in enumerate(streams)]
+        state = StreamState(num_choices)  # its prompt_outputs hold the prompts' logprobs
         unechoed = set(range(num_choices)) if echo_waits else set()
         num_top = request.logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
@@ -310,7 +309,7 @@ class CompletionHandler:
             echo, echoed = "", None
             if index in unechoed:
                 unechoed.discard(index)
-                first = firsts[index // request.n]
+                first = state.prompt_outputs[index // request.n]
                 echo = prompts[index // request.n][0]
                 prompt = (first.prompt_token_ids, first.prompt_logprobs)
                 echoed = self._token_logprobs(*prompt, 0, num_top, as_ids, [])
@@ -336,20 +335,6 @@ class CompletionHandler:
             finish,
             on_usage,
             self.settings.prompt_tokens_details,
+            state,
         ):
             yield event
-
-
-async def _noting_first(
-    stream: AsyncGenerator[RequestOutput, None], firsts: list[RequestOutput | None], index: int
-) -> AsyncGenerator[RequestOutput, None]:
-    """`stream`'s outputs, the first with the prompt's logprobs kept in `firsts[index]`
-    (a DELTA stream gives them once); closing this closes `stream`, which aborts its
-    request."""
-    try:
-        async for out in stream:
-            if firsts[index] is None and out.prompt_logprobs is not None:
-                firsts[index] = out
-            yield out
-    finally:
-        await stream.aclose()

@@ -78,12 +78,17 @@ class StreamState:
     def __post_init__(self) -> None:
         self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
 
-    # By engine request: its prompt tokens the prefix cache held (each output carries it).
+    # By engine request: its prompt tokens the prefix cache held (each output carries it),
+    # and its first output with the prompt's logprobs (a DELTA stream gives them once).
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    prompt_outputs: dict[int, RequestOutput] = field(default_factory=dict)
 
-    def note_cached(self, stream_index: int, out: RequestOutput) -> None:
+    def note(self, stream_index: int, out: RequestOutput) -> None:
+        """What engine request `stream_index`'s output says beside its choices."""
         if out.num_cached_tokens is not None:
             self.cached_tokens[stream_index] = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_outputs.setdefault(stream_index, out)
 
     @property
     def num_cached_tokens(self) -> int:
@@ -178,10 +183,10 @@ async def choice_outputs(
     streams: list[AsyncGenerator[RequestOutput, None]], n: int, state: StreamState | None = None
 ) -> AsyncIterator[tuple[int, CompletionOutput]]:
     """Every choice's outputs as they come: choice `i * n + j` is output j of prompt i, as
-    OpenAI numbers them. `state` notes each request's cached prompt tokens."""
+    OpenAI numbers them. `state` notes what each request's outputs say beside them."""
     async for stream_index, out in merge_streams(streams):
         if state is not None:
-            state.note_cached(stream_index, out)
+            state.note(stream_index, out)
         for completion in out.outputs:
             yield stream_index * n + completion.index, completion
 
@@ -208,11 +213,14 @@ async def stream_choices(
     finish_fields: FinishFields,
     on_usage: UsageCallback | None,
     shows_cached_tokens: bool = False,
+    state: StreamState | None = None,
 ) -> AsyncIterator[bytes]:
     """The content, finish and usage chunks of a streamed response (from DELTA outputs),
     then [DONE]. Chat and completions differ only in the fields of a choice, which the
-    callers supply. `shows_cached_tokens`: the usage has `prompt_tokens_details`."""
-    state = StreamState(len(streams) * n)
+    callers supply. `shows_cached_tokens`: the usage has `prompt_tokens_details`. A
+    caller whose fields read the outputs' other news passes the `state` it reads."""
+    if state is None:
+        state = StreamState(len(streams) * n)
     async with guard_stream() as failed:
         async for index, completion in choice_outputs(streams, n, state):
             if state.choices[index].finish_reason is not None:
