@@ -69,26 +69,15 @@ class RequestDelta(msgspec.Struct, frozen=True, array_like=True, gc=False):
 def step_delta(group: SequenceGroup) -> RequestDelta:
     """The sampled sequences' new tokens and finishes (not for beam search: its beams are
     rewritten every step, and only `whole_delta` is sent, at the end)."""
-    prompt_logprobs = group.prompt_logprobs  # with the request's first message alone
-    prompt_ranks = group.prompt_ranks
-    if prompt_logprobs is not None and any(
-        s.num_sent_tokens or s.is_finish_sent for s in group.seqs
-    ):
-        prompt_logprobs = prompt_ranks = None
+    # The prompt's logprobs go with the request's first message alone (asked before
+    # `_seq_delta` counts this one's tokens as sent).
+    is_first = not any(s.num_sent_tokens or s.is_finish_sent for s in group.seqs)
     seqs = []
     for index, seq in enumerate(group.seqs):
         has_news = seq.num_output_tokens > seq.num_sent_tokens
         if has_news or (seq.finish_reason is not None and not seq.is_finish_sent):
             seqs.append(_seq_delta(index, seq, seq.num_sent_tokens))
-    return RequestDelta(
-        group.request_id,
-        seqs,
-        group.is_finished,
-        prompt_logprobs,
-        prompt_ranks,
-        num_cached_tokens=group.num_cached_tokens,
-        num_preemptions=group.num_preemptions,
-    )
+    return whole_delta(group, seqs, with_prompt_logprobs=is_first)
 
 
 def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> RequestDelta:
@@ -112,14 +101,17 @@ def beam_search_delta(group: SequenceGroup, search: BeamSearch | None) -> Reques
     return whole_delta(group, hypotheses)
 
 
-def whole_delta(group: SequenceGroup, seqs: list[SeqDelta]) -> RequestDelta:
-    """A request's only message, with complete sequences (beam search's results)."""
+def whole_delta(
+    group: SequenceGroup, seqs: list[SeqDelta], with_prompt_logprobs: bool = True
+) -> RequestDelta:
+    """A message of `group` with `seqs`: its only one, with complete sequences (beam
+    search's results), or a step's (`step_delta`)."""
     return RequestDelta(
         group.request_id,
         seqs,
         group.is_finished,
-        group.prompt_logprobs,
-        group.prompt_ranks,
+        group.prompt_logprobs if with_prompt_logprobs else None,
+        group.prompt_ranks if with_prompt_logprobs else None,
         num_cached_tokens=group.num_cached_tokens,
         num_preemptions=group.num_preemptions,
     )
