@@ -23,6 +23,7 @@ _EXPORTS = {
     "RequestsFailedError": "serve.outputs",
     "BeamSearchOutput": "serve.outputs",
     "BeamSearchSequence": "serve.outputs",
+    "LoRARequest": "serve.lora_request",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

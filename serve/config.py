@@ -595,6 +595,47 @@ class SpeculativeConfig:
         return parse_speculative_config(self.method_config)
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model, many in one batch (models/lora.py,
+    worker/lora_manager.py). The server names them with `--lora-modules`; offline, a
+    request carries a `LoRARequest`."""
+
+    enable_lora: bool = setting(
+        False,
+        "serve LoRA adapters (PEFT folders) on top of the model: requests name one as "
+        "their model (--lora-modules, POST /v1/load_lora_adapter), or offline pass "
+        "lora_request=LoRARequest(name, id, path)",
+    )
+    max_loras: int = setting(
+        1, "most adapters in one step (each holds a slot in every adapted layer)", metavar="N"
+    )
+    max_lora_rank: int = setting(
+        16, "the largest adapter rank taken (slots are sized for it)", metavar="R"
+    )
+    max_cpu_loras: int | None = setting(
+        None,
+        "most adapters kept read in host memory, the most recently used (default: "
+        "--max-loras); others are read from their folder again when used",
+        metavar="N",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if value < 1:
+                raise InvalidSettingError(name, f"must be positive, got {value}.")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidSettingError(
+                "max_cpu_loras",
+                f"must be at least --max-loras ({self.max_loras}), got {self.max_cpu_loras}.",
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 EXECUTOR_BACKENDS = ("uniproc", "mp", "ray")
 
 
@@ -697,6 +738,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(
         default_factory=SpeculativeConfig, metadata={_TITLE: "speculative decoding"}
     )
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={_TITLE: "LoRA adapters"})
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     cuda_graphs: bool = setting(
         True,
@@ -714,6 +756,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_swap_space(self.cache.swap_space, self.parallel.tensor_parallel_size)
+        if self.lora.enable_lora and self.speculative.method is not None:
+            raise InvalidSettingError(
+                "enable_lora", "cannot be combined with speculative decoding yet."
+            )
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise InvalidSettingError(
                 "device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}."

@@ -24,6 +24,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
 
 
@@ -59,6 +60,8 @@ class Sequence:
     # index among the request's samples, so sample i of an n-way request draws exactly
     # what a lone request with seed + i would. None: the engine's shared stream.
     seed: int | None = None
+    # What besides its tokens decides its K/V, for the prefix cache: its adapter ("" none).
+    cache_key: str = ""
 
     output_token_ids: list[int] = field(default_factory=list)
     # Each output token's logprob, when its request needs them
@@ -201,6 +204,7 @@ class SequenceGroup:
     # Structured output: the compiled grammar (xgrammar's serialized JSON) the workers
     # constrain each sequence's tokens with.
     grammar: str | None = None
+    lora: LoRARequest | None = None  # the adapter its forward passes apply
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = self.seqs[0].prompt_token_ids

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
@@ -42,6 +43,7 @@ class NewSequence:
     seed: int | None  # its own random stream (None: the workers' shared one)
     # The compiled grammar (xgrammar's serialized JSON) for structured output, else None.
     grammar: str | None = None
+    lora: LoRARequest | None = None  # the adapter its forward passes apply
 
 
 @dataclass

@@ -35,6 +35,7 @@ LEAVES = frozenset(
         "outputs",
         "step",
         "vllm_arguments",
+        "lora_request",
     }
 )
 LAYERS = frozenset(

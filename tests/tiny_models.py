@@ -301,3 +301,86 @@ def random_prompts(
     allowed = [i for i in range(vocab_size) if i not in special_ids]
     rng = random.Random(seed)
     return [rng.choices(allowed, k=rng.randint(min_len, max_len)) for _ in range(n)]
+
+
+def make_tiny_lora(
+    model_dir: Path,
+    out_dir: Path,
+    *,
+    targets: tuple[str, ...] = ("q_proj", "v_proj", "down_proj"),
+    rank: int = 4,
+    alpha: float = 8.0,
+    seed: int = 0,
+    std: float = 0.3,
+    **config_fields,
+) -> Path:
+    """A random LoRA adapter for the tiny model in `model_dir`, saved as PEFT saves one
+    (adapter_config.json, adapter_model.safetensors: `base_model.model.<module>.lora_A/B.
+    weight`), on every module whose name ends in one of `targets`. Both A and B are random
+    (PEFT starts B at zero, which would change nothing)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.pytorch_utils import Conv1D
+
+    model = _hf_model(model_dir)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if name.split(".")[-1] not in targets:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            fan_in, fan_out = module.in_features, module.out_features
+        elif isinstance(module, Conv1D):  # GPT-2's, weight [in, out]; PEFT's A, B as Linear's
+            fan_in, fan_out = module.weight.shape
+        else:
+            continue
+        a = torch.randn(rank, fan_in, generator=generator) * std
+        b = torch.randn(fan_out, rank, generator=generator) * std
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(targets),
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+        "task_type": "CAUSAL_LM",
+        **config_fields,
+    }
+    (out_dir / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    return out_dir
+
+
+def merge_tiny_lora(model_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
+    """The oracle for an adapter: the base model with W + scale * B @ A written into each
+    adapted module's weight (as PEFT's merge does), saved as a model of its own."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if ".lora_A." not in key:
+                continue
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[key.replace(".lora_A.", ".lora_B.")]
+            rank = a.shape[0]
+            alpha = config["lora_alpha"]
+            scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+            update = scale * (b.double() @ a.double()).float()  # [out, in]
+            weight = modules[name].weight
+            weight += update if weight.shape == update.shape else update.t()  # Conv1D: [in, out]
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    return out_dir

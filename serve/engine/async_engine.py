@@ -24,6 +24,7 @@ from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import Command, CoreStats, Stop
 from serve.engine.output_streams import EngineFrontEnd, OutputStreams
 from serve.engine.protocol import EngineDeadError, RequestError, request_error_message
+from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 from serve.scheduler.output_deltas import RequestDelta
 
@@ -101,6 +102,9 @@ class AsyncEngine(EngineFrontEnd):
 
     def check_params(self, params: SamplingParams) -> None:
         self.core.check_params(params)
+
+    async def check_lora(self, lora: LoRARequest) -> None:
+        await asyncio.to_thread(self.core.adapters.check, lora)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar (or find it compiled) off the event loop, so that an

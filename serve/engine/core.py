@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from serve.engine.lora_check import AdapterChecker
 from serve.engine.validation import (
     check_gpu_count,
     check_params,
@@ -32,6 +33,7 @@ from serve.engine.validation import (
 )
 from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
+from serve.lora_request import LoRARequest
 from serve.models.loader import (
     dtype_name,
     load_hf_config,
@@ -121,7 +123,9 @@ class EngineCore:
             self.block_manager,
             self.eos_token_ids,
             speculation=config.speculative.method,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else 0,
         )
+        self.adapters = AdapterChecker(config, lambda: hf_config)
         self._grammars = LazyStructuredOutput(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -167,11 +171,13 @@ class EngineCore:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request (ValueError if it is invalid). One with a grammar joins the
         scheduler's queue once its grammar has compiled."""
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
         self.check_params(params)
+        self.adapters.check(lora_request)
         if params.pooling is not None:  # the model's defaults, so the workers read them
             params = replace(params, pooling=self.pooling.resolve(params.pooling))
         check_priority(priority, self.config.scheduler.scheduling_policy)
@@ -187,6 +193,7 @@ class EngineCore:
             prompt,
             awaits_grammar=grammar is not None,
             priority=priority,
+            lora=lora_request,
         )
         if grammar is not None:
             self._compiling[request_id] = grammar

@@ -29,6 +29,7 @@ from typing import Any
 
 from serve.config import EngineConfig
 from serve.engine.core_process import STARTUP_ERROR_TYPES, run_core_process, send_quietly
+from serve.engine.lora_check import AdapterChecker
 from serve.engine.messages import (
     AddRequest,
     CoreFailed,
@@ -41,6 +42,8 @@ from serve.engine.messages import (
 from serve.engine.output_streams import EngineFrontEnd
 from serve.engine.protocol import EngineDeadError, EngineStartError, RequestError
 from serve.engine.validation import check_params, check_token_ids
+from serve.lora_request import LoRARequest
+from serve.models.loader import load_hf_config
 from serve.models.tokenizer import load_tokenizer
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 from serve.worker.structured_output import LazyStructuredOutput
@@ -91,6 +94,7 @@ class EngineCoreClient(EngineFrontEnd):
         self._grammars = LazyStructuredOutput(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
         )
+        self._adapters = AdapterChecker(config, lambda: load_hf_config(self.model_path))
         self._threads = [
             threading.Thread(target=self._receive_replies, name="engine-core-receive", daemon=True),
             threading.Thread(target=self._send_commands, name="engine-core-send", daemon=True),
@@ -110,6 +114,10 @@ class EngineCoreClient(EngineFrontEnd):
     def check_params(self, params: SamplingParams) -> None:
         params.update_from_tokenizer(self.tokenizer)  # its bad words, which the check reads
         check_params(params, self.vocab_size, self.max_logprobs, self.pooling, self.eos_token_ids)
+
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """Read the adapter here, off the event loop, as the core and workers will."""
+        await asyncio.to_thread(self._adapters.check, lora)
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """Compile a request's grammar here, off the event loop, so that an invalid one is

@@ -97,6 +97,7 @@ def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
             command.params,
             command.prompt,
             command.priority,
+            command.lora,
         )
     except ValueError as e:
         replies.request_failed(command.request_id, e)

@@ -16,13 +16,14 @@ from serve.engine.detokenizer import MAX_CHAR_TOKENS, text_decoder, token_text_i
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.offline_inputs import (
     Prompt,
-    check_no_lora,
+    lora_list,
     prompt_list,
     spaces_between_special_tokens,
     tokenization_options,
     truncated_prompt,
 )
 from serve.engine.output_processor import OutputProcessor
+from serve.lora_request import LoRARequest
 from serve.models.generation_config import generation_defaults
 from serve.outputs import (
     BeamSearchOutput,
@@ -91,10 +92,10 @@ class LLM:
         request the engine failed raises `RequestsFailedError` (with every output) once the
         others have finished. `tokenization_kwargs` are vLLM's: `truncate_prompt_tokens`
         (as SamplingParams' own; a prompt's `prompt` text stays as given) and
-        `add_special_tokens`; `lora_request` may only be None (serve serves no LoRA
-        adapters)."""
-        check_no_lora(lora_request)
+        `add_special_tokens`. `lora_request` (a `LoRARequest`, with `enable_lora=True`) one
+        for all prompts or one per prompt: the adapter each request runs with."""
         prompts = prompt_list(prompts)
+        loras = lora_list(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -124,7 +125,7 @@ class LLM:
                 )
             text, ids = self._tokenize(prompt, add_special_tokens)
             requests.append((text, self._truncated(ids, keep, params), params))
-        outputs = self._run(requests, use_tqdm, priorities)
+        outputs = self._run(requests, use_tqdm, priorities, loras)
         if any(out.error is not None for out in outputs):
             raise RequestsFailedError(outputs)
         return outputs
@@ -151,10 +152,10 @@ class LLM:
         `pooling_type` / `pooling_normalize`), as vLLM's `LLM.embed` returns them
         (`out.outputs.embedding`). They share steps with any other request.
         `tokenization_kwargs` as in `generate`, but `truncate_prompt_tokens` keeps a
-        prompt's first tokens, as vLLM's pooling does."""
-        check_no_lora(lora_request)
+        prompt's first tokens, as vLLM's pooling does; `lora_request` as in `generate`."""
         keep, add_special_tokens = tokenization_options(tokenization_kwargs)
         prompts = prompt_list(prompts)
+        loras = lora_list(lora_request, len(prompts))
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_list = [pooling_params or PoolingParams()] * len(prompts)
         else:
@@ -171,7 +172,7 @@ class LLM:
             ids = truncated_prompt(ids, keep, max_len, is_prefill_only=True, is_pooling=True)
             requests.append((text, ids, SamplingParams(max_tokens=0, pooling=pooling)))
         results = []
-        for out in self._run(requests, use_tqdm):
+        for out in self._run(requests, use_tqdm, loras=loras):
             if out.pooled is None:  # the engine failed it (the error says why)
                 raise RuntimeError(out.error or f"Request {out.request_id} was not pooled.")
             results.append(
@@ -222,7 +223,6 @@ class LLM:
         *,
         lora_request: Any = None,
     ) -> list[RequestOutput]:
-        check_no_lora(lora_request)
         params = SamplingParams(
             n=num_return_sequences or beam_width,
             best_of=beam_width,
@@ -233,7 +233,7 @@ class LLM:
             early_stopping=early_stopping,
             ignore_eos=ignore_eos,
         )
-        return self.generate(prompts, params, use_tqdm)
+        return self.generate(prompts, params, use_tqdm, lora_request=lora_request)
 
     def _vllm_beam_search(
         self,
@@ -246,7 +246,6 @@ class LLM:
         """serve's beam search, its beams in vLLM's shape: `tokens` the prompt's and the
         beam's, `text` their decoding together, `logprobs` per output token the candidates
         its step ranked from this beam."""
-        check_no_lora(lora_request)
         if concurrency_limit is not None and (
             isinstance(concurrency_limit, bool)
             or not isinstance(concurrency_limit, int)
@@ -256,11 +255,13 @@ class LLM:
                 f"concurrency_limit must be a positive integer, got {concurrency_limit!r}."
             )
         prompts = prompt_list(prompts)
+        loras = lora_list(lora_request, len(prompts))
         params = beam_params.sampling_params()
         step = concurrency_limit or max(len(prompts), 1)
         outputs: list[RequestOutput] = []
         for start in range(0, len(prompts), step):
-            outputs += self.generate(prompts[start : start + step], params, use_tqdm)
+            chunk = slice(start, start + step)
+            outputs += self.generate(prompts[chunk], params, use_tqdm, lora_request=loras[chunk])
         decode = text_decoder(self.get_tokenizer())
         skip = beam_params.skip_special_tokens
         return [BeamSearchOutput.of(out, lambda ids: decode(ids, skip)) for out in outputs]
@@ -274,10 +275,11 @@ class LLM:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue one request; `step()` gives its outputs, of `params.output_kind`."""
         self._add_request(
-            request_id, prompt_token_ids, params, prompt, priority, params.output_kind
+            request_id, prompt_token_ids, params, prompt, priority, params.output_kind, lora_request
         )
 
     def _add_request(
@@ -288,10 +290,18 @@ class LLM:
         prompt: str | None,
         priority: int,
         output_kind: OutputKind,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self._check_special_token_spacing(params)
         prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens, params)
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt, priority=priority)
+        self.engine.add_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            priority=priority,
+            lora_request=lora_request,
+        )
         self._params[request_id] = params
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
 
@@ -427,7 +437,6 @@ class LLM:
         server's --chat-template-content-format). `tokenization_kwargs` and `lora_request` as in
         `generate` (the template writes the special tokens: `add_special_tokens` defaults
         to False, as in vLLM)."""
-        check_no_lora(lora_request)
         keep, add_special_tokens = tokenization_options(tokenization_kwargs)
         if not messages:
             return []
@@ -459,6 +468,7 @@ class LLM:
             sampling_params,
             use_tqdm,
             priority,
+            lora_request=lora_request,
             tokenization_kwargs=None if keep is None else {"truncate_prompt_tokens": keep},
         )
 
@@ -489,6 +499,7 @@ class LLM:
         requests: list[tuple[str | None, list[int], SamplingParams]],
         use_tqdm: bool | Callable[..., tqdm],
         priorities: list[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"offline-{next(self._request_ids)}" for _ in requests]
         # Compile every grammar up front (in the background, all at once), so a bad one
@@ -499,9 +510,10 @@ class LLM:
         try:
             for i, (request_id, (text, token_ids, params)) in enumerate(zip(ids, requests)):
                 priority = priorities[i] if priorities else 0
+                lora = loras[i] if loras else None
                 # Only the finished outputs are kept (vLLM's LLM asks for them alone too).
                 self._add_request(
-                    request_id, token_ids, params, text, priority, OutputKind.FINAL_ONLY
+                    request_id, token_ids, params, text, priority, OutputKind.FINAL_ONLY, lora
                 )
         except Exception:
             for request_id in ids:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from serve.lora_request import LoRARequest
 from serve.outputs import EngineStats, StepTimes
 from serve.pooling_params import ModelPooling
 from serve.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class AddRequest:
     params: SamplingParams
     prompt: str | None
     priority: int = 0  # --scheduling-policy priority: lower runs first
+    lora: LoRARequest | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from serve.engine.detokenizer import text_decoder
+from serve.lora_request import LoRARequest
 from serve.sampling_params import check_truncate_prompt_tokens
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
@@ -52,14 +53,16 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)
 
 
-def check_no_lora(lora_request: Any) -> None:
-    """vLLM's `lora_request`: None (or one None per prompt) is all serve takes."""
-    requests = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request]
-    if any(request is not None for request in requests):
+def lora_list(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:
+    """vLLM's `lora_request`: one LoRARequest (or None) for every prompt, or one per prompt."""
+    if not isinstance(lora_request, (list, tuple)):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
         raise ValueError(
-            "lora_request is not supported: serve serves no LoRA adapters (merge the adapter "
-            "into the model's weights and serve the merged model)."
+            f"Got {len(lora_request)} lora_requests for {num_prompts} prompts; give one for "
+            "all or one per prompt."
         )
+    return list(lora_request)
 
 
 def tokenization_options(kwargs: dict[str, Any] | None) -> tuple[int | None, bool | None]:

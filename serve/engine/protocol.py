@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from serve.engine.messages import CoreStats
 from serve.engine.request_metrics import RequestMetrics
+from serve.lora_request import LoRARequest
 from serve.outputs import OutputKind, RequestOutput, request_error_message
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -78,6 +79,7 @@ class EngineClient(Protocol):
         timeout_s: float | None = None,
         priority: int = 0,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes: everything so far at each, what is
         new since the last, or the finished one alone (`output_kind`). Closing the
@@ -95,6 +97,10 @@ class EngineClient(Protocol):
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """ValueError for an invalid grammar, before the request that carries it starts."""
+
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """ValueError unless the adapter loads onto this model (and LoRA is enabled),
+        before a request uses it or the server lists it."""
 
     def shutdown(self) -> None:
         """Stop the engine; running requests fail with EngineDeadError. Idempotent."""

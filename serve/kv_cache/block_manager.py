@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from serve.kv_cache.block_pool import BlockPool, NoFreeBlocksError
-from serve.kv_cache.prefix_cache import ROOT_HASH, hash_block
+from serve.kv_cache.prefix_cache import hash_block, root_hash
 from serve.sequence import Sequence
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
@@ -183,7 +183,7 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(seq.cache_key)
             hashes.append(hash_block(parent, seq.token_ids_between(i * bs, (i + 1) * bs)))
         return hashes
 

@@ -12,9 +12,16 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-# The chain's root. Anything else that changes a block's K/V (an adapter, a cache salt)
-# would be mixed in here, so that such blocks never match across it.
+# The chain's root. Anything else that changes a block's K/V (an adapter) is mixed into
+# it (`root_hash`), so that such blocks never match across it.
 ROOT_HASH = hashlib.sha256(b"serve-prefix-cache-v1").digest()
+
+
+def root_hash(cache_key: str) -> bytes:
+    """The chain's root for sequences whose K/V also depend on `cache_key` ("": none)."""
+    if not cache_key:
+        return ROOT_HASH
+    return hashlib.sha256(ROOT_HASH + cache_key.encode()).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

@@ -308,6 +308,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
+def model_skeleton(config: ModelConfig, hf_config: Any) -> nn.Module:
+    """The model's layers on the meta device, without weights: their shapes, at one rank
+    (for checks that must agree with the workers' model without loading it)."""
+    arch = get_arch_config(hf_config, config.model_impl)
+    dtype = resolve_dtype(config.dtype, hf_config, torch.device("cpu"), log=False)
+    model_class = get_model_class(getattr(hf_config, "architectures", None), config.model_impl)
+    with _default_dtype(dtype), torch.device("meta"):
+        return model_class(arch)
+
+
 def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.device) -> nn.Module:
     """This rank's shard of the model, on `device`. Under tensor parallelism, every rank
     calls it after `init_tensor_parallel`; each reads only its own slices."""

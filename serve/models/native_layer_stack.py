@@ -34,6 +34,7 @@ from serve.models.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from serve.models.layers.lora import current_lora_batch
 from serve.models.layers.rotary import RotaryEmbedding
 
 ENV_VAR = "SERVE_CPU_LAYER_STACK"
@@ -66,6 +67,7 @@ class NativeLayerStack:
             and x.dtype == self.dtype
             and x.device.type == "cpu"
             and all(layer.self_attn.attn.kv_cache is not None for layer in self.layers)
+            and current_lora_batch() is None  # adapters' updates are the Python layers'
         )
 
     def __call__(

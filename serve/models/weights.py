@@ -142,7 +142,7 @@ def _has_module(name: str, module: str) -> bool:
     return f".{module}." in f".{name}"
 
 
-def _targets(
+def checkpoint_targets(
     name: str, tensor: LazyTensor, spec: WeightSpec
 ) -> Iterable[tuple[str, LazyTensor, str | ExpertShard | None]]:
     """(our parameter name, tensor, shard) for one checkpoint tensor, after renames."""
@@ -177,7 +177,7 @@ def load_checkpoint(
         name = checkpoint_name
         for old, new in spec.renames:
             name = name.replace(old, new)
-        for target, part, shard in _targets(name, as_lazy(tensor), spec):
+        for target, part, shard in checkpoint_targets(name, as_lazy(tensor), spec):
             if target not in params:
                 if target in all_names:
                     continue  # the checkpoint's copy of a tied parameter

@@ -76,6 +76,7 @@ from msgspec.structs import replace
 
 from serve.config import SchedulerConfig, SpeculativeMethod
 from serve.kv_cache.block_manager import BlockManager
+from serve.lora_request import LoRARequest
 from serve.outputs import (
     ITERATION_TOKENS_BUCKETS,
     Histogram,
@@ -116,8 +117,10 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         clock: Callable[[], float] = time.monotonic,
         speculation: SpeculativeMethod | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
+        self.max_loras = max_loras  # distinct adapters among the running groups (LoRA)
         self.speculation = speculation
         self.preemption_mode = config.preemption_mode
         self.enable_chunked_prefill = config.enable_chunked_prefill
@@ -174,12 +177,15 @@ class Scheduler:
         prompt: str | None = None,
         awaits_grammar: bool = False,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> SequenceGroup:
         """Queue a new request (ValueError if it could never run, or its id is taken).
         With `awaits_grammar` it waits for `set_grammar` before it can be scheduled."""
         seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, params, prompt)
+        if lora is not None:
+            seq.cache_key = lora.cache_key
         group = SequenceGroup(
-            request_id, [seq], params, prompt, seq.arrival_time, priority=priority
+            request_id, [seq], params, prompt, seq.arrival_time, priority=priority, lora=lora
         )
         self.add(group, awaits_grammar)
         return group
@@ -328,7 +334,7 @@ class Scheduler:
             if self.waiting and self.policy.rank(self.waiting[0]) < self.policy.rank(group):
                 break  # a waiting group ranks first: it goes (or waits) first
             plan = self._plan(group, budget)
-            if not plan or group.max_num_seqs > seats:
+            if not plan or group.max_num_seqs > seats or not self._adapter_fits(group):
                 break
             needed = self._swap_in_blocks(group, plan)
             if needed > self.block_manager.num_free_blocks - self._watermark():
@@ -378,12 +384,18 @@ class Scheduler:
         """Admit waiting groups in order into `out` while the budget and `seats` last;
         `cannot_fit` collects recomputed groups that will never fit (None: leave them)."""
         budget = self.max_num_batched_tokens - out.num_batched_tokens
+        # Groups passed over because their adapter would be one too many in the step: they
+        # keep their places, and those behind them with a running adapter (or none) start.
+        passed_over: list[SequenceGroup] = []
         while self.waiting and budget > 0:
             group = self.waiting[0]
             if self.swapped and self.policy.rank(self.swapped[0]) <= self.policy.rank(group):
                 break  # a swapped group ranks first and could not come back
             if group.max_num_seqs > seats:
                 break
+            if not self._adapter_fits(group):
+                passed_over.append(self.waiting.popleft())
+                continue
             if not self._admit(group, budget, out):
                 fits_nowhere = not self.running and not out.scheduled and group.forked
                 if cannot_fit is not None and fits_nowhere:
@@ -395,6 +407,15 @@ class Scheduler:
             self.waiting.popleft()
             seats -= group.max_num_seqs
             budget = self.max_num_batched_tokens - out.num_batched_tokens
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _adapter_fits(self, group: SequenceGroup) -> bool:
+        """Whether `group` may run beside the running groups: its adapter is theirs, or
+        they use fewer than `max_loras` (the workers' slots for one step)."""
+        if group.lora is None:
+            return True
+        running = {g.lora.lora_int_id for g in self.running if g.lora is not None}
+        return group.lora.lora_int_id in running or len(running) < self.max_loras
 
     def _plan_running(self) -> tuple[dict[SequenceGroup, Plan], dict[int, int]]:
         """The running groups' share of the token budget: every decode that fits (a group
@@ -684,7 +705,7 @@ class Scheduler:
         """Whether `group` would be admitted beside the running groups this step: a seat in
         the batch, and blocks for its first chunk once the running decodes have grown."""
         seats = self._free_seats()
-        if group.max_num_seqs > seats:
+        if group.max_num_seqs > seats or not self._adapter_fits(group):
             return False
         decodes = [g for g in self.running if _is_decoding(g)]
         budget = self.max_num_batched_tokens - sum(g.num_live_seqs for g in decodes)

@@ -55,6 +55,7 @@ class WorkerSync:
                     seq.sampling_params,
                     seq.seed,
                     group.grammar,
+                    group.lora,
                 )
             )
             num_known = 0

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from serve.kernels import AttentionMetadata
+from serve.lora_request import LoRARequest
 from serve.step import SchedulerOutput
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 
@@ -50,6 +51,8 @@ class ModelInputs:
     prompt_logits_indices: torch.Tensor | None = None  # rows for prompt logprobs
     prompt_spans: list[PromptSpan] = field(default_factory=list)
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling sequences' rows
+    # Each sequence's adapter, in token-stream order (`meta.query_lens_cpu`'s).
+    loras: list[LoRARequest | None] = field(default_factory=list)
 
     @property
     def first_logits_rows(self) -> list[int]:
@@ -194,6 +197,7 @@ def build_model_inputs(
     prompt_indices: list[int] = []
     prompt_spans: list[PromptSpan] = []
     pool_spans: list[PoolSpan] = []
+    loras: list[LoRARequest | None] = []
     for n, s in ordered:
         seq, start = seqs[s.seq_id], s.start
         n_known = s.num_new_tokens - s.num_spec_tokens
@@ -219,6 +223,7 @@ def build_model_inputs(
         if params.pooling is not None:
             pool_spans.append(PoolSpan(seq, start, n, offset))
         spans.append(QuerySpan(seq.block_table, start, n))
+        loras.append(seq.lora)
         if s.is_sampled:
             last = offset + n_known - 1  # the sequence's last known token
             logits_indices.extend(range(last, offset + n))
@@ -238,4 +243,5 @@ def build_model_inputs(
         prompt_rows[0] if prompt_rows else None,
         prompt_spans,
         pool_spans,
+        loras,
     )

@@ -28,6 +28,7 @@ from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
+from serve.models.layers.lora import lora_batch
 from serve.models.loader import (
     dtype_name,
     load_model,
@@ -40,6 +41,7 @@ from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.cuda_graphs import DecodeGraphs, ineligibility
 from serve.worker.draft_model import DraftModelProposer
+from serve.worker.lora_manager import LoRAManager
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.model_kv import ModelKV
 from serve.worker.pooler import Pooler
@@ -174,6 +176,12 @@ class ModelRunner:
             check_gpu_weights_fit(weights, config.world_size, free, dtype, device)
         self.model = load_model(engine.model, Path(config.model_path), hf_config, device)
         self.kv = ModelKV.of(self.model, engine.cache.kv_cache_dtype)
+        self.lora: LoRAManager | None = None
+        if engine.lora.enable_lora:
+            lora = engine.lora
+            self.lora = LoRAManager(
+                self.model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras
+            )
         self.cache_engine: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None  # on CUDA, once the cache is bound
         self.mirror = SequenceMirror()
@@ -244,7 +252,10 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.initialize_cache(num_blocks, num_cpu_blocks)
         if self.config.engine.cuda_graphs and self.device.type == "cuda":
-            self.graphs = self._capture_decode_graphs(num_blocks)
+            if self.lora is not None:
+                logger.info("Decode steps run eagerly, not as CUDA graphs, with LoRA enabled.")
+            else:
+                self.graphs = self._capture_decode_graphs(num_blocks)
 
     def _capture_decode_graphs(self, num_blocks: int) -> DecodeGraphs | None:
         """The decode graphs over the bound cache (whose addresses they record), or None
@@ -343,7 +354,10 @@ class ModelRunner:
             assert self.graphs is not None
             hidden = self.graphs.run(inputs, graph_size)
         else:
-            with forward_context(inputs.meta):
+            adapters = None
+            if self.lora is not None:
+                adapters = self.lora.batch(inputs.loras, inputs.meta.query_lens_cpu)
+            with forward_context(inputs.meta), lora_batch(adapters):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
         if inputs.sampled_seqs:

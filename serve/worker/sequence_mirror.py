@@ -17,6 +17,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
+from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
 from serve.step import SchedulerOutput
 
@@ -32,6 +33,7 @@ class MirroredSequence:
     # int64 in an array, not a list: model_inputs copies each step's tables row by row
     # into one numpy array, a memcpy from an array (~5x faster than from a list).
     block_table: array = field(default_factory=lambda: array("q"))
+    lora: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,6 +66,7 @@ class MirroredSequence:
             seed,
             list(self.output_token_ids),
             array("q", self.block_table),
+            self.lora,
         )
 
 
@@ -88,7 +91,12 @@ class SequenceMirror:
         forgotten = [seq_id for seq_id in out.finished_seq_ids if self.seqs.pop(seq_id, None)]
         for new in out.new_seqs:
             self.seqs[new.seq_id] = MirroredSequence(
-                new.seq_id, new.request_id, list(new.prompt_token_ids), new.params, new.seed
+                new.seq_id,
+                new.request_id,
+                list(new.prompt_token_ids),
+                new.params,
+                new.seed,
+                lora=new.lora,
             )
         for s in out.scheduled:
             table = self.seqs[s.seq_id].block_table

@@ -361,14 +361,19 @@ def test_output_kind_delta_steps_and_final_generate(llm):
     )
 
 
-def test_lora_request_none_is_taken_and_a_real_one_refused(llm):
+def test_lora_request_without_enable_lora(llm):
+    """None is taken; an adapter needs enable_lora (tests/engine/test_lora.py serves them);
+    anything but a LoRARequest is refused by name."""
+    from serve import LoRARequest
+
     params = SamplingParams(max_tokens=1)
     assert len(llm.generate("Hi", params, use_tqdm=False, lora_request=None)) == 1
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="must be a LoRARequest"):
         llm.generate("Hi", params, use_tqdm=False, lora_request=object())
     messages = [{"role": "user", "content": "Hi"}]
-    with pytest.raises(ValueError, match="lora_request is not supported"):
-        llm.chat(messages, params, use_tqdm=False, lora_request=object())
+    with pytest.raises(ValueError, match="--enable-lora"):
+        llm.chat(messages, params, use_tqdm=False, lora_request=LoRARequest("a", 1, "/a"))
+    assert not llm.has_unfinished_requests()
 
 
 def test_chat_template_content_format(llm):
@@ -425,6 +430,6 @@ def test_beam_search_in_vllms_form(llm):
     assert llm.beam_search(prompts, params, None, False) == outs
     with pytest.raises(TypeError):
         llm.beam_search(prompts, params, max_tokens=8)  # serve's form's argument
-    with pytest.raises(ValueError, match="lora_request is not supported"):
+    with pytest.raises(ValueError, match="must be a LoRARequest"):
         llm.beam_search(prompts, params, lora_request=object())
     assert not llm.has_unfinished_requests()

@@ -50,6 +50,7 @@ def make_scheduler(
     sjf_max_wait_s: float = 30.0,
     clock: Callable[[], float] = time.monotonic,
     speculation: SpeculativeMethod | None = None,
+    max_loras: int = 0,
 ) -> Scheduler:
     block_manager = BlockManager(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
     # As the engine does: one sequence of max_model_len always fits in the cache, and
@@ -71,6 +72,7 @@ def make_scheduler(
         block_manager,
         clock=clock,
         speculation=speculation,
+        max_loras=max_loras,
     )
     # Tests number their requests' sequences themselves; the scheduler's own ids (forks)
     # start far above them.
@@ -259,7 +261,8 @@ def check_state(sched: Scheduler) -> None:
         queues = (sched.running, sched.swapped, sched.waiting)
         if bm.cpu_pool.num_blocks:
             queues = (sched.running, sched.swapped)
-        arrivals = [g.arrival_time for q in queues for g in q]
+        # A request passed over for its adapter (max_loras) lets later ones by.
+        arrivals = [g.arrival_time for q in queues for g in q if g.lora is None]
         assert arrivals == sorted(arrivals)
     elif sched.policy.name == "priority":
         for queue in (sched.running, sched.swapped):
@@ -340,7 +343,7 @@ def run_step_with_deltas(sched: Scheduler) -> tuple[SchedulerOutput, list[Reques
 
 def check_mirror(sched: Scheduler, worker: FakeWorker) -> None:
     """With a step's news applied, the workers' mirror holds every sequence they know,
-    with the scheduler's tokens, and none that has ended."""
+    with the scheduler's tokens and its request's adapter, and none that has ended."""
     known = set()
     for group in [*sched.running, *sched.swapped, *sched.waiting]:
         for seq in group.live_seqs:
@@ -349,6 +352,7 @@ def check_mirror(sched: Scheduler, worker: FakeWorker) -> None:
                 mirrored = worker.mirror[seq.seq_id]
                 assert mirrored.output_token_ids == seq.output_token_ids
                 assert mirrored.prompt_token_ids == seq.prompt_token_ids
+                assert mirrored.lora == group.lora
     assert set(worker.mirror.seqs) == known, "the mirror holds ended sequences"
 
 

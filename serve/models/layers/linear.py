@@ -21,12 +21,37 @@ from torch import nn
 
 from serve import kernels
 from serve.distributed.parallel_state import get_tp_group
+from serve.models.layers.lora import LoRAShard, LoRASlots, current_lora_batch
 from serve.models.lazy_tensor import LazyTensor, as_lazy
 from serve.models.partition import first_kv_head, num_kv_heads_per_rank, split_evenly
 
 
 def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+def _with_lora(
+    layer: ReplicatedLinear | _ColumnShardedLinear | RowParallelLinear,
+    x: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`out` plus the step's adapter updates, where the layer has slots and the step uses
+    adapters."""
+    batch = current_lora_batch()
+    return out if batch is None else layer.lora.add(x, out, batch)
+
+
+def _check_lora_shapes(a: torch.Tensor, b: torch.Tensor, in_features: int, rows: int) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise ValueError(
+            f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are not a rank-r pair"
+        )
+    if a.shape[1] != in_features or b.shape[0] != rows:
+        raise ValueError(
+            f"lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a layer of "
+            f"{in_features} inputs and {rows} outputs (expected [r, {in_features}] and "
+            f"[{rows}, r])"
+        )
 
 
 def check_checkpoint_shape(loaded: LazyTensor, expected: tuple[int, ...], what: str) -> None:
@@ -58,9 +83,23 @@ class ReplicatedLinear(nn.Module):
         self.bias = _parameter(out_features) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
+        self.lora: LoRASlots | None = None  # the worker's LoRA manager attaches them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return kernels.linear(x, self.weight, self.bias)
+        out = kernels.linear(x, self.weight, self.bias)
+        return out if self.lora is None else _with_lora(self, x, out)
+
+    def lora_shards(self) -> list[LoRAShard]:
+        return [LoRAShard(None, 0, self.weight.shape[0])]
+
+    def lora_slices(
+        self, shard: str | None, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's A [r, in] and B [out, r] for this layer: the parts this rank holds."""
+        if shard is not None:
+            raise ValueError(f"a replicated layer has no shard {shard!r}")
+        _check_lora_shapes(a, b, self.weight.shape[1], self.weight.shape[0])
+        return a, b
 
 
 @dataclass(frozen=True)
@@ -99,8 +138,28 @@ class _ColumnShardedLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
+        self.lora: LoRASlots | None = None  # the worker's LoRA manager attaches them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
-        return kernels.linear(x, self.weight, self.bias)
+        out = kernels.linear(x, self.weight, self.bias)
+        return out if self.lora is None else _with_lora(self, x, out)
+
+    def lora_shards(self) -> list[LoRAShard]:
+        return [
+            LoRAShard(name, offset, shard.num_local_rows)
+            for name, (offset, shard) in self._shards.items()
+        ]
+
+    def lora_slices(
+        self, shard: str | None, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's A [r, in] and B [shard's rows, r] for one shard of this layer (all
+        ranks' rows): A whole, and the rows of B this rank holds."""
+        if shard not in self._shards:
+            raise ValueError(f"no shard {shard!r} here; shards: {list(self._shards)}")
+        _, part = self._shards[shard]
+        _check_lora_shapes(a, b, self.in_features, part.num_rows)
+        return a, b.narrow(0, part.start, part.num_local_rows)
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return x.split(self.output_sizes, dim=-1)
@@ -196,11 +255,30 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
+        self.lora: LoRASlots | None = None  # the worker's LoRA manager attaches them
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         if self.tp.world_size == 1 or not self.reduce_results:
-            return kernels.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(kernels.linear(x, self.weight))  # [T, out], summed
+            out = kernels.linear(x, self.weight, self.bias)
+            return out if self.lora is None else _with_lora(self, x, out)
+        out = kernels.linear(x, self.weight)
+        if self.lora is not None:  # this rank's partial update, reduced with the rest
+            out = _with_lora(self, x, out)
+        out = self.tp.all_reduce(out)  # [T, out], summed
         return out if self.bias is None else out + self.bias
+
+    def lora_shards(self) -> list[LoRAShard]:
+        return [LoRAShard(None, 0, self.out_features)]
+
+    def lora_slices(
+        self, shard: str | None, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's A [r, in] and B [out, r] for this layer: the columns of A of this
+        rank's input slice, and B whole."""
+        if shard is not None:
+            raise ValueError(f"a row-parallel layer has no shard {shard!r}")
+        _check_lora_shapes(a, b, self.in_features, self.out_features)
+        return a.narrow(1, self.input_start, self.num_local_inputs), b
 
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
