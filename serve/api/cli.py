@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import socket
 import ssl
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
@@ -21,6 +23,7 @@ from serve.config import InvalidSettingError
 from serve.engine.protocol import EngineStartError
 
 if TYPE_CHECKING:
+    from serve.api.served_models import ServedModels
     from serve.api.settings import Cors
 
 logger = logging.getLogger("serve")
@@ -57,6 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model name clients send (default: --model as given; SmolLM2-135M-Instruct "
         "for the default model); more names are aliases requests may use too, the first is "
         "the one replies and metrics carry",
+    )
+    model.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve beside the model (needs --enable-lora), PEFT folders a "
+        'request names as its model: NAME=PATH, or vLLM\'s JSON \'{"name": ..., "path": '
+        '..., "base_model_name": ...}\'; several per flag, and the flag repeatable',
+    )
+    model.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which load and "
+        "unload LoRA adapters while serving (also on with vLLM's "
+        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); any client with an API key can then make "
+        "the server read any folder on this machine",
     )
     model.add_argument(
         "--chat-template",
@@ -425,6 +447,52 @@ def _template_kwargs(value: str) -> dict:
     return kwargs
 
 
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """One adapter of --lora-modules (vLLM's name and fields)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None  # the served name its card gives as parent
+
+
+def _lora_module(value: str) -> LoRAModulePath:
+    """One --lora-modules adapter in vLLM's forms: NAME=PATH, or a JSON object with name,
+    path and optionally base_model_name."""
+    if not value.lstrip().startswith("{"):
+        name, is_pair, path = value.partition("=")
+        if not (is_pair and name and path):
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is not NAME=PATH nor a JSON object (name, path, base_model_name)"
+            )
+        return LoRAModulePath(name, path)
+    try:
+        fields = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {value} ({e})") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value}")
+    unknown = sorted(set(fields) - {"name", "path", "base_model_name"})
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown fields {unknown} in {value}: an adapter has name, path and base_model_name"
+        )
+    text_fields = {"name": True, "path": True, "base_model_name": False}  # required?
+    for key, required in text_fields.items():
+        field = fields.get(key)
+        if (field is not None or required) and not (isinstance(field, str) and field):
+            raise argparse.ArgumentTypeError(f"{key} must be a non-empty string in {value}")
+    return LoRAModulePath(fields["name"], fields["path"], fields.get("base_model_name"))
+
+
+RUNTIME_LORA_VARIABLE = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating(flag: bool, environ: Mapping[str, str]) -> bool:
+    """--allow-runtime-lora-updating, or vLLM's variable set to 1 or true (its spelling)."""
+    return flag or environ.get(RUNTIME_LORA_VARIABLE, "0").strip().lower() in ("1", "true")
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 65535:
@@ -608,6 +676,37 @@ def check_tls_files(args: argparse.Namespace) -> None:
         raise ValueError(f"cannot use the TLS key or certificate: {e}") from None
 
 
+def _checked_lora_modules(args: argparse.Namespace, enable_lora: bool) -> list[LoRAModulePath]:
+    """--lora-modules, once its mistakes that need no model are ruled out."""
+    modules = args.lora_modules or []
+    if modules and not enable_lora:
+        raise ValueError(
+            "--lora-modules needs --enable-lora (the engine serves LoRA adapters only with it)."
+        )
+    if args.allow_runtime_lora_updating and not enable_lora:
+        raise ValueError("--allow-runtime-lora-updating needs --enable-lora.")
+    names = [module.name for module in modules]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--lora-modules names {twice} more than once; each needs its own.")
+    return modules
+
+
+async def _serve_adapters(models: ServedModels, modules: list[LoRAModulePath]) -> None:
+    """The --lora-modules adapters, each checked by the engine, ids 1, 2, ... in order."""
+    for module in modules:
+        try:
+            lora = await models.load(module.name, module.path, module.base_model_name)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: {e}") from None
+        logger.info(
+            "Serving LoRA adapter %s from %s (lora_int_id %d)",
+            lora.lora_name,
+            lora.lora_path,
+            lora.lora_int_id,
+        )
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(0)
 
@@ -623,6 +722,7 @@ def _load(args: argparse.Namespace):
             'the parser is what reads tool calls out of tool_choice "auto" output.'
         )
     keys = api_keys(args.api_key, os.environ)
+    lora_modules = _checked_lora_modules(args, config.lora.enable_lora)
     cross_origin = cors(args)
     check_tls_files(args)
     try:  # before the model loads: a port in use is said at once
@@ -631,6 +731,7 @@ def _load(args: argparse.Namespace):
         raise OSError(f"cannot listen on {args.host}:{args.port}: {e}") from None
 
     from serve.api.request_log import RequestLog
+    from serve.api.served_models import ServedModels
     from serve.api.server import build_app
     from serve.api.settings import ServerSettings
     from serve.models.generation_config import generation_defaults
@@ -685,7 +786,25 @@ def _load(args: argparse.Namespace):
         server_load_tracking=args.enable_server_load_tracking,
         cache=config.cache,
     )
-    return build_app(engine, settings), settings, sock
+    runtime_lora = runtime_lora_updating(args.allow_runtime_lora_updating, os.environ)
+    models = ServedModels(settings, engine, allow_runtime_updates=runtime_lora)
+    if runtime_lora:
+        logger.warning(
+            "LoRA adapters may be loaded and unloaded at run time (POST "
+            "/v1/load_lora_adapter): any client%s can make the server read any folder on "
+            "this machine. Allow it only where you trust every client.",
+            " with an API key" if keys else "",
+        )
+    # Each --lora-modules adapter is read by the engine's check: one it would not load is
+    # refused.
+    try:
+        if lora_modules:
+            asyncio.run(_serve_adapters(models, lora_modules))
+        app = build_app(engine, settings, models)
+    except ValueError:
+        engine.shutdown()
+        raise
+    return app, settings, sock
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """Whether a request may start, decided before any engine work: the server's limits and the
-scheduling policy (400s naming the flag), the model name (404), the context window (by
-characters before tokenizing, by tokens after), and the request's grammar compiled within
-its deadline."""
+scheduling policy (400s naming the flag), the context window (by characters before
+tokenizing, by tokens after), and the request's grammar compiled within its deadline."""
 
 from __future__ import annotations
 
@@ -189,18 +188,6 @@ class PromptCharLimit:
                 param=param,
                 code="context_length_exceeded",
             )
-
-
-def check_model(model: str | None, settings: ServerSettings) -> None:
-    if model is not None and model not in (*settings.model_names, settings.model_path):
-        raise APIError(
-            404,
-            f"The model `{model}` does not exist. This server serves "
-            + ", ".join(f"`{name}`" for name in settings.model_names)
-            + ".",
-            param="model",
-            code="model_not_found",
-        )
 
 
 async def check_structured_output(

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -40,8 +40,13 @@ from serve.api.protocol import (
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest
 from serve.api.protocol_embeddings import EmbeddingRequest
 from serve.api.protocol_responses import ResponsesRequest
-from serve.api.request_checks import PromptCharLimit, check_model, check_structured_output
+from serve.api.request_checks import PromptCharLimit, check_structured_output
 from serve.api.response_store import ResponseStore
+from serve.api.served_models import (
+    LoadLoRAAdapterRequest,
+    ServedModels,
+    UnloadLoRAAdapterRequest,
+)
 from serve.api.serving_base import off_the_loop
 from serve.api.serving_chat import ChatHandler
 from serve.api.serving_completion import CompletionHandler
@@ -51,15 +56,19 @@ from serve.api.serving_responses import ResponsesHandler
 from serve.api.settings import ServerSettings
 from serve.api.tokenizer_info import tokenizer_info
 from serve.engine.protocol import EngineClient, EngineDeadError
+from serve.lora_request import LoRARequest
 
 logger = logging.getLogger("serve.api")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+def build_app(
+    engine: EngineClient, settings: ServerSettings, models: ServedModels | None = None
+) -> FastAPI:
     """The app serving `engine`, which it shuts down when the server stops (SIGTERM,
-    Ctrl-C): a core process is stopped, never left behind."""
+    Ctrl-C): a core process is stopped, never left behind. `models`: the names it answers
+    to and its LoRA adapters (default: the base model's names, no adapters)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,14 +87,15 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.router.route_class = JSONBodyRoute
     app.state.engine, app.state.settings = engine, settings
     prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)  # reads the vocab
-    chat = ChatHandler(engine, settings, prompt_chars)
-    completions = CompletionHandler(engine, settings, prompt_chars)
+    served = models or ServedModels(settings, engine)
+    chat = ChatHandler(engine, settings, prompt_chars, served)
+    completions = CompletionHandler(engine, settings, prompt_chars, served)
     stored = settings.response_store
     responses = ResponsesHandler(
         chat, ResponseStore(stored.response_store_max_entries, stored.response_store_ttl_s)
     )
     messages = MessagesHandler(chat)
-    embeddings = EmbeddingHandler(engine, settings, prompt_chars)
+    embeddings = EmbeddingHandler(engine, settings, prompt_chars, served)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -171,15 +181,17 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         left); without it, 0 always, as vLLM answers."""
         return {"server_load": admission.num_generating if settings.server_load_tracking else 0}
 
-    def model_card(name: str) -> dict[str, Any]:
-        """vLLM's card: OpenAI's fields, plus root, parent and max_model_len."""
+    def model_card(name: str, lora: LoRARequest | None = None) -> dict[str, Any]:
+        """vLLM's card: OpenAI's fields, plus root, parent and max_model_len. An adapter's
+        root is its folder (as vLLM shows it), its parent the base model it runs on."""
         return {
             "id": name,
             "object": "model",
             "created": now(),
             "owned_by": "serve",
-            "root": settings.served_model_name,  # never the path on this machine
-            "parent": None,
+            # the base model's: never the path on this machine
+            "root": lora.lora_path if lora else settings.served_model_name,
+            "parent": (lora.base_model_name or settings.served_model_name) if lora else None,
             "max_model_len": engine.max_model_len,
         }
 
@@ -197,9 +209,11 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         after_id: str | None = None,
         before_id: str | None = None,
     ) -> dict[str, Any]:
-        names = list(settings.model_names)
+        names = list(served.names)
         if "anthropic-version" not in request.headers:
-            return {"object": "list", "data": [model_card(name) for name in names]}
+            cards = [model_card(name) for name in settings.model_names]
+            cards += [model_card(lora.lora_name, lora) for lora in served.adapters]
+            return {"object": "list", "data": cards}
         # Anthropic's pages: `limit` names after `after_id`, or the last before `before_id`.
         if after_id in names:
             names = names[names.index(after_id) + 1 :]
@@ -217,13 +231,40 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def model(model_id: str, request: Request) -> Any:
         anthropic = "anthropic-version" in request.headers
         try:
-            check_model(model_id, settings)
+            lora = served.resolve(model_id)
         except APIError as e:
             if not anthropic:
                 raise
             return JSONResponse(anthropic_error_body(e.status, e.message), status_code=e.status)
-        name = model_id if model_id in settings.model_names else settings.served_model_name
-        return anthropic_card(name) if anthropic else model_card(name)
+        name = model_id if model_id in served.names else settings.served_model_name
+        return anthropic_card(name) if anthropic else model_card(name, lora)
+
+    if served.allow_runtime_updates:  # vLLM's routes, absent (404) unless allowed
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            _log_unknown(body)
+            name = body.lora_name
+            try:
+                lora = await served.load(name, body.lora_path, replace=body.load_inplace)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            logger.info(
+                "Loaded LoRA adapter %s from %s (id %d)", name, lora.lora_path, lora.lora_int_id
+            )
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            _log_unknown(body)
+            try:
+                served.unload(body.lora_name, body.lora_int_id)
+            except LookupError as e:
+                raise APIError(404, str(e.args[0]), param="lora_name") from None
+            logger.info("Unloaded LoRA adapter %s", body.lora_name)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            )
 
     async def respond(
         handler: ChatHandler | CompletionHandler | ResponsesHandler | MessagesHandler,
@@ -296,8 +337,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        if body.model is not None:
-            check_model(body.model, settings)
+        served.resolve(body.model)  # the tokenizer is the base model's for every adapter
         if body.prompt is not None:  # tokenizing megabytes holds up every prompt behind it
             prompt_chars.check(body.prompt, "prompt")
         ids = await off_the_loop(_tokenize, body)
@@ -313,8 +353,7 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        if body.model is not None:
-            check_model(body.model, settings)
+        served.resolve(body.model)
         try:
             engine.check_token_ids(body.tokens)
         except ValueError as e:

@@ -13,6 +13,7 @@ from serve.api.errors import APIError
 from serve.api.protocol import SamplingRequest
 from serve.api.settings import ServerSettings
 from serve.engine.protocol import EngineClient
+from serve.lora_request import LoRARequest
 from serve.outputs import OutputKind, RequestOutput
 
 T = TypeVar("T")
@@ -39,12 +40,15 @@ def open_stream(
     max_tokens: int,
     num_logprobs: int | None,
     output_kind: OutputKind = OutputKind.DELTA,
+    *,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
     it is stopped with RequestTimeoutError after the server's `--request-timeout`. It
     gives what is new at each step (DELTA, a streamed response's), or the finished output
     alone (FINAL_ONLY). The fields the request leaves out take the model's sampling
-    defaults; the request is logged as it goes in (`--enable-log-requests`)."""
+    defaults; the request is logged as it goes in (`--enable-log-requests`).
+    `lora_request`: the adapter it runs with (`ServedModels.resolve`), None for the base."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs, settings.sampling_defaults)
         engine.check_params(params)
@@ -59,6 +63,7 @@ def open_stream(
         settings.request_timeout_s,
         priority=request.priority,
         output_kind=output_kind,
+        lora_request=lora_request,
     )
 
 

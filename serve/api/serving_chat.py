@@ -22,10 +22,10 @@ from serve.api.protocol import ChatCompletionRequest, NamedToolChoice, now, resp
 from serve.api.request_checks import (
     PromptCharLimit,
     check_limits,
-    check_model,
     check_no_streamed_prompt_logprobs,
     fit_prompt,
 )
+from serve.api.served_models import ServedModels
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
@@ -42,6 +42,7 @@ from serve.chat.tool_parsers import (
     get_tool_parser,
 )
 from serve.engine.protocol import EngineClient
+from serve.lora_request import LoRARequest
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
@@ -51,6 +52,7 @@ class ChatPrompt:
     token_ids: list[int]
     max_tokens: int
     output_parser: OutputParser | None  # None: the output is all content
+    lora: LoRARequest | None = None  # the adapter `model` names; None: the base model
 
 
 def tool_finish_reason(
@@ -118,16 +120,21 @@ def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
 
 class ChatHandler:
     def __init__(
-        self, engine: EngineClient, settings: ServerSettings, prompt_chars: PromptCharLimit
+        self,
+        engine: EngineClient,
+        settings: ServerSettings,
+        prompt_chars: PromptCharLimit,
+        models: ServedModels | None = None,
     ) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
         self.prompt_chars = prompt_chars
+        self.models = models or ServedModels(settings)  # the Responses and Messages ones' too
         name = settings.tool_call_parser
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
 
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
-        check_model(request.model, self.settings)
+        lora = self.models.resolve(request.model)
         check_limits(request, self.settings)
         if request.stream:
             check_no_streamed_prompt_logprobs(request)
@@ -139,7 +146,7 @@ class ChatHandler:
             self.engine.max_model_len,
             self.settings,
         )
-        return ChatPrompt(text, prompt_ids, max_tokens, output_parser)
+        return ChatPrompt(text, prompt_ids, max_tokens, output_parser, lora)
 
     def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
         """The prompt of a chat request made of `fields` (/tokenize's messages form): the
@@ -281,7 +288,7 @@ class ChatHandler:
             "id": request_id,
             "object": "chat.completion",
             "created": now(),
-            "model": self.settings.served_model_name,
+            "model": self.models.reply_name(request.model),
             "choices": choices,
             "usage": usage(
                 len(prompt.token_ids),
@@ -310,7 +317,7 @@ class ChatHandler:
         writer = ChunkWriter(
             response_id,
             "chat.completion.chunk",
-            self.settings.served_model_name,
+            self.models.reply_name(request.model),
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=(len(prompt.token_ids),),
             n=request.n,
@@ -338,6 +345,7 @@ class ChatHandler:
             prompt.max_tokens,
             request.num_logprobs,
             output_kind,
+            lora_request=prompt.lora,
         )
 
     async def _events(

@@ -17,10 +17,10 @@ from serve.api.protocol import CompletionRequest, now, response_ids
 from serve.api.request_checks import (
     PromptCharLimit,
     check_limits,
-    check_model,
     check_no_streamed_prompt_logprobs,
     fit_prompt,
 )
+from serve.api.served_models import ServedModels
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
@@ -37,16 +37,22 @@ from serve.api.streaming import (
 )
 from serve.engine.detokenizer import MAX_CHAR_TOKENS
 from serve.engine.protocol import EngineClient
+from serve.lora_request import LoRARequest
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
 class CompletionHandler:
     def __init__(
-        self, engine: EngineClient, settings: ServerSettings, prompt_chars: PromptCharLimit
+        self,
+        engine: EngineClient,
+        settings: ServerSettings,
+        prompt_chars: PromptCharLimit,
+        models: ServedModels | None = None,
     ) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
         self.prompt_chars = prompt_chars
+        self.models = models or ServedModels(settings)
 
     def _prompts(self, request: CompletionRequest) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt: a string, strings, token ids, or lists of ids."""
@@ -74,7 +80,6 @@ class CompletionHandler:
         return prompts
 
     def prepare(self, request: CompletionRequest) -> list[tuple[str, list[int], int]]:
-        check_model(request.model, self.settings)
         check_limits(request, self.settings)
         if request.suffix:
             raise APIError(400, "suffix is not supported by this model.", param="suffix")
@@ -97,9 +102,11 @@ class CompletionHandler:
         request: CompletionRequest,
         request_id: str,
         prompts,
+        lora: LoRARequest | None,
         output_kind: OutputKind = OutputKind.DELTA,
     ):
-        """One engine request per prompt: deltas to stream, or the final output."""
+        """One engine request per prompt, with the adapter `lora` (None: the base model):
+        deltas to stream, or the final output."""
         return [
             open_stream(
                 self.engine,
@@ -111,6 +118,7 @@ class CompletionHandler:
                 max_tokens,
                 request.num_logprobs,
                 output_kind,
+                lora_request=lora,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]
@@ -208,9 +216,12 @@ class CompletionHandler:
     async def create(
         self, request: CompletionRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
+        lora = self.models.resolve(request.model)
         prompts = await off_the_loop(self.prepare, request)
         request_id, engine_id = response_ids("cmpl", request.request_id)
-        outs = await final_outputs(self._open(request, engine_id, prompts, OutputKind.FINAL_ONLY))
+        outs = await final_outputs(
+            self._open(request, engine_id, prompts, lora, OutputKind.FINAL_ONLY)
+        )
         choices = []
         for i, out in enumerate(outs):
             out.outputs.sort(key=lambda c: c.index)
@@ -228,7 +239,7 @@ class CompletionHandler:
             "id": request_id,
             "object": "text_completion",
             "created": now(),
-            "model": self.settings.served_model_name,
+            "model": self.models.reply_name(request.model),
             "choices": choices,
             "usage": counts,
         }
@@ -236,12 +247,13 @@ class CompletionHandler:
     async def stream(
         self, request: CompletionRequest, on_usage: UsageCallback | None = None
     ) -> AsyncIterator[bytes]:
+        lora = self.models.resolve(request.model)
         prompts = await off_the_loop(self.prepare, request)
         response_id, engine_id = response_ids("cmpl", request.request_id)
         writer = ChunkWriter(
             response_id,
             "text_completion",
-            self.settings.served_model_name,
+            self.models.reply_name(request.model),
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=tuple(len(ids) for _, ids, _ in prompts),
             n=request.n,
@@ -250,9 +262,9 @@ class CompletionHandler:
             else None,
         )
         if request.requested_max_tokens == 0:  # one chunk per choice, at its end
-            streams = self._open(request, engine_id, prompts, OutputKind.FINAL_ONLY)
+            streams = self._open(request, engine_id, prompts, lora, OutputKind.FINAL_ONLY)
             return self._prompt_score_events(request, prompts, streams, writer, on_usage)
-        streams = self._open(request, engine_id, prompts)
+        streams = self._open(request, engine_id, prompts, lora)
         return self._events(request, prompts, streams, writer, on_usage)
 
     async def _prompt_score_events(

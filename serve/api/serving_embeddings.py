@@ -22,7 +22,8 @@ from serve.api.protocol_embeddings import (
     embedding_bytes,
     embedding_response,
 )
-from serve.api.request_checks import PromptCharLimit, check_model, truncate_prompt
+from serve.api.request_checks import PromptCharLimit, truncate_prompt
+from serve.api.served_models import ServedModels
 from serve.api.serving_base import off_the_loop
 from serve.api.settings import ServerSettings
 from serve.api.streaming import UsageCallback, final_outputs
@@ -34,11 +35,16 @@ from serve.sampling_params import SamplingParams
 
 class EmbeddingHandler:
     def __init__(
-        self, engine: EngineClient, settings: ServerSettings, prompt_chars: PromptCharLimit
+        self,
+        engine: EngineClient,
+        settings: ServerSettings,
+        prompt_chars: PromptCharLimit,
+        models: ServedModels | None = None,
     ) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
         self.prompt_chars = prompt_chars
+        self.models = models or ServedModels(settings)
 
     def params(self, request: EmbeddingRequest) -> SamplingParams:
         """The engine's params for each input; a 400 for what this model cannot do."""
@@ -55,7 +61,6 @@ class EmbeddingHandler:
     def prepare(self, request: EmbeddingRequest) -> list[list[int]]:
         """Each input's token ids, checked: in the vocabulary, not empty, and within the
         context window (an embedding needs no room for output)."""
-        check_model(request.model, self.settings)
         try:
             check_priority(request.priority, self.settings.scheduling_policy)
         except ValueError as e:
@@ -91,6 +96,7 @@ class EmbeddingHandler:
     async def create(
         self, request: EmbeddingRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any] | Response:
+        lora = self.models.resolve(request.model)
         params = self.params(request)
         prompts = await off_the_loop(self.prepare, request)
         request_id, engine_id = response_ids("embd", request.request_id)
@@ -105,6 +111,7 @@ class EmbeddingHandler:
                 None,
                 self.settings.request_timeout_s,
                 priority=request.priority,
+                lora_request=lora,
             )
             for i, ids in enumerate(prompts)
         ]
@@ -115,7 +122,7 @@ class EmbeddingHandler:
                 raise APIError(500, f"Request {out.request_id} ended without an embedding.")
             vectors.append(out.pooled)
         num_prompt = sum(len(ids) for ids in prompts)
-        model = self.settings.served_model_name
+        model = self.models.reply_name(request.model)
         if request.encoding_format in ("bytes", "bytes_only"):
             content, metadata = embedding_bytes(
                 request_id, int(time.time()), model, vectors, request, num_prompt

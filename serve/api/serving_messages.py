@@ -22,7 +22,7 @@ from pydantic_core import from_json
 from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest, ToolChoiceAuto
-from serve.api.request_checks import check_model, check_structured_output
+from serve.api.request_checks import check_structured_output
 from serve.api.serving_base import off_the_loop
 from serve.api.serving_chat import ChatHandler, ChatPrompt, chat_request_from
 from serve.api.sse import sse
@@ -249,7 +249,7 @@ class MessagesHandler:
 
     async def count_tokens(self, request: MessagesInput) -> dict[str, int]:
         """The prompt's tokens, as /v1/messages would count them in `usage.input_tokens`."""
-        check_model(request.model, self.settings)
+        self.chat.models.resolve(request.model)
         chat = self.chat_request(request, generates=False)
         _, prompt_ids = await off_the_loop(self.chat.render, chat)
         return {"input_tokens": len(prompt_ids)}
@@ -265,7 +265,7 @@ class MessagesHandler:
             "id": prepared.id,
             "type": "message",
             "role": "assistant",
-            "model": self.settings.served_model_name,
+            "model": self.chat.models.reply_name(prepared.chat.model),
             "content": content,
             "stop_reason": reason,
             "stop_sequence": sequence,

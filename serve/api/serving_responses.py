@@ -198,6 +198,7 @@ class ResponsesHandler:
                 prompt.max_tokens,
                 turn.chat.num_logprobs,
                 output_kind,
+                lora_request=prompt.lora,
             )
 
     # -- the response -------------------------------------------------------------------------
@@ -289,7 +290,7 @@ class ResponsesHandler:
             "max_output_tokens": request.max_output_tokens,
             "max_tool_calls": request.max_tool_calls,
             "metadata": request.metadata or {},
-            "model": self.settings.served_model_name,
+            "model": self.chat.models.reply_name(turn.chat.model),
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
