@@ -25,6 +25,11 @@ class StructuredOutputsParams:
     is also what false gets), and an object holds only the properties its schema allows
     (`disable_additional_properties` true; false gets the same). vLLM's `structural_tag`
     and `whitespace_pattern` are refused: serve cannot constrain to them.
+
+    `start_after_token_ids` (serve's; the API sets it for a reasoning model, as vLLM's
+    engine decides with --reasoning-parser): the output is free until the first of these
+    tokens is sampled (the reasoning's end marker), and the grammar holds what follows;
+    empty: it holds the output from the first token.
     """
 
     json: dict[str, Any] | str | None = None
@@ -36,8 +41,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    start_after_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "start_after_token_ids", tuple(self.start_after_token_ids))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
             if not self.choice or any(not isinstance(c, str) for c in self.choice):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from serve.api.engine_flags import add_engine_flags, engine_config_from_args, flag_error
 from serve.api.limits import RequestLimits
 from serve.api.metrics import METRIC_PREFIXES
+from serve.chat.reasoning_parsers import REASONING_PARSERS
 from serve.chat.tool_parsers import TOOL_PARSERS
 from serve.config import InvalidSettingError
 from serve.engine.protocol import EngineStartError
@@ -111,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
         help='how to read tool calls from the output for tool_choice "auto" (the default '
         "when a request gives tools): hermes (Qwen, Hermes: <tool_call> blocks) or "
         "llama3_json (Llama 3.x JSON calls); without it such requests get a 400",
+    )
+    model.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="read a reasoning model's thinking apart from its answer: chat messages and "
+        "deltas carry it as `reasoning`, Responses as a reasoning item, and structured "
+        "output holds only the answer (after </think>) to its format. deepseek_r1 "
+        "(DeepSeek-R1 and its distills, QwQ: the markers must be tokens of the model), "
+        "deepseek_v3 (thinks when chat_template_kwargs say thinking), qwen3 (unless "
+        "enable_thinking is false)",
     )
     model.add_argument(
         "--response-role",
@@ -764,6 +776,7 @@ def _load(args: argparse.Namespace):
         cors=cross_origin,
         root_path=args.root_path,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         max_generating_requests=args.max_num_seqs + args.max_num_queued_requests,
         max_body_bytes=args.max_request_body_bytes,
         request_timeout_s=args.request_timeout,
@@ -795,8 +808,8 @@ def _load(args: argparse.Namespace):
             "this machine. Allow it only where you trust every client.",
             " with an API key" if keys else "",
         )
-    # Each --lora-modules adapter is read by the engine's check: one it would not load is
-    # refused.
+    # The app reads the tokenizer: a --reasoning-parser it cannot serve is refused. Each
+    # --lora-modules adapter is read by the engine's check: one it would not load is too.
     try:
         if lora_modules:
             asyncio.run(_serve_adapters(models, lora_modules))

@@ -515,9 +515,13 @@ class ChatMessage(OpenAIModel):
     # An assistant's refusal, as OpenAI returns it beside null content: it becomes a
     # refusal part at the end of the content (`_refusal_as_part`), rendered as its text.
     refusal: str | None = None
-    # Checked even when absent (validate_default): only an assistant message with calls or
-    # a refusal (and OpenAI's function message) may leave it out. After role, tool_calls
-    # and refusal, which its check reads.
+    # vLLM's: an assistant's reasoning (its thinking before the answer), handed to the
+    # template as `reasoning` and `reasoning_content` (Qwen3's reads the latter); vLLM's
+    # older name `reasoning_content` is taken for it.
+    reasoning: str | None = None
+    # Checked even when absent (validate_default): only an assistant message with calls, a
+    # refusal or reasoning (and OpenAI's function message) may leave it out. After role,
+    # tool_calls, refusal and reasoning, which its check reads.
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None  # required in a function message: the function's name
     tool_call_id: str | None = None  # tool messages: the call they answer
@@ -539,10 +543,22 @@ class ChatMessage(OpenAIModel):
         if info.data["role"] != "assistant":
             raise PydanticCustomError("missing", f"a {info.data['role']} message needs content")
         if not info.data.get("tool_calls") and info.data.get("refusal") is None:
-            raise PydanticCustomError(
-                "missing", "an assistant message needs content, tool_calls or a refusal"
-            )
+            if info.data.get("reasoning") is None:
+                raise PydanticCustomError(
+                    "missing", "an assistant message needs content, tool_calls or a refusal"
+                )
         return content
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reasoning_content(cls, data: Any) -> Any:
+        """`reasoning_content` is `reasoning` (vLLM renames it; `reasoning` wins)."""
+        if isinstance(data, dict) and "reasoning_content" in data:
+            data = dict(data)
+            reasoning = data.pop("reasoning_content")
+            if data.get("reasoning") is None:
+                data["reasoning"] = reasoning
+        return data
 
     @model_validator(mode="after")
     def _tool_fields(self) -> ChatMessage:
@@ -591,6 +607,14 @@ class ChatCompletionRequest(SamplingRequest):
     # Default: "auto" when tools are given, else "none" (see `effective_tool_choice`).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # Reasoning models: the template's `reasoning_effort` (and, unless chat_template_kwargs
+    # set it, `enable_thinking`: false for "none"), as vLLM hands them over; with
+    # --reasoning-parser, include_reasoning false leaves the reasoning out of the reply
+    # (and the tokens' logprobs and ids with it), as vLLM does.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True
     # OpenAI's fields this server cannot honour: a 400 by name (UNHONOURED), not ignored.
     # (`prediction`, Predicted Outputs, changes only the latency: it is left unknown.)
     functions: Any = None

@@ -2,10 +2,12 @@
 
 What this server cannot honour is refused by name with a 400 rather than ignored: image,
 file and audio input, built-in tools (web search, file search, computer use, ...), item
-kinds other than messages and function calls, background runs, reasoning settings,
-conversations and prompt templates. Unknown fields are accepted and ignored, as on the
-other endpoints; vLLM's sampling extras (`top_k`, `seed`, `stop`, ...) pass through to the
-chat request that runs the response (`SAMPLING_EXTRAS`).
+kinds other than messages, function calls and reasoning, encrypted reasoning, background
+runs, conversations and prompt templates. Unknown fields are accepted and ignored, as on
+the other endpoints; vLLM's sampling extras (`top_k`, `seed`, `stop`, ...) pass through to
+the chat request that runs the response (`SAMPLING_EXTRAS`). `reasoning.effort` reaches the
+chat template as vLLM hands it over (`reasoning_effort`, and `enable_thinking`), with or
+without a reasoning parser; a summary is not written (vLLM writes none either).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ SAMPLING_EXTRAS = frozenset(
         "guided_choice",
         "guided_grammar",
         "structured_outputs",
+        "chat_template_kwargs",
     }
 )
 TEXT_PARTS = ("input_text", "output_text", "refusal")
-ITEM_KINDS = ("message", "function_call", "function_call_output")
+ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds: 16 pairs, keys of 64 and values of 512 chars
 MAX_METADATA_KEY_CHARS = 64
@@ -125,6 +128,34 @@ class FunctionCallOutputItem(OpenAIModel):
     _text_only = field_validator("output", mode="before")(_text_parts)
 
 
+class ReasoningText(OpenAIModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(OpenAIModel):
+    """A reasoning model's thinking (an output item sent back): the assistant turn's
+    `reasoning` in the chat, as vLLM reads it (its text, else its summary's)."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+
+    @field_validator("encrypted_content")
+    @classmethod
+    def _not_encrypted(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError(
+                "encrypted reasoning is not supported: send the reasoning's content as text"
+            )
+        return v
+
+    @property
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
 def _item_kind(item: Any) -> str:
     """An input item's kind: its `type`, "message" when it has none (EasyInputMessage)."""
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
@@ -134,7 +165,8 @@ def _item_kind(item: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -179,7 +211,7 @@ class TextConfig(OpenAIModel):
 
 
 class ReasoningConfig(OpenAIModel):
-    effort: str | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
@@ -200,6 +232,9 @@ class ResponsesRequest(OpenAIModel):
     parallel_tool_calls: bool = True
     stream: bool = False
     store: bool = True
+    # vLLM's: with --reasoning-parser, false leaves the reasoning item out (and the
+    # output's logprobs), as vLLM does.
+    include_reasoning: bool = True
     metadata: dict[str, str] | None = None
     user: str | None = None
     # Accepted and echoed; they change nothing here.
@@ -207,9 +242,9 @@ class ResponsesRequest(OpenAIModel):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    reasoning: ReasoningConfig | None = None  # its effort reaches the template
     # Refused unless off: what this server cannot do.
     background: bool = False
-    reasoning: ReasoningConfig | None = None
     truncation: Literal["auto", "disabled"] | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
@@ -278,16 +313,6 @@ class ResponsesRequest(OpenAIModel):
             raise ValueError("background responses are not supported; stream, or wait for it")
         return v
 
-    @field_validator("reasoning")
-    @classmethod
-    def _no_reasoning(cls, v: ReasoningConfig | None) -> ReasoningConfig | None:
-        if v is not None and (v.effort not in (None, "none") or v.summary or v.generate_summary):
-            raise ValueError(
-                "is not supported: this server's models write no separate reasoning "
-                "(leave it out, or set effort to none)"
-            )
-        return v
-
     @field_validator("truncation")
     @classmethod
     def _no_truncation(cls, v: str | None) -> str | None:
@@ -310,7 +335,9 @@ class ResponsesRequest(OpenAIModel):
         return v
 
     @property
-    def input_items(self) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem]:
+    def input_items(
+        self,
+    ) -> list[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)

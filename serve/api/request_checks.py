@@ -1,6 +1,7 @@
 """Whether a request may start, decided before any engine work: the server's limits and the
-scheduling policy (400s naming the flag), the context window (by characters before
-tokenizing, by tokens after), and the request's grammar compiled within its deadline."""
+scheduling policy (400s naming the flag), the context window (by
+characters before tokenizing, by tokens after), and the request's grammar compiled within
+its deadline (and, with --reasoning-parser, where it starts)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from serve.api.errors import APIError
 from serve.api.protocol import FORMAT_FIELDS, CompletionRequest, SamplingRequest
 from serve.api.settings import ServerSettings
+from serve.chat.reasoning_parsers import RequestReasoning
 from serve.engine.offline_inputs import truncated_prompt
 from serve.engine.protocol import EngineClient
 from serve.engine.validation import check_priority
@@ -149,6 +151,26 @@ def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
             "prompt_logprobs are not available when streaming; set stream to false.",
             param="prompt_logprobs",
         )
+
+
+def grammar_start(reasoning: RequestReasoning | None, request: SamplingRequest) -> tuple[int, ...]:
+    """The tokens after which the request's grammar starts (none: from its first token).
+    With --reasoning-parser, as vLLM decides: after the reasoning's end marker, unless the
+    prompt ended the reasoning already, the template was asked not to think, or the
+    request leaves its reasoning out (include_reasoning false). A 400 where the end
+    cannot be found by its token."""
+    if reasoning is None or not getattr(request, "include_reasoning", True):
+        return ()
+    if not reasoning.can_start_grammar and request.structured_outputs_params() is not None:
+        parser = reasoning.parser
+        raise APIError(
+            400,
+            f"Structured output starts after the reasoning, but {parser.end} is no single "
+            f"token of this model's tokenizer, so its end cannot be found "
+            f"(--reasoning-parser {parser.name}). Leave the format out, or set "
+            "include_reasoning to false to constrain the whole output.",
+        )
+    return reasoning.grammar_start_token_ids
 
 
 def _check_num_entries(

@@ -18,9 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serve.api.protocol_responses import FunctionCallItem, FunctionCallOutputItem, MessageItem
+from serve.api.protocol_responses import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ReasoningItem,
+)
 
-ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+ConversationItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Input items become chat messages (instructions a system message first, a function call
 joining the assistant message before it as one of its tool calls, a function call's
-output a tool message); the model's output (content text and calls, as the chat
-parsers read them) becomes output items, and output items become input items again for
-the conversation a continuation starts from.
+output a tool message, reasoning the `reasoning` of the assistant turn it starts); the
+model's output (its reasoning, with --reasoning-parser, then content text and calls, as
+the chat parsers read them) becomes output items, and output items become input items
+again for the conversation a continuation starts from.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from serve.api.protocol_responses import (
     ContentPart,
     FunctionCallItem,
     MessageItem,
+    ReasoningItem,
+    ReasoningText,
     chat_content,
 )
 from serve.api.response_store import ConversationItem
@@ -42,8 +45,25 @@ def chat_messages(
     call_names: dict[str, str] = {}
     unanswered: list[str] = []  # call ids, in the order made
     for item in items:
-        if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": chat_content(item.content)})
+        last = messages[-1] if messages else None
+        # An assistant turn opened by reasoning alone, which the answer's text joins.
+        thinking = (
+            last is not None
+            and last["role"] == "assistant"
+            and "reasoning" in last
+            and last["content"] is None
+            and "tool_calls" not in last
+        )
+        if isinstance(item, ReasoningItem):
+            if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+                last["reasoning"] = item.text  # vLLM's: the turn's reasoning, if it has none
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning": item.text})
+        elif isinstance(item, MessageItem):
+            if item.role == "assistant" and thinking and last is not None:
+                last["content"] = chat_content(item.content)  # the answer after the thinking
+            else:
+                messages.append({"role": item.role, "content": chat_content(item.content)})
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
@@ -98,6 +118,22 @@ def output_text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
+def reasoning_item(text: str, status: str, item_id: str | None = None) -> dict[str, Any]:
+    """vLLM's reasoning item: the thinking as its content, no summary."""
+    return {
+        "id": item_id or new_id("rs"),
+        "type": "reasoning",
+        "summary": [],
+        "content": [reasoning_text_part(text)],
+        "encrypted_content": None,
+        "status": status,
+    }
+
+
+def reasoning_text_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def function_call_item(
     call_id: str, name: str, arguments: str, status: str, item_id: str | None = None
 ) -> dict[str, Any]:
@@ -112,13 +148,17 @@ def function_call_item(
 
 
 def output_items(
-    pieces: list[str | ToolCall], status: str, logprobs: list[dict[str, Any]]
+    pieces: list[str | ToolCall],
+    status: str,
+    logprobs: list[dict[str, Any]],
+    reasoning: str | None = None,
 ) -> list[dict[str, Any]]:
-    """A message per run of text and the calls between them, in the order written (as the
-    stream sends them); an empty message when there is nothing at all. The tokens'
-    `logprobs` go with the first message (the stream gives each message its own tokens';
-    a reply not streamed does not know where a call's markup split them)."""
-    items = []
+    """The reasoning's item, if there is reasoning; then a message per run of text and the
+    calls between them, in the order written (as the stream sends them); an empty message
+    when there is nothing at all. The tokens' `logprobs` (the content's) go with the
+    first message (the stream gives each message its own tokens'; a reply not streamed
+    does not know where a call's markup split them)."""
+    items = [reasoning_item(reasoning, "completed" if pieces else status)] if reasoning else []
     for piece in pieces:
         if isinstance(piece, str):
             items.append(message_item(piece, status, logprobs))
@@ -136,6 +176,9 @@ def conversation_items(output: list[dict[str, Any]]) -> list[ConversationItem]:
         if item["type"] == "message":
             parts = [ContentPart(type="output_text", text=p["text"]) for p in item["content"]]
             items.append(MessageItem(role="assistant", content=parts))
+        elif item["type"] == "reasoning":
+            texts = [ReasoningText(type="reasoning_text", text=p["text"]) for p in item["content"]]
+            items.append(ReasoningItem(type="reasoning", content=texts))
         else:
             fields = {k: item[k] for k in ("type", "call_id", "name", "arguments")}
             items.append(FunctionCallItem.model_construct(**fields))
@@ -161,6 +204,9 @@ def listed_input(item: ConversationItem) -> dict[str, Any]:
     if isinstance(item, FunctionCallItem):
         fields = {k: getattr(item, k) for k in ("type", "call_id", "name", "arguments")}
         return {"id": item_id("fc"), **fields, "status": "completed"}
+    if isinstance(item, ReasoningItem):
+        fields = item.model_dump(include={"type", "summary", "content"}, exclude_none=True)
+        return {"id": item_id("rs"), **fields}
     output = item.output
     if not isinstance(output, str):
         output = [p.model_dump(exclude_none=True) for p in output]
@@ -168,12 +214,15 @@ def listed_input(item: ConversationItem) -> dict[str, Any]:
     return {"id": item_id("fco"), **fields, "status": "completed"}
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """The Responses API's usage: `cached_tokens` of the input the prefix cache held."""
+def usage(
+    input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> dict[str, Any]:
+    """The Responses API's usage: `cached_tokens` of the input the prefix cache held,
+    `reasoning_tokens` of the output that were reasoning (--reasoning-parser)."""
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }

@@ -4,8 +4,10 @@ give them) build, one item open at a time.
 
 For each item: `response.output_item.added`; a message then has
 `response.content_part.added`, `response.output_text.delta`s, `response.output_text.done`
-and `response.content_part.done`; a function call has
-`response.function_call_arguments.delta`s and `.done`; then `response.output_item.done`.
+and `response.content_part.done`; a reasoning item (first, with --reasoning-parser) the
+same with `response.reasoning_text.delta`s and `.done`, as vLLM streams it; a function
+call has `response.function_call_arguments.delta`s and `.done`; then
+`response.output_item.done`.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from serve.api.responses_items import function_call_item, message_item, output_text_part
+from serve.api.responses_items import (
+    function_call_item,
+    message_item,
+    output_text_part,
+    reasoning_item,
+    reasoning_text_part,
+)
 from serve.api.sse import sse
 from serve.chat.tool_parsers import StreamEvent
 
@@ -58,6 +66,18 @@ class StreamedOutput:
                 events += self._arguments(piece.arguments)
         return events
 
+    def reasoning(self, text: str) -> list[Event]:
+        """The events for more of the choice's reasoning (its item opens first)."""
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            events += self._close("completed")
+            events += self._add(reasoning_item("", "in_progress"))
+        item = self._open
+        assert item is not None
+        item["content"][0]["text"] += text
+        where = {"item_id": item["id"], "output_index": self._index, "content_index": 0}
+        return [*events, ("response.reasoning_text.delta", {**where, "delta": text})]
+
     def finish(self, status: str) -> list[Event]:
         """Close the open item with `status`; an output with nothing in it is an empty
         message, as the non-streamed response has."""
@@ -73,12 +93,12 @@ class StreamedOutput:
         self._open = item
         added = copy.deepcopy(item)
         events: list[Event] = []
-        if item["type"] == "message":
-            added["content"] = []
+        if item["type"] in ("message", "reasoning"):
+            is_message = item["type"] == "message"
+            added["content"] = [] if is_message else None  # vLLM's reasoning item: none yet
+            empty = output_text_part("", []) if is_message else reasoning_text_part("")
             part = {"item_id": item["id"], "output_index": self._index, "content_index": 0}
-            events.append(
-                ("response.content_part.added", {**part, "part": output_text_part("", [])})
-            )
+            events.append(("response.content_part.added", {**part, "part": empty}))
         return [
             ("response.output_item.added", {"output_index": self._index, "item": added})
         ] + events
@@ -124,6 +144,11 @@ class StreamedOutput:
                     {**where, "text": part["text"], "logprobs": list(part["logprobs"])},
                 )
             )
+            done.append(("response.content_part.done", {**where, "part": copy.deepcopy(part)}))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            done.append(("response.reasoning_text.done", {**where, "text": part["text"]}))
             done.append(("response.content_part.done", {**where, "part": copy.deepcopy(part)}))
         else:
             fields = {"item_id": item["id"], "output_index": index, "name": item["name"]}

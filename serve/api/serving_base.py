@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, TypeVar
 
@@ -41,16 +42,22 @@ def open_stream(
     num_logprobs: int | None,
     output_kind: OutputKind = OutputKind.DELTA,
     *,
+    grammar_start_token_ids: tuple[int, ...] = (),
     lora_request: LoRARequest | None = None,
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
     it is stopped with RequestTimeoutError after the server's `--request-timeout`. It
     gives what is new at each step (DELTA, a streamed response's), or the finished output
     alone (FINAL_ONLY). The fields the request leaves out take the model's sampling
-    defaults; the request is logged as it goes in (`--enable-log-requests`).
+    defaults; the request is logged as it goes in (`--enable-log-requests`). Its grammar,
+    if any, starts after one of `grammar_start_token_ids` (`request_checks.grammar_start`).
     `lora_request`: the adapter it runs with (`ServedModels.resolve`), None for the base."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs, settings.sampling_defaults)
+        if grammar_start_token_ids and params.structured_outputs is not None:
+            params.structured_outputs = dataclasses.replace(
+                params.structured_outputs, start_after_token_ids=grammar_start_token_ids
+            )
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None

@@ -1,6 +1,9 @@
 """POST /v1/chat/completions, with tool calls read from the output as tool_choice says:
 "auto" through the server's `--tool-call-parser`, "required" and named functions from the
-JSON their schema forces (tool_parsers/forced.py), "none" not at all."""
+JSON their schema forces (tool_parsers/forced.py), "none" not at all. With
+`--reasoning-parser`, a reasoning model's thinking is read off first (chat/reasoning_parsers):
+messages and deltas carry it as `reasoning` (vLLM 0.32's field), the content and its calls
+are what follows it, and a grammar holds only that."""
 
 from __future__ import annotations
 
@@ -24,12 +27,26 @@ from serve.api.request_checks import (
     check_limits,
     check_no_streamed_prompt_logprobs,
     fit_prompt,
+    grammar_start,
 )
 from serve.api.served_models import ServedModels
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.settings import ServerSettings
 from serve.api.sse import ChunkWriter
-from serve.api.streaming import UsageCallback, final_outputs, finish_chunk, stream_choices, usage
+from serve.api.streaming import (
+    StreamState,
+    UsageCallback,
+    final_outputs,
+    finish_chunk,
+    stream_choices,
+    usage,
+)
+from serve.chat.reasoning_parsers import (
+    ReasoningDelta,
+    ReasoningParser,
+    RequestReasoning,
+    get_reasoning_parser,
+)
 from serve.chat.rendering import ChatRenderError, render_chat
 from serve.chat.tool_parsers import (
     TOOL_PARSERS,
@@ -53,6 +70,10 @@ class ChatPrompt:
     max_tokens: int
     output_parser: OutputParser | None  # None: the output is all content
     lora: LoRARequest | None = None  # the adapter `model` names; None: the base model
+    # With --reasoning-parser: how the output's reasoning is read; None: it is all content.
+    reasoning: RequestReasoning | None = None
+    # The tokens after which the request's grammar starts (request_checks.grammar_start).
+    grammar_start_token_ids: tuple[int, ...] = ()
 
 
 def tool_finish_reason(
@@ -66,10 +87,13 @@ def tool_finish_reason(
     return "tool_calls" if chosen and finish_reason == "stop" else finish_reason
 
 
-def event_fields(events: list[StreamEvent], logprobs: Any) -> list[dict[str, Any]]:
-    """A chunk's choice fields per streamed event; the first carries the new tokens'
-    logprobs (an empty delta carries them when everything is held back)."""
-    chunks = []
+def event_fields(
+    events: list[StreamEvent], logprobs: Any, reasoning: str = ""
+) -> list[dict[str, Any]]:
+    """A chunk's choice fields per streamed event, after one for the `reasoning` text;
+    the first carries the new tokens' logprobs (an empty delta carries them when
+    everything is held back)."""
+    chunks = [{"delta": {"reasoning": reasoning}, "logprobs": None}] if reasoning else []
     for event in events:
         if isinstance(event, str):
             delta: dict[str, Any] = {"content": event}
@@ -99,13 +123,22 @@ def template_tools(request: ChatCompletionRequest, exclude_when_none: bool) -> l
     return tools
 
 
-def template_kwargs(defaults: dict[str, Any], given: dict[str, Any] | None) -> dict[str, Any]:
+def template_kwargs(
+    defaults: dict[str, Any], given: dict[str, Any] | None, reasoning_effort: str | None = None
+) -> dict[str, Any]:
     """The server's `--default-chat-template-kwargs` under a request's own; a value the
-    request leaves null or "auto" keeps the default (vLLM's rule)."""
+    request leaves null or "auto" keeps the default (vLLM's rule). A `reasoning_effort`
+    is the template's too, with `enable_thinking` (false for "none") unless the request's
+    own variables set it, as vLLM hands them over."""
     unset = (None, "auto")
-    return defaults | {
+    variables = defaults | {
         k: v for k, v in (given or {}).items() if k not in defaults or v not in unset
     }
+    if reasoning_effort is not None:
+        variables["reasoning_effort"] = reasoning_effort
+        if "enable_thinking" not in (given or {}):
+            variables["enable_thinking"] = reasoning_effort != "none"
+    return variables
 
 
 def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -132,6 +165,10 @@ class ChatHandler:
         self.models = models or ServedModels(settings)  # the Responses and Messages ones' too
         name = settings.tool_call_parser
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
+        name = settings.reasoning_parser  # ValueError: a tokenizer it cannot read
+        self.reasoning_parser: ReasoningParser | None = (
+            get_reasoning_parser(name, self.tokenizer.get_vocab()) if name else None
+        )
 
     def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
         lora = self.models.resolve(request.model)
@@ -146,7 +183,12 @@ class ChatHandler:
             self.engine.max_model_len,
             self.settings,
         )
-        return ChatPrompt(text, prompt_ids, max_tokens, output_parser, lora)
+        reasoning = None
+        if self.reasoning_parser is not None:
+            variables = self.template_variables(request)
+            reasoning = self.reasoning_parser.for_request(prompt_ids, variables)
+        start = grammar_start(reasoning, request)
+        return ChatPrompt(text, prompt_ids, max_tokens, output_parser, lora, reasoning, start)
 
     def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
         """The prompt of a chat request made of `fields` (/tokenize's messages form): the
@@ -175,13 +217,16 @@ class ChatHandler:
                 self.tool_parser,
                 lambda text: self.prompt_chars.check(text, "messages"),
                 request.continue_final_message,
-                template_kwargs(
-                    settings.default_chat_template_kwargs, request.chat_template_kwargs
-                ),
+                self.template_variables(request),
                 settings.chat_template_content_format,
             )
         except ChatRenderError as e:
             raise APIError(400, str(e)) from None
+
+    def template_variables(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """The chat template's variables for `request` (`template_kwargs`)."""
+        defaults = self.settings.default_chat_template_kwargs
+        return template_kwargs(defaults, request.chat_template_kwargs, request.reasoning_effort)
 
     def _output_parser(self, request: ChatCompletionRequest) -> OutputParser | None:
         choice = request.effective_tool_choice
@@ -217,19 +262,28 @@ class ChatHandler:
         return last.text
 
     def _message(
-        self, parser: OutputParser | None, completion: CompletionOutput, role: str
+        self, prompt: ChatPrompt, completion: CompletionOutput, role: str, with_reasoning: bool
     ) -> tuple[dict[str, Any], str | None]:
-        """The choice's message and finish reason."""
+        """The choice's message and finish reason. With a reasoning parser, its `reasoning`
+        (null without; left out when `with_reasoning` is false) and the content after it,
+        from which the calls are read; no answer yet is null content, as vLLM's."""
+        parser, reasoning = prompt.output_parser, prompt.reasoning
+        split = reasoning.split(completion.text) if reasoning is not None else None
+        text = split.content if split is not None else completion.text
         if parser is None:
-            message = {"role": role, "content": completion.text}
-            return message, completion.finish_reason
-        parsed = parser.parse(completion.text)
-        message = {"role": role, "content": parsed.content}
-        if parsed.tool_calls:
-            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-        elif parsed.content is None:
-            message["content"] = ""
-        reason = tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls), parser)
+            message = {"role": role, "content": text}
+            reason = completion.finish_reason
+        else:
+            parsed = parser.parse(text or "")
+            message = {"role": role, "content": parsed.content}
+            forced = isinstance(parser, (NamedFunctionParser, RequiredParser))
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            elif parsed.content is None and (reasoning is None or forced):
+                message["content"] = ""
+            reason = tool_finish_reason(completion.finish_reason, bool(parsed.tool_calls), parser)
+        if split is not None:
+            message["reasoning"] = split.reasoning if with_reasoning else None
         return message, reason
 
     def token_logprobs(self, completion: CompletionOutput, num_top: int, as_ids: bool = False):
@@ -265,15 +319,27 @@ class ChatHandler:
         finals = sorted(out.outputs, key=lambda c: c.index)
         choices = []
         role, echoed = self.response_role(request), self.echoed(request)
+        reasoning = prompt.reasoning
+        # vLLM's: a reply without its reasoning shows no token of it (no logprobs, no ids).
+        hides_tokens = reasoning is not None and not request.include_reasoning
+        num_reasoning_tokens = 0
         for index, completion in enumerate(finals):
-            message, finish_reason = self._message(prompt.output_parser, completion, role)
+            message, finish_reason = self._message(
+                prompt, completion, role, request.include_reasoning
+            )
             if echoed:
                 message["content"] = echoed + (message["content"] or "")
+            if reasoning is not None:
+                counter = reasoning.token_counter()
+                counter.feed(completion.token_ids)
+                num_reasoning_tokens += counter.num_tokens
             choices.append(
                 {
                     "index": index,
                     "message": message,
-                    "logprobs": self.token_logprobs(
+                    "logprobs": None
+                    if hides_tokens
+                    else self.token_logprobs(
                         completion,
                         request.top_logprobs or 0,
                         request.tokens_as_ids(self.settings.return_tokens_as_token_ids),
@@ -282,7 +348,7 @@ class ChatHandler:
                     "stop_reason": completion.stop_reason,
                 }
             )
-            if request.return_token_ids:
+            if request.return_token_ids and not hides_tokens:
                 choices[-1]["token_ids"] = completion.token_ids
         body = {
             "id": request_id,
@@ -294,6 +360,7 @@ class ChatHandler:
                 len(prompt.token_ids),
                 out.num_output_tokens,
                 out.num_cached_tokens or 0 if self.settings.prompt_tokens_details else None,
+                num_reasoning_tokens if reasoning is not None else None,
             ),
         }
         if request.return_token_ids:
@@ -321,7 +388,12 @@ class ChatHandler:
             *request.usage_in_stream(self.settings.force_include_usage),
             num_prompt_tokens=(len(prompt.token_ids),),
             n=request.n,
-            prompt_token_ids=(prompt.token_ids,) if request.return_token_ids else None,
+            prompt_token_ids=(
+                (prompt.token_ids,)
+                if request.return_token_ids
+                and (prompt.reasoning is None or request.include_reasoning)
+                else None
+            ),
             prompt_ids_on_top=True,
         )
         stream = self.generate(request, engine_id, prompt)
@@ -345,6 +417,7 @@ class ChatHandler:
             prompt.max_tokens,
             request.num_logprobs,
             output_kind,
+            grammar_start_token_ids=prompt.grammar_start_token_ids,
             lora_request=prompt.lora,
         )
 
@@ -367,21 +440,42 @@ class ChatHandler:
                 )
         num_top = request.top_logprobs or 0
         as_ids = request.tokens_as_ids(self.settings.return_tokens_as_token_ids)
-        parser = prompt.output_parser
+        parser, reasoning = prompt.output_parser, prompt.reasoning
         readers = defaultdict(parser.stream) if parser is not None else None  # per choice
+        thinking = defaultdict(reasoning.stream) if reasoning is not None else None
+        # vLLM's: a reply without its reasoning shows no token of it (no logprobs, no ids).
+        hides_tokens = reasoning is not None and not request.include_reasoning
+        state = StreamState(request.n)
+        if reasoning is not None:
+            state.reasoning_tokens = [reasoning.token_counter() for _ in range(request.n)]
+
+        def fields(index: int, part: ReasoningDelta, logprobs: Any) -> list[dict[str, Any]]:
+            thought = part.reasoning if request.include_reasoning else ""
+            if readers is None:
+                events: list[StreamEvent] = [part.content] if part.content else []
+            else:
+                events = readers[index].feed(part.content) if part.content else []
+            return event_fields(events, logprobs, thought)
 
         def content(index, completion):
-            logprobs = self.token_logprobs(completion, num_top, as_ids)
+            logprobs = None if hides_tokens else self.token_logprobs(completion, num_top, as_ids)
+            if thinking is not None:
+                return fields(index, thinking[index].feed(completion.text), logprobs)
             if readers is None:
                 return [{"delta": {"content": completion.text}, "logprobs": logprobs}]
             return event_fields(readers[index].feed(completion.text), logprobs)
 
         def finish(index, completion):
+            held_back = []
+            if thinking is not None:
+                held_back = fields(index, thinking[index].finish(), None)
             if readers is None:
-                return [finish_chunk(completion, delta={})]
-            reader = readers[index]
-            held_back = [{**f, "finish_reason": None} for f in event_fields(reader.finish(), None)]
-            reason = tool_finish_reason(completion.finish_reason, reader.num_calls > 0, parser)
+                reason = None
+            else:
+                reader = readers[index]
+                held_back += event_fields(reader.finish(), None)
+                reason = tool_finish_reason(completion.finish_reason, reader.num_calls > 0, parser)
+            held_back = [{**f, "finish_reason": None} for f in held_back]
             return [*held_back, finish_chunk(completion, reason, delta={})]
 
         async for event in stream_choices(
@@ -393,5 +487,6 @@ class ChatHandler:
             finish,
             on_usage,
             self.settings.prompt_tokens_details,
+            state,
         ):
             yield event

@@ -19,6 +19,7 @@ from serve.api.request_checks import (
     check_limits,
     check_no_streamed_prompt_logprobs,
     fit_prompt,
+    grammar_start,
 )
 from serve.api.served_models import ServedModels
 from serve.api.serving_base import off_the_loop, open_stream
@@ -35,6 +36,7 @@ from serve.api.streaming import (
     stream_end,
     usage,
 )
+from serve.chat.reasoning_parsers import get_reasoning_parser
 from serve.engine.detokenizer import MAX_CHAR_TOKENS
 from serve.engine.protocol import EngineClient
 from serve.lora_request import LoRARequest
@@ -53,6 +55,11 @@ class CompletionHandler:
         self.tokenizer = engine.tokenizer
         self.prompt_chars = prompt_chars
         self.models = models or ServedModels(settings)
+        # vLLM's engine holds a completion's grammar back until the reasoning ends too.
+        name = settings.reasoning_parser
+        self.reasoning_parser = (
+            get_reasoning_parser(name, self.tokenizer.get_vocab()) if name else None
+        )
 
     def _prompts(self, request: CompletionRequest) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt: a string, strings, token ids, or lists of ids."""
@@ -118,10 +125,18 @@ class CompletionHandler:
                 max_tokens,
                 request.num_logprobs,
                 output_kind,
+                grammar_start_token_ids=self._grammar_start(request, ids),
                 lora_request=lora,
             )
             for i, (text, ids, max_tokens) in enumerate(prompts)
         ]
+
+    def _grammar_start(self, request: CompletionRequest, prompt_ids: list[int]) -> tuple[int, ...]:
+        """Where the prompt's grammar starts: with --reasoning-parser, after the reasoning
+        unless the prompt ended it (read as vLLM's engine does: no template variables)."""
+        if self.reasoning_parser is None:
+            return ()
+        return grammar_start(self.reasoning_parser.for_request(prompt_ids, {}), request)
 
     def _logprobs(
         self,

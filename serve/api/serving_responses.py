@@ -3,7 +3,8 @@
 A response runs as a chat completion: its conversation (the stored one it continues,
 then its input items, after its instructions) becomes a `ChatCompletionRequest`, which
 the chat handler prepares as it prepares its own (limits, chat template, tools, the
-context window), with the same structured output and tool-call readers. Errors name the
+context window), with the same structured output, reasoning and tool-call readers (the
+reasoning, with --reasoning-parser, is an item before the answer's). Errors name the
 Responses API's fields (`input`, `max_output_tokens`, `text.format`), not the chat ones.
 """
 
@@ -28,7 +29,7 @@ from serve.api.responses_items import (
     output_items,
     usage,
 )
-from serve.api.responses_stream import EventNumbering, StreamedOutput
+from serve.api.responses_stream import Event, EventNumbering, StreamedOutput
 from serve.api.serving_base import off_the_loop, open_stream
 from serve.api.serving_chat import ChatHandler, ChatPrompt, chat_request_from
 from serve.api.streaming import (
@@ -39,6 +40,7 @@ from serve.api.streaming import (
     guard_stream,
 )
 from serve.api.streaming import usage as chat_usage
+from serve.chat.reasoning_parsers import ReasoningDelta, ReasoningTokens
 from serve.chat.tool_parsers import in_written_order
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
@@ -104,10 +106,20 @@ class ResponsesHandler:
         (out,) = await final_outputs([self._open(turn, prompt, OutputKind.FINAL_ONLY)])
         completion = out.outputs[0]
         status = _status(completion.finish_reason)
-        pieces = in_written_order(prompt.output_parser, completion.text)
-        output = output_items(pieces, status, self._logprobs(turn, completion))
+        reasoning = prompt.reasoning
+        counter = reasoning.token_counter() if reasoning is not None else None
+        logprobs = self._content_logprobs(turn, completion, counter)
+        thought, text = None, completion.text
+        if reasoning is not None:
+            split = reasoning.split(completion.text)
+            thought, text = split.reasoning, split.content or ""
+        pieces = in_written_order(prompt.output_parser, text)
+        shown = thought if turn.request.include_reasoning else None
+        output = output_items(pieces, status, logprobs, shown)
         counts = (len(prompt.token_ids), out.num_output_tokens)
-        body = self._response(turn, status, output, usage(*counts, out.num_cached_tokens or 0))
+        num_reasoning = counter.num_tokens if counter is not None else 0
+        counted = usage(*counts, out.num_cached_tokens or 0, num_reasoning)
+        body = self._response(turn, status, output, counted)
         self._remember(turn, body)
         if on_usage is not None:
             on_usage(chat_usage(*counts))
@@ -198,6 +210,7 @@ class ResponsesHandler:
                 prompt.max_tokens,
                 turn.chat.num_logprobs,
                 output_kind,
+                grammar_start_token_ids=prompt.grammar_start_token_ids,
                 lora_request=prompt.lora,
             )
 
@@ -215,24 +228,40 @@ class ResponsesHandler:
         yield events.sse("response.created", response=started)
         yield events.sse("response.in_progress", response=started)
         output = StreamedOutput()
-        parser = prompt.output_parser
+        parser, reasoning = prompt.output_parser, prompt.reasoning
         reader = parser.stream() if parser is not None else None
+        thinking = reasoning.stream() if reasoning is not None else None
+        counter = reasoning.token_counter() if reasoning is not None else None
+        shows_reasoning = turn.request.include_reasoning
+
+        def read(part: ReasoningDelta, logprobs: list[dict[str, Any]]) -> list[Event]:
+            """The events for a piece of the choice: its reasoning, then its content."""
+            thought = part.reasoning if shows_reasoning else ""
+            emitted = output.reasoning(thought) if thought else []
+            text = part.content
+            pieces = (reader.feed(text) if reader is not None else [text]) if text else []
+            return emitted + output.feed(pieces, logprobs)
+
         state = StreamState(1)
         status = "completed"
         async with guard_stream() as failed:
             async for _, completion in choice_outputs([stream], 1, state):
                 state.take(0, completion)
                 text = completion.text
-                pieces = (reader.feed(text) if reader is not None else [text]) if text else []
-                logprobs = self._logprobs(turn, completion)
-                for kind, fields in output.feed(pieces, logprobs):
+                part = thinking.feed(text) if thinking is not None else ReasoningDelta(content=text)
+                logprobs = self._content_logprobs(turn, completion, counter)
+                for kind, fields in read(part, logprobs):
                     yield events.sse(kind, **fields)
                 if completion.finished():
+                    held = thinking.finish() if thinking is not None else ReasoningDelta()
+                    finished = read(held, [])
                     if reader is not None:
-                        for kind, fields in output.feed(reader.finish(), []):
-                            yield events.sse(kind, **fields)
+                        finished += output.feed(reader.finish(), [])
+                    for kind, fields in finished:
+                        yield events.sse(kind, **fields)
                     status = _status(completion.finish_reason)
         counts = (len(prompt.token_ids), state.completion_tokens)
+        num_reasoning = counter.num_tokens if counter is not None else 0
         if on_usage is not None:
             on_usage(chat_usage(*counts))
         if failed.error is not None:
@@ -240,21 +269,31 @@ class ResponsesHandler:
             code = error["code"] or error["type"]
             yield events.sse("error", code=code, message=error["message"], param=error["param"])
             body = self._response(
-                turn, "failed", output.items, usage(*counts, state.num_cached_tokens)
+                turn, "failed", output.items, usage(*counts, state.num_cached_tokens, num_reasoning)
             )
             body["error"] = {"code": "server_error", "message": error["message"]}
             yield events.sse("response.failed", response=body)
             return
         for kind, fields in output.finish(status):
             yield events.sse(kind, **fields)
-        body = self._response(turn, status, output.items, usage(*counts, state.num_cached_tokens))
+        counted = usage(*counts, state.num_cached_tokens, num_reasoning)
+        body = self._response(turn, status, output.items, counted)
         self._remember(turn, body)  # before the last event: a client may look it up at once
         yield events.sse(f"response.{status}", response=body)
 
-    def _logprobs(self, turn: Turn, completion: CompletionOutput) -> list[dict[str, Any]]:
+    def _content_logprobs(
+        self, turn: Turn, completion: CompletionOutput, counter: ReasoningTokens | None
+    ) -> list[dict[str, Any]]:
+        """The logprobs of the output's new tokens that are the answer's: `counter` (fed
+        them here) tells the reasoning's, which its item has none of; none at all when the
+        request leaves its reasoning out (vLLM's)."""
         num_top = turn.chat.top_logprobs or 0
         logprobs = self.chat.token_logprobs(completion, num_top)
-        return logprobs["content"] if logprobs is not None else []
+        entries = logprobs["content"] if logprobs is not None else []
+        if counter is None:
+            return entries
+        skipped = counter.feed(completion.token_ids)
+        return entries[skipped:] if turn.request.include_reasoning else []
 
     def _remember(self, turn: Turn, body: dict[str, Any]) -> None:
         if turn.request.store:
@@ -294,7 +333,10 @@ class ResponsesHandler:
             "output": output,
             "parallel_tool_calls": request.parallel_tool_calls,
             "previous_response_id": request.previous_response_id,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {
+                "effort": request.reasoning.effort if request.reasoning else None,
+                "summary": request.reasoning.summary if request.reasoning else None,
+            },
             "service_tier": "default",
             "store": request.store,
             "temperature": chat.temperature,
@@ -317,8 +359,11 @@ def _chat_fields(request: ResponsesRequest, messages: list[dict[str, Any]]) -> d
         "model": request.model,
         "messages": messages,
         "parallel_tool_calls": request.parallel_tool_calls,
+        "include_reasoning": request.include_reasoning,
         **request.sampling_extras,
     }
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        fields["reasoning_effort"] = request.reasoning.effort  # the template's, as vLLM's
     given = {
         "max_completion_tokens": request.max_output_tokens,
         "temperature": request.temperature,

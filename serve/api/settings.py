@@ -44,6 +44,8 @@ class ServerSettings:
     cors: Cors = field(default_factory=Cors)
     root_path: str = ""  # a proxy's prefix: routes answer with it or without it
     tool_call_parser: str | None = None  # tool_choice "auto" reads calls in this format
+    # Reasoning read apart from the answer (serve/chat/reasoning_parsers); None: all content.
+    reasoning_parser: str | None = None
     max_generating_requests: int | None = None  # in flight, running or queued; None: no cap
     max_body_bytes: int | None = None
     request_timeout_s: float | None = None  # a generation request's deadline; None: none

@@ -14,6 +14,7 @@ from typing import Any
 
 from serve.api.errors import APIError, error_body
 from serve.api.sse import SSE_DONE, ChunkWriter, sse
+from serve.chat.reasoning_parsers import ReasoningTokens
 from serve.engine.protocol import (
     EngineDeadError,
     RequestError,
@@ -75,6 +76,10 @@ class StreamState:
     num_choices: int
     choices: list[ChoiceProgress] = field(default_factory=list)
 
+    # With --reasoning-parser: each choice's count of its reasoning tokens, fed every
+    # delta's tokens; the usage then has completion_tokens_details. None: not counted.
+    reasoning_tokens: list[ReasoningTokens] | None = None
+
     def __post_init__(self) -> None:
         self.choices = [ChoiceProgress() for _ in range(self.num_choices)]
 
@@ -99,20 +104,32 @@ class StreamState:
         progress = self.choices[index]
         progress.num_tokens += len(delta.token_ids)
         progress.finish_reason = delta.finish_reason
+        if self.reasoning_tokens is not None:
+            self.reasoning_tokens[index].feed(delta.token_ids)
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
+
+    @property
+    def num_reasoning_tokens(self) -> int | None:
+        counts = self.reasoning_tokens
+        return None if counts is None else sum(count.num_tokens for count in counts)
 
 
 UsageCallback = Callable[[dict[str, Any]], None]
 
 
 def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
+    reasoning_tokens: int | None = None,
 ) -> dict[str, Any]:
     """OpenAI's usage; with `cached_tokens` (vLLM's --enable-prompt-tokens-details), its
-    `prompt_tokens_details`: the prompt tokens the prefix cache held."""
+    `prompt_tokens_details`: the prompt tokens the prefix cache held; with
+    `reasoning_tokens` (a --reasoning-parser's, as vLLM counts them), its
+    `completion_tokens_details`: the completion tokens that were reasoning."""
     counts: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -120,6 +137,8 @@ def usage(
     }
     if cached_tokens is not None:
         counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        counts["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return counts
 
 
@@ -235,7 +254,7 @@ async def stream_choices(
                 for fields in finish_fields(index, completion):
                     yield writer.chunk(index, num_tokens, **fields)
     cached = state.num_cached_tokens if shows_cached_tokens else None
-    counts = usage(num_prompt_tokens, state.completion_tokens, cached)
+    counts = usage(num_prompt_tokens, state.completion_tokens, cached, state.num_reasoning_tokens)
     for event in stream_end(writer, failed, counts, on_usage):
         yield event
 

@@ -5,7 +5,8 @@ OpenAI's messages become the dicts HF chat templates expect, as vLLM hands them 
 `content` never None (text and refusal parts joined, or for a template that loops over
 the parts, OpenAI's list of them: `content_format.py`), a call's arguments an object
 (templates write `arguments | tojson`), `tool_call_id` on tool results, `name` where the
-message has one (the deprecated `function` role's included). A template that never names
+message has one (the deprecated `function` role's included), an assistant's reasoning as
+`reasoning` and `reasoning_content` (either name taken). A template that never names
 the `developer` role gets developer messages as system ones (vLLM's rule). Templates that
 know tools get them as `tools`; for those that do not (SmolLM2's ChatML), the tool list
 goes into the system message and past calls into the assistant's text, both in a tool
@@ -86,6 +87,12 @@ def _template_message(message: dict[str, Any], content_format: str) -> dict[str,
         ]
     if role == "tool":
         entry["tool_call_id"] = message.get("tool_call_id")
+    reasoning = message.get("reasoning")
+    if reasoning is None:
+        reasoning = message.get("reasoning_content")
+    if role == "assistant" and isinstance(reasoning, str):
+        # vLLM's interleaved thinking: Qwen3's template writes it back as <think> ...
+        entry["reasoning"] = entry["reasoning_content"] = reasoning
     return entry
 
 

@@ -46,7 +46,7 @@ from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.model_kv import ModelKV
 from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
-from serve.worker.speculative import make_proposer
+from serve.worker.speculative import before_grammar_start, make_proposer
 from serve.worker.step_sampler import StepSampler
 from serve.worker.structured_output import LazyStructuredOutput
 
@@ -346,7 +346,11 @@ class ModelRunner:
             self._move_blocks(out)
             return output
         self._move_blocks(out)  # before a draft model's forwards, which read the cache
-        drafts = self.proposer.propose_step(out, self.mirror) if self.proposer else {}
+        drafts = (
+            before_grammar_start(self.proposer.propose_step(out, self.mirror), self.mirror)
+            if self.proposer
+            else {}
+        )
         inputs = build_model_inputs(out, self.mirror, self.block_size, self.device, drafts)
         prepared = time.perf_counter()
         graph_size = self.graphs.size_for(inputs) if self.graphs is not None else None

@@ -78,6 +78,23 @@ class NgramProposer:
         return drafts
 
 
+def before_grammar_start(
+    drafts: dict[int, list[int]], mirror: SequenceMirror
+) -> dict[int, list[int]]:
+    """Proposals cut before the first token that a sequence's grammar starts after (the
+    end of a reasoning model's thinking): the rows past it would be checked without the
+    grammar's mask, which exists only once that token is taken. The token itself may still
+    be sampled, after the proposals kept. Every rank cuts alike."""
+    kept = {}
+    for seq_id, proposed in drafts.items():
+        spec = mirror[seq_id].sampling_params.structured_outputs
+        starts = spec.start_after_token_ids if spec is not None else ()
+        at = next((i for i, token in enumerate(proposed) if token in starts), len(proposed))
+        if at:
+            kept[seq_id] = proposed[:at]
+    return kept
+
+
 def make_proposer(
     method: SpeculativeMethod | None,
     model_config: ModelConfig,

@@ -1,10 +1,12 @@
 """The driver worker's end of a step: from logits to the step's ModelRunnerOutput.
 
 Each sampled sequence's row is sampled with its own controls (sampler.py), masked by its
-grammar (structured_output.py), which then takes the token; a first sample of `best_of`
-samples the row once per fork, each fork with its own seed; beams are scored, not sampled:
-each beam's best candidates go back for the scheduler's beam search. Prompt logprobs come
-from the prompt rows. Everything goes back as plain data (step.py).
+grammar (structured_output.py), which then takes the token (a grammar that starts after a
+token, the end of a reasoning model's thinking, waits unconsulted until it is sampled); a
+first sample of `best_of` samples the row once per fork, each fork with its own seed;
+beams are scored, not sampled: each beam's best candidates go back for the scheduler's beam
+search. Prompt logprobs come from the prompt rows. Everything goes back as plain data
+(step.py).
 
 A fault in one request's own work (its sampling parameters, its grammar) fails that
 request alone: a batch that raises is re-sampled one row at a time to find it, and the
@@ -46,17 +48,29 @@ class StepSampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(seed, self.eos_token_ids)
         self.grammars = grammars
+        # Sequences whose grammar starts after one of some tokens (StructuredOutputsParams.
+        # start_after_token_ids), none sampled yet: seq id -> (grammar, those tokens). No
+        # matcher masks or takes their tokens until then.
+        self._waiting: dict[int, tuple[str, frozenset[int]]] = {}
 
     # -- per-sequence state ------------------------------------------------------------------
 
     def start(self, seq: MirroredSequence, grammar: str | None, failed: dict[str, str]) -> None:
-        """A sequence seen for the first time: its grammar's matcher starts."""
-        if grammar is not None:
-            with _request_scope(seq.request_id, failed):
-                self.grammars.get().start(seq.seq_id, grammar)
+        """A sequence seen for the first time: its grammar's matcher starts, or waits for
+        the token it starts after."""
+        if grammar is None:
+            return
+        spec = seq.sampling_params.structured_outputs
+        if spec is not None and spec.start_after_token_ids:
+            self._waiting[seq.seq_id] = (grammar, frozenset(spec.start_after_token_ids))
+            return
+        with _request_scope(seq.request_id, failed):
+            self.grammars.get().start(seq.seq_id, grammar)
 
     def fork(self, parent: MirroredSequence, child: MirroredSequence) -> None:
         """`child` samples from here on as `parent` would, with its own random stream."""
+        if parent.seq_id in self._waiting:
+            self._waiting[child.seq_id] = self._waiting[parent.seq_id]
         manager = self.grammars.built
         if manager is not None and manager.has(parent.seq_id):
             manager.fork(parent.seq_id, child.seq_id)
@@ -64,6 +78,7 @@ class StepSampler:
     def forget(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
             self.sampler.free(seq_id)
+            self._waiting.pop(seq_id, None)
             if self.grammars.built is not None:
                 self.grammars.built.free(seq_id)
 
@@ -229,7 +244,15 @@ class StepSampler:
 
     def _grammar_ended(self, seq: MirroredSequence, token: int) -> bool:
         """Advance the sequence's grammar by `token`: True once the grammar is complete
-        (it took a stop token) or if it refused the token, which the mask should prevent."""
+        (it took a stop token) or if it refused the token, which the mask should prevent.
+        A waiting grammar only looks for its start token, and starts after it."""
+        waiting = self._waiting.get(seq.seq_id)
+        if waiting is not None:
+            grammar, start_after = waiting
+            if token in start_after:
+                del self._waiting[seq.seq_id]
+                self.grammars.get().start(seq.seq_id, grammar)
+            return False
         manager = self.grammars.get()
         if not manager.has(seq.seq_id):
             return False

@@ -5,8 +5,9 @@ spec, so the API thread can submit a request's grammar and await the Future whil
 engine thread keeps stepping; a compiled grammar travels as xgrammar's serialized JSON
 (plain text, in the request's first step to the workers). The matchers and the bitmask
 buffer belong to the driver worker's thread alone: it starts a matcher when it first sees
-a constrained sequence, masks each step's logits, advances the matcher with the sampled
-token and frees it when the sequence ends.
+a constrained sequence (one whose grammar starts after a token, a reasoning model's end of
+thinking, once that token is sampled: step_sampler.py), masks each step's logits, advances
+the matcher with the sampled token and frees it when the sequence ends.
 
 Choices made for every request:
 - JSON schemas and `json_object` compile with `any_whitespace=False`: json.dumps's layout

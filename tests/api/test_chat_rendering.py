@@ -117,6 +117,35 @@ def test_default_template_kwargs_apply_under_the_requests_own(tokenizer):
     assert "greeting" not in rendered(handler(tokenizer))
 
 
+def test_an_assistants_past_reasoning_reaches_the_template_by_both_names(tokenizer):
+    """vLLM's: `reasoning` (or its older name `reasoning_content`) of an assistant turn is
+    handed over as both (Qwen3's template reads `reasoning_content`); an assistant turn
+    may carry reasoning alone."""
+    thought = (
+        "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content }}/{{ m.reasoning }}"
+        "={{ m.content }};{% endfor %}"
+    )
+    chat = handler(tokenizer, thought)
+    for name in ("reasoning", "reasoning_content"):
+        turn = {"role": "assistant", name: "Think.", "content": "Paris."}
+        text = rendered(chat, messages=[USER, turn, USER])
+        assert text == "user:/=Hi;assistant:Think./Think.=Paris.;user:/=Hi;"
+    both = {"role": "assistant", "reasoning": "new", "reasoning_content": "old", "content": "A"}
+    assert "assistant:new/new=A;" in rendered(chat, messages=[USER, both])
+    alone = {"role": "assistant", "reasoning": "Think."}
+    assert "assistant:Think./Think.=;" in rendered(chat, messages=[USER, alone])
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_hands_it(tokenizer):
+    shown = "{{ reasoning_effort }}/{{ enable_thinking }}"
+    chat = handler(tokenizer, shown)
+    assert rendered(chat, reasoning_effort="low") == "low/True"
+    assert rendered(chat, reasoning_effort="none") == "none/False"
+    kwargs = {"enable_thinking": True}
+    assert rendered(chat, reasoning_effort="none", chat_template_kwargs=kwargs) == "none/True"
+    assert rendered(chat) == "/"  # neither set without an effort
+
+
 def test_the_content_format_setting_decides_what_the_template_gets(tokenizer):
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     fields = {"messages": [{"role": "user", "content": parts}]}

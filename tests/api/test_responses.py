@@ -273,6 +273,36 @@ def test_previous_response_id_continues_the_conversation(client, server):
     assert third.usage.input_tokens == count_tokens(server, longer)
 
 
+def test_reasoning_settings_and_items_are_taken_without_a_parser(client, server):
+    """vLLM 0.32 takes `reasoning` whatever its parser (the effort reaches the template),
+    and reasoning items sent back, which join the assistant turn they start."""
+    thinking = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text"}]}
+    thinking["content"][0]["text"] = "They greet me."
+    turns = [
+        {"role": "user", "content": "Hello!"},
+        thinking,
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Bye."},
+    ]
+    resp = raw_response(
+        server, input=turns, max_output_tokens=2, reasoning={"effort": "low", "summary": "auto"}
+    )
+    assert (resp.reasoning.effort, resp.reasoning.summary) == ("low", "auto")
+    listed = client.responses.input_items.list(resp.id, order="asc").data
+    assert [item.type for item in listed] == ["message", "reasoning", "message", "message"]
+    assert listed[1].content[0].text == "They greet me."
+
+    from serve.api.protocol_responses import ResponsesRequest
+    from serve.api.responses_items import chat_messages
+
+    items = ResponsesRequest.model_validate({"input": turns}).input_items
+    assert chat_messages(None, items)[1] == {
+        "role": "assistant",
+        "content": "Hi.",
+        "reasoning": "They greet me.",
+    }
+
+
 def test_input_items_list_the_chain_newest_first_through_the_sdk(client, server):
     kwargs = dict(model=server.model, max_output_tokens=4, extra_body=IGNORE_EOS, **GREEDY)
     first = client.responses.create(input="Hello!", instructions=INSTRUCTIONS, **kwargs)
@@ -355,7 +385,12 @@ def test_unknown_and_unstored_ids_are_404s(client, server):
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
         ({"input": "Hi", "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "web"),
         ({"input": "Hi", "background": True}, "background", "background"),
-        ({"input": "Hi", "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+        ({"input": "Hi", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "high"),
+        (
+            {"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
+            "input.0.encrypted_content",
+            "encrypted",
+        ),
         ({"input": "Hi", "truncation": "auto"}, "truncation", "auto"),
         ({"input": "Hi", "conversation": "conv_1"}, "conversation", "conversations"),
         (

@@ -633,3 +633,66 @@ def test_what_xgrammar_enforces_is_let_through(tiny, schema, instance):
     assert not grammar_accepts(schema, instance)
     assert unenforceable_json_schema(schema) is None
     assert compiled(tiny, Spec(json=schema))
+
+
+# ---- a grammar that starts after a token (a reasoning model's end of thinking) ----
+
+
+def test_a_grammar_waits_unconsulted_for_the_token_it_starts_after():
+    """StructuredOutputsParams.start_after_token_ids (the API sets it from
+    --reasoning-parser): before the token is sampled the output is free (no mask, the
+    grammar neither takes tokens nor ends the sequence); from the next token on it is held
+    to the grammar. A fork waits alike."""
+    from serve.sampling_params import SamplingParams
+    from serve.step import ModelRunnerOutput
+    from serve.worker.sequence_mirror import MirroredSequence
+    from serve.worker.step_sampler import StepSampler
+    from serve.worker.structured_output import LazyStructuredOutput
+
+    tokenizer = build_tokenizer()
+    end, free = 7, 9  # the start token; a token the grammar never allows first
+    spec = Spec(choice=("Paris",), start_after_token_ids=(end,))
+    params = SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=spec)
+    grammars = LazyStructuredOutput(lambda: tokenizer, TINY_VOCAB, [TINY_EOS])
+    sampler = StepSampler(0, [TINY_EOS], grammars)
+    grammar = compiled(grammars.get(), Spec(choice=("Paris",)))
+    seq = MirroredSequence(1, "r", [3, 4], params, None)
+    sampler.start(seq, grammar, {})
+
+    def step(favoured: int, seqs: list[MirroredSequence]) -> ModelRunnerOutput:
+        logits = torch.zeros(1, TINY_VOCAB)
+        logits[0, favoured] = 10.0
+        output = ModelRunnerOutput()
+        sampler.sample(logits, [seqs], None, [], output)
+        assert not output.failed_requests
+        for s, token in zip(seqs, output.token_ids):
+            s.output_token_ids.append(token)
+        return output
+
+    for favoured in (free, TINY_EOS, free):  # free text, EOS not a grammar's end either
+        output = step(favoured, [seq])
+        assert output.token_ids == [favoured] and not output.grammar_ended_seq_ids
+    child = MirroredSequence(2, "r", [3, 4], params, None, list(seq.output_token_ids))
+    sampler.fork(seq, child)
+    assert step(end, [seq, child]).token_ids == [end, end]  # the grammar starts after it
+    output = step(free, [seq, child])
+    for token in output.token_ids:  # held to the grammar now: `free` is masked
+        assert token != free and "Paris".startswith(tokenizer.decode([token]))
+    assert grammars.get().has(seq.seq_id) and grammars.get().has(child.seq_id)
+    sampler.forget([1, 2])
+    assert not grammars.get().has(1)
+
+
+def test_proposals_stop_before_the_token_a_grammar_starts_after():
+    """Speculation: rows past that token would be checked without the grammar's mask."""
+    from types import SimpleNamespace
+
+    from serve.sampling_params import SamplingParams
+    from serve.worker.speculative import before_grammar_start
+
+    waits = SamplingParams(structured_outputs=Spec(json_object=True, start_after_token_ids=(7,)))
+    plain = SamplingParams(structured_outputs=Spec(json_object=True))
+    mirror = {1: SimpleNamespace(sampling_params=waits), 2: SimpleNamespace(sampling_params=plain)}
+    mirror[3] = SimpleNamespace(sampling_params=waits)
+    drafts = {1: [5, 6, 7, 8], 2: [5, 7, 8], 3: [7, 8]}
+    assert before_grammar_start(drafts, mirror) == {1: [5, 6], 2: [5, 7, 8]}
