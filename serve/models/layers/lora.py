@@ -7,8 +7,8 @@ adapter's slices into a slot and, for each step, names which rows of the token s
 use which slot (`LoRABatch`, set around the forward like the attention metadata). The
 adapter's scale (alpha / r) is folded into B when it is written.
 
-A fused layer (q/k/v, gate/up) has one A and one B per shard: an adapter may train q and v
-and leave k. Under tensor parallelism a column-parallel layer holds B's rows of its shards
+A fused layer (q/k/v, gate/up) gives each shard rows of A and a block of B of its own: an
+adapter may train q and v and leave k. Under tensor parallelism a column-parallel layer holds B's rows of its shards
 (A whole), a row-parallel one A's columns of its input slice (B whole): the row-parallel
 update is then a partial sum, reduced with the layer's own.
 """
@@ -61,11 +61,12 @@ class LoRAShard:
 
 
 class LoRASlots:
-    """A layer's adapter slots. Per slot: A as one [shards * max_rank, in] tensor (one
-    product gives every shard's x A^T) and B as one [rows, max_rank] tensor per shard, each
-    its own allocation, so that the products run through `kernels.linear` like the layer's
-    own (on CPU: the native few-row kernel, or oneDNN on a copy reordered when the slot is
-    rewritten, never MKL's threads beside them)."""
+    """A layer's adapter slots. Per slot: A as one [shards * max_rank, in] tensor and B as
+    one [out, shards * max_rank] tensor, block-diagonal over the shards (shard s's rows of
+    the output read only its columns), so an update is two products whatever the shards:
+    x A^T, then that times B^T. Each is its own allocation, so the products run through
+    `kernels.linear` like the layer's own (on CPU: the native few-row kernel, or oneDNN on
+    a copy reordered when the slot is rewritten; never MKL's threads beside them)."""
 
     def __init__(
         self,
@@ -78,14 +79,15 @@ class LoRASlots:
     ) -> None:
         self.shards = shards
         self.max_rank = max_rank
+        width = len(shards) * max_rank
+        out_features = sum(s.rows for s in shards)
 
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        self.a = [zeros(len(shards) * max_rank, in_features) for _ in range(max_loras)]
-        self.b = [[zeros(s.rows, max_rank) for s in shards] for _ in range(max_loras)]
-        # Per slot, the shards its adapter updates (the others are skipped, not added as 0).
-        self.used: list[list[int]] = [[] for _ in range(max_loras)]
+        self.a = [zeros(width, in_features) for _ in range(max_loras)]
+        self.b = [zeros(out_features, width) for _ in range(max_loras)]
+        self.used = [False] * max_loras  # whether the slot's adapter updates this layer
 
     def shard_index(self, name: str | None) -> int:
         for i, shard in enumerate(self.shards):
@@ -95,36 +97,24 @@ class LoRASlots:
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
-        for b in self.b[slot]:
-            b.zero_()
-        self.used[slot] = []
+        self.b[slot].zero_()
+        self.used[slot] = False
 
     def write(self, slot: int, shard: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Shard `shard` of the adapter in `slot`: a [rank, in], b [rows, rank] (scaled)."""
-        rank = a.shape[0]
-        start = shard * self.max_rank
-        self.a[slot][start : start + rank].copy_(a)
-        self.b[slot][shard][:, :rank].copy_(b)
-        if shard not in self.used[slot]:
-            self.used[slot] = sorted([*self.used[slot], shard])
+        rank, column = a.shape[0], shard * self.max_rank
+        rows = self.shards[shard]
+        self.a[slot][column : column + rank].copy_(a)
+        self.b[slot][rows.offset : rows.offset + rows.rows, column : column + rank].copy_(b)
+        self.used[slot] = True
 
     def add(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
         """`out` (x W^T of this rank) plus each token's adapter update, in place."""
-        rank = self.max_rank
         for slot, rows in batch.groups:
-            shards = self.used[slot]
-            if not shards:
+            if not self.used[slot]:
                 continue  # the adapter leaves this layer alone
             xs = x if rows is None else x.index_select(0, rows)
-            xa = kernels.linear(xs, self.a[slot])  # [n, shards * max_rank]
-            if len(self.shards) == 1:
-                delta = kernels.linear(xa, self.b[slot][0])
-            else:
-                delta = out.new_zeros(xs.shape[0], out.shape[-1])
-                for i in shards:
-                    s = self.shards[i]
-                    part = xa[:, i * rank : (i + 1) * rank]
-                    delta[:, s.offset : s.offset + s.rows] = kernels.linear(part, self.b[slot][i])
+            delta = kernels.linear(kernels.linear(xs, self.a[slot]), self.b[slot])
             if rows is None:
                 out += delta
             else:
