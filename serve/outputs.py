@@ -356,6 +356,9 @@ class EngineStats:
     # which --sjf-max-wait-s bounds (None under other policies).
     sjf_longest_passed_over_s: float | None = None
     spec_decode: SpecDecodeStats | None = None  # None: no --speculative-config
+    # LoRA adapters by name: how many requests of each run, and wait (swapped ones too).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -798,6 +798,7 @@ def _load(args: argparse.Namespace):
         response_role=args.response_role,
         server_load_tracking=args.enable_server_load_tracking,
         cache=config.cache,
+        lora=config.lora,
     )
     runtime_lora = runtime_lora_updating(args.allow_runtime_lora_updating, os.environ)
     models = ServedModels(settings, engine, allow_runtime_updates=runtime_lora)

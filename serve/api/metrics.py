@@ -23,6 +23,7 @@ own registry, so several servers in one process (tests) do not share counters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import (
@@ -43,10 +44,16 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from serve.config import CacheConfig
+from serve.config import CacheConfig, LoRAConfig
 from serve.engine.protocol import EngineClient
 from serve.engine.request_metrics import HISTOGRAMS, TOKEN_HISTOGRAMS
-from serve.outputs import QUEUE_TIME_BUCKETS_S, Histogram, QueueTimes, SpecDecodeStats
+from serve.outputs import (
+    QUEUE_TIME_BUCKETS_S,
+    EngineStats,
+    Histogram,
+    QueueTimes,
+    SpecDecodeStats,
+)
 
 METRIC_PREFIXES = {"serve": "serve_", "vllm": "vllm:"}  # --metrics-names
 # vLLM's older names, which its example Grafana dashboard still reads: alias → name.
@@ -61,9 +68,15 @@ ENGINE_LABEL = "0"  # vLLM's engine index: serve runs one engine core
 
 class _EngineCollector(Collector):
     def __init__(
-        self, engine: EngineClient, model_name: str, names: str, cache: CacheConfig
+        self,
+        engine: EngineClient,
+        model_name: str,
+        names: str,
+        cache: CacheConfig,
+        lora: LoRAConfig,
     ) -> None:
         self.engine = engine
+        self.lora = lora
         self.labels = ["model_name", "engine"]  # on every vLLM-shaped series, as vLLM's
         self.label_values = [model_name, ENGINE_LABEL]
         self.cache = cache
@@ -214,6 +227,22 @@ class _EngineCollector(Collector):
         )
         if e.spec_decode is not None:
             yield from self._spec_decode_metrics(e.spec_decode)
+        if self.lora.enable_lora:
+            yield self._lora_info(e)
+
+    def _lora_info(self, e: EngineStats) -> Metric:
+        """vLLM's lora_requests_info: one series whose labels name the adapters of the
+        running and the waiting requests (comma-separated) and --max-loras, its value the
+        time of the engine's report. (vLLM's gauge keeps every label set it ever had;
+        this one says only the latest.)"""
+        gauge = GaugeMetricFamily(
+            self.prefix + "lora_requests_info",
+            "Running stats on lora requests.",
+            labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+        )
+        waiting, running = ",".join(e.waiting_lora_adapters), ",".join(e.running_lora_adapters)
+        gauge.add_metric([str(self.lora.max_loras), waiting, running], time.time())
+        return gauge
 
     def _cache_config_info(self, num_gpu_blocks: int, num_cpu_blocks: int) -> Metric:
         """vLLM's info series: a gauge at 1 whose labels are the KV cache's settings (as
@@ -322,11 +351,14 @@ class ServerMetrics:
         model_name: str,
         names: str = "serve",
         cache: CacheConfig | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         if names not in METRIC_PREFIXES:
             raise ValueError(f"metrics names must be one of {sorted(METRIC_PREFIXES)}")
         self.registry = CollectorRegistry()
-        collector = _EngineCollector(engine, model_name, names, cache or CacheConfig())
+        collector = _EngineCollector(
+            engine, model_name, names, cache or CacheConfig(), lora or LoRAConfig()
+        )
         self.registry.register(collector)
         # The front end's process_* (memory, CPU, open files) and python_* series, as
         # vLLM's server exports them for dashboards and alerts (the engine core is a

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from serve.lora_request import LoRARequest
 from serve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -28,18 +29,21 @@ class RequestLog:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Log one engine request (a choice set of a completion prompt, an embedding
-        input). An embedding's params are its pooling's, as vLLM logs PoolingParams."""
+        input), with its adapter as vLLM logs it. An embedding's params are its pooling's,
+        as vLLM logs PoolingParams."""
         if not self.enabled or not logger.isEnabledFor(logging.INFO):
             return
         if self.max_log_len is not None:
             prompt = prompt[: self.max_log_len] if prompt is not None else None
             prompt_token_ids = prompt_token_ids[: self.max_log_len]
         logger.info(
-            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s.",
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, lora_request: %s.",
             request_id,
             prompt,
             params.pooling if params.pooling is not None else params,
             prompt_token_ids,
+            lora_request,
         )

@@ -142,7 +142,7 @@ def build_app(
             expose_headers=["Retry-After", "X-Request-Id"],
         )
     app.state.metrics = metrics = ServerMetrics(
-        engine, settings.served_model_name, settings.metrics_names, settings.cache
+        engine, settings.served_model_name, settings.metrics_names, settings.cache, settings.lora
     )
     app.add_middleware(
         AccessLog,

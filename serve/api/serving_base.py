@@ -61,7 +61,7 @@ def open_stream(
         engine.check_params(params)
     except ValueError as e:
         raise APIError(400, str(e), param=_param_named(str(e), request)) from None
-    settings.request_log.log(request_id, prompt, prompt_token_ids, params)
+    settings.request_log.log(request_id, prompt, prompt_token_ids, params, lora_request)
     return engine.generate(
         request_id,
         prompt_token_ids,

@@ -102,7 +102,7 @@ class EmbeddingHandler:
         request_id, engine_id = response_ids("embd", request.request_id)
         for i, (ids, item) in enumerate(zip(prompts, request.inputs)):
             text = item if isinstance(item, str) else None
-            self.settings.request_log.log(f"{engine_id}-{i}", text, ids, params)
+            self.settings.request_log.log(f"{engine_id}-{i}", text, ids, params, lora)
         streams = [
             self.engine.generate(
                 f"{engine_id}-{i}",

@@ -7,7 +7,7 @@ from typing import Any
 
 from serve.api.limits import RequestLimits
 from serve.api.request_log import RequestLog
-from serve.config import CacheConfig, ResponseStoreConfig
+from serve.config import CacheConfig, LoRAConfig, ResponseStoreConfig
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,8 @@ class ServerSettings:
     server_load_tracking: bool = False  # GET /load counts generation requests in flight
     # The engine's KV cache settings, which /metrics shows as cache_config_info.
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # The engine's LoRA settings, which /metrics shows as lora_requests_info when enabled.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @property
     def model_names(self) -> tuple[str, ...]:

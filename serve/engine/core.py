@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
@@ -49,6 +49,7 @@ from serve.outputs import EngineStats, StepTimes, request_error_message
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
 from serve.scheduler.scheduler import Scheduler
+from serve.sequence import SequenceGroup
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.model_runner import check_cpu_memory_before_loading
 from serve.worker.structured_output import LazyStructuredOutput, StructuredOutputManager
@@ -264,6 +265,10 @@ class EngineCore:
             sjf_predictor_mae_tokens=sched.policy.predictor_error,
             sjf_longest_passed_over_s=sched.policy.longest_passed_over_s,
             spec_decode=None if sched.spec_decode is None else sched.spec_decode.copy(),
+            running_lora_adapters=_adapter_counts(sched.running),
+            waiting_lora_adapters=_adapter_counts(
+                [*sched.waiting, *sched.awaiting_grammar.values(), *sched.swapped]
+            ),
         )
 
     def reset_peak(self) -> None:
@@ -408,3 +413,12 @@ class EngineCore:
             except Exception as e:
                 logger.warning("Request %s: its grammar failed: %s", request_id, e)
                 self.scheduler.fail_request(request_id, request_error_message(e))
+
+
+def _adapter_counts(groups: Iterable[SequenceGroup]) -> dict[str, int]:
+    """Requests per LoRA adapter name among `groups`."""
+    counts: dict[str, int] = {}
+    for group in groups:
+        if group.lora is not None:
+            counts[group.lora.lora_name] = counts.get(group.lora.lora_name, 0) + 1
+    return counts

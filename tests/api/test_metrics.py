@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -219,3 +220,31 @@ def test_cached_prompt_tokens_preemptions_step_tokens_and_waiting_reasons():
     waiting = 'serve_num_requests_waiting_by_reason{reason="%s"}'
     assert (samples[waiting % "capacity"], samples[waiting % "deferred"]) == (3, 2)
     assert samples["serve_num_requests_waiting"] == 5
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters():
+    """vLLM's lora_requests_info, with --enable-lora: --max-loras and the adapters of the
+    running and waiting requests as labels, its value the time of the report; none
+    without LoRA."""
+    from serve.config import LoRAConfig
+
+    stats = EngineStats(64, 0, 0, 0, 0, 0, 0, 0.0)
+    stats.running_lora_adapters = {"sql": 2, "chat": 1}
+    stats.waiting_lora_adapters = {"poems": 3}
+    before = time.time()
+    lora = LoRAConfig(enable_lora=True, max_loras=2)
+    text = ServerMetrics(_engine(stats=stats), "m", "vllm", lora=lora).render().decode()
+    (sample,) = [
+        s
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:lora_requests_info"
+    ]
+    assert sample.labels == {
+        "max_lora": "2",
+        "running_lora_adapters": "sql,chat",
+        "waiting_lora_adapters": "poems",
+    }
+    assert before <= sample.value <= time.time()
+    plain = ServerMetrics(_engine(stats=stats), "m", "vllm").render().decode()
+    assert "lora_requests_info" not in plain

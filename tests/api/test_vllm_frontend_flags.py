@@ -17,6 +17,7 @@ from api.conftest import wait_until_idle
 
 from serve.api.protocol import CompletionRequest
 from serve.api.settings import ServerSettings
+from serve.lora_request import LoRARequest
 
 API_KEY = "sk-test-flags-5e1f0c"
 MAX_LOG_LEN = 40
@@ -24,7 +25,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # 180 characters
 LOG_LINE = re.compile(
     r"Received request (?P<id>\S+): prompt: (?P<prompt>.*), params: (?P<params>.*), "
-    r"prompt_token_ids: (?P<ids>\[[\d, ]*\])\.$"
+    r"prompt_token_ids: (?P<ids>\[[\d, ]*\]), lora_request: (?P<lora>.*)\.$"
 )
 
 
@@ -135,12 +136,19 @@ def test_the_log_line_goes_through_the_one_place_requests_reach_the_engine(caplo
             engine, logged, request, "cmpl-1-0", list(range(100, 120)), "abcdefghij", 3, None
         )
         open_stream(engine, ServerSettings("m", "/m"), request, "cmpl-2-0", [1], "secret", 3, None)
-    (record,) = caplog.records
-    assert record.levelno == logging.INFO
-    message = record.getMessage()
+        sql = LoRARequest("sql", 1, "/adapters/sql")
+        open_stream(engine, logged, request, "cmpl-3-0", [7], "x", 3, None, lora_request=sql)
+    first, with_adapter = caplog.records
+    assert first.levelno == logging.INFO
+    message = first.getMessage()
     assert message.startswith("Received request cmpl-1-0: prompt: 'abcde', params: SamplingParams(")
     assert "max_tokens=3" in message
-    assert message.endswith("prompt_token_ids: [100, 101, 102, 103, 104].")
+    assert message.endswith("prompt_token_ids: [100, 101, 102, 103, 104], lora_request: None.")
+    # The adapter a request runs with, as vLLM logs it.
+    assert with_adapter.getMessage().endswith(
+        "lora_request: LoRARequest(lora_name='sql', lora_int_id=1, "
+        "lora_path='/adapters/sql', base_model_name=None)."
+    )
 
 
 # -- --response-role ---------------------------------------------------------------------

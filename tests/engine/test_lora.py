@@ -236,3 +236,27 @@ def test_other_layouts_match_the_merged_model(tiny_model_factory, tmp_path, arch
     assert got[0] == hf_greedy(oracle, prompts[0], MAX_TOKENS, ignore_eos=True)
     assert got[1] == hf_greedy(base, prompts[1], MAX_TOKENS, ignore_eos=True)
     assert got[0] != hf_greedy(base, prompts[0], MAX_TOKENS, ignore_eos=True)
+
+
+def test_stats_count_the_requests_of_each_adapter(adapters):
+    """What /metrics' lora_requests_info reads: requests per adapter name, running and
+    waiting (max_loras 1: the second adapter's request waits for the first's)."""
+    base, loras = adapters("llama")
+    one, two = (request for request, _ in loras.values())
+    llm = LLM(str(base), enable_lora=True, max_loras=1, kv_cache_memory="4MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, lora in enumerate([one, one, two, None]):
+        llm.add_request(f"r{i}", [5, 6, 7, 8], params, lora_request=lora)
+    stats = llm.engine.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (
+        {},
+        {"qv-down": 2, "k-o-mlp": 1},
+    )
+    llm.step()
+    stats = llm.engine.stats()
+    assert stats.running_lora_adapters == {"qv-down": 2}
+    assert stats.waiting_lora_adapters == {"k-o-mlp": 1}
+    while llm.has_unfinished_requests():
+        llm.step()
+    stats = llm.engine.stats()
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ({}, {})
