@@ -66,7 +66,7 @@ class LoRASlots:
     the output read only its columns), so an update is two products whatever the shards:
     x A^T, then that times B^T. Each is its own allocation, so the products run through
     `kernels.linear` like the layer's own (on CPU: the native few-row kernel, or oneDNN on
-    a copy reordered when the slot is rewritten; never MKL's threads beside them)."""
+    a copy reordered when the slot is rewritten)."""
 
     def __init__(
         self,
