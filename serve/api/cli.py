@@ -440,17 +440,23 @@ def _root_path(value: str) -> str:
     return f"/{stripped}" if stripped else ""
 
 
+def _json_object_argument(value: str) -> dict:
+    """A flag's value that must be a JSON object (argparse's error otherwise)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {value} ({e})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value}")
+    return parsed
+
+
 def _template_kwargs(value: str) -> dict:
     """--default-chat-template-kwargs: a JSON object of template variables, none of them
     an argument the rendering sets itself."""
     from serve.chat.rendering import RENDERING_ARGUMENTS
 
-    try:
-        kwargs = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(kwargs, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value}")
+    kwargs = _json_object_argument(value)
     reserved = sorted(set(kwargs) & RENDERING_ARGUMENTS)
     if reserved:
         raise argparse.ArgumentTypeError(
@@ -478,12 +484,7 @@ def _lora_module(value: str) -> LoRAModulePath:
                 f"{value!r} is not NAME=PATH nor a JSON object (name, path, base_model_name)"
             )
         return LoRAModulePath(name, path)
-    try:
-        fields = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {value} ({e})") from None
-    if not isinstance(fields, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value}")
+    fields = _json_object_argument(value)
     unknown = sorted(set(fields) - {"name", "path", "base_model_name"})
     if unknown:
         raise argparse.ArgumentTypeError(

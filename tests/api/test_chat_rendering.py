@@ -176,7 +176,7 @@ def test_the_rendering_flags_parse():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("{enable_thinking: false}", "not JSON"),
+        ("{enable_thinking: false}", "not valid JSON"),
         ("[1]", "must be a JSON object"),
         ('{"tools": []}', "set by each request's own fields"),
     ],
