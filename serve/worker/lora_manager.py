@@ -54,18 +54,32 @@ class LoRAManager:
         self._host: OrderedDict[int, Adapter] = OrderedDict()  # most recently used last
         self._step = 0
 
-    def batch(self, loras: list[LoRARequest | None], query_lens: list[int]) -> LoRABatch | None:
+    def batch(
+        self, loras: list[LoRARequest | None], query_lens: list[int]
+    ) -> tuple[LoRABatch | None, dict[int, str]]:
         """The step's LoRABatch for its sequences in token-stream order (their adapters and
-        query lengths), their adapters placed in slots first; None when none has one."""
+        query lengths), their adapters placed in slots first (None: no token has one), and
+        the adapters that could not be read, by id, with why: an adapter checked before
+        its first use can still fail here when it is read again from its folder (pushed
+        out of host memory, its folder deleted since). Their rows run without an adapter;
+        their requests are to fail, the rest of the step runs on."""
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
         if not wanted:
-            return None
+            return None, {}
         self._step += 1
-        slot_of = {lora_id: self._place(lora, set(wanted)) for lora_id, lora in wanted.items()}
-        if len(wanted) == 1 and all(lora is not None for lora in loras):
-            return LoRABatch([(next(iter(slot_of.values())), None)])
+        slot_of: dict[int, int] = {}
+        failed: dict[int, str] = {}
+        for lora_id, lora in wanted.items():
+            try:
+                slot_of[lora_id] = self._place(lora, set(wanted))
+            except (OSError, ValueError) as e:
+                failed[lora_id] = f"LoRA adapter {lora.lora_name!r} could not be read again: {e}"
+        if not slot_of:
+            return None, failed
+        if len(wanted) == 1 and not failed and all(lora is not None for lora in loras):
+            return LoRABatch([(next(iter(slot_of.values())), None)]), failed
         slots = np.fromiter(
-            (-1 if lora is None else slot_of[lora.lora_int_id] for lora in loras),
+            (-1 if lora is None else slot_of.get(lora.lora_int_id, -1) for lora in loras),
             np.int64,
             len(loras),
         )
@@ -75,7 +89,7 @@ class LoRAManager:
         for slot in sorted(set(slot_of.values())):
             rows = torch.from_numpy(np.flatnonzero(of_token == slot)).to(device)
             groups.append((slot, rows))
-        return LoRABatch(groups)
+        return LoRABatch(groups), failed
 
     def _place(self, lora: LoRARequest, needed: set[int]) -> int:
         """The slot holding `lora`, written there first if it is not in one."""

@@ -360,7 +360,13 @@ class ModelRunner:
         else:
             adapters = None
             if self.lora is not None:
-                adapters = self.lora.batch(inputs.loras, inputs.meta.query_lens_cpu)
+                adapters, unread = self.lora.batch(inputs.loras, inputs.meta.query_lens_cpu)
+                if unread and output is not None:  # those requests fail, the rest run on
+                    for s in out.scheduled:
+                        seq = self.mirror[s.seq_id]
+                        if seq.lora is not None and seq.lora.lora_int_id in unread:
+                            message = unread[seq.lora.lora_int_id]
+                            output.failed_requests.setdefault(seq.request_id, message)
             with forward_context(inputs.meta), lora_batch(adapters):
                 hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled

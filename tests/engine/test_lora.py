@@ -260,3 +260,31 @@ def test_stats_count_the_requests_of_each_adapter(adapters):
         llm.step()
     stats = llm.engine.stats()
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == ({}, {})
+
+
+def test_an_adapter_that_cannot_be_read_again_fails_its_requests_alone(adapters, tmp_path):
+    """An adapter pushed out of host memory is read again from its folder when next used;
+    if the folder has gone meanwhile, its requests fail with the reason and every other
+    request, in the same step and after, runs on."""
+    import shutil
+
+    from serve import RequestsFailedError
+
+    base, loras = adapters("llama")
+    one, _ = loras["qv-down"]
+    folder = shutil.copytree(one.lora_path, tmp_path / "gone")
+    gone = LoRARequest("gone", 7, str(folder))
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_cpu_loras=1, kv_cache_memory="4MiB")
+    prompts = random_prompts(512, 2, 6, 10, seed=21)
+    _generate(llm, prompts[:1], [gone])
+    _generate(llm, prompts[:1], [one])  # pushes "gone" out of the slot and host memory
+    shutil.rmtree(folder)
+    with pytest.raises(RequestsFailedError) as failed:
+        _generate(llm, prompts, [gone, None])
+    lost, kept = failed.value.outputs
+    assert "could not be read again" in lost.error and "no such folder" in lost.error
+    assert kept.error is None
+    assert list(kept.outputs[0].token_ids) == hf_greedy(
+        base, prompts[1], MAX_TOKENS, ignore_eos=True
+    )
+    assert _generate(llm, prompts, [one, None]) == _expected(base, loras, prompts, [one, None])

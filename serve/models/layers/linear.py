@@ -156,7 +156,12 @@ class _ColumnShardedLinear(nn.Module):
         """An adapter's A [r, in] and B [shard's rows, r] for one shard of this layer (all
         ranks' rows): A whole, and the rows of B this rank holds."""
         if shard not in self._shards:
-            raise ValueError(f"no shard {shard!r} here; shards: {list(self._shards)}")
+            raise ValueError(
+                f"this model's checkpoint holds the layer as separate modules "
+                f"({', '.join(map(str, self._shards))}); the adapter must adapt those"
+                if shard is None
+                else f"no shard {shard!r} here; shards: {list(self._shards)}"
+            )
         _, part = self._shards[shard]
         _check_lora_shapes(a, b, self.in_features, part.num_rows)
         return a, b.narrow(0, part.start, part.num_local_rows)
