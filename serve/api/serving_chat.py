@@ -7,6 +7,7 @@ are what follows it, and a grammar holds only that."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -187,6 +188,10 @@ class ChatHandler:
         if self.reasoning_parser is not None:
             variables = self.template_variables(request)
             reasoning = self.reasoning_parser.for_request(prompt_ids, variables)
+            if not request.include_reasoning and request.structured_outputs_params():
+                # Its grammar holds the output from the first token (vLLM's
+                # reasoning_ended): no part of that output is reasoning.
+                reasoning = dataclasses.replace(reasoning, in_reasoning=False)
         start = grammar_start(reasoning, request)
         return ChatPrompt(text, prompt_ids, max_tokens, output_parser, lora, reasoning, start)
 

@@ -275,6 +275,20 @@ def test_a_grammar_holds_only_the_answer(server, end_id):
     assert choice.message.reasoning is None
     jsonschema.validate(json.loads(choice.message.content), CITY)
 
+    # include_reasoning false: the grammar holds the output from its first token (vLLM's
+    # rule), so all of it is the answer, streamed or not, and none of it counts as reasoning.
+    hidden = {"include_reasoning": False}
+    reply = client.chat.completions.create(messages=QUESTION, extra_body=hidden, **kwargs, **GREEDY)
+    (choice,) = reply.choices
+    assert choice.message.reasoning is None
+    jsonschema.validate(json.loads(choice.message.content), CITY)
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+    chunks = client.chat.completions.create(
+        messages=QUESTION, stream=True, extra_body=hidden, **kwargs, **GREEDY
+    )
+    (streamed,) = accumulate(chunks).values()
+    assert streamed["content"] == choice.message.content
+
 
 def test_past_reasoning_is_taken_back(server):
     """An assistant turn sent back with its reasoning (either name) is accepted."""
