@@ -756,10 +756,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_swap_space(self.cache.swap_space, self.parallel.tensor_parallel_size)
-        if self.lora.enable_lora and self.speculative.method is not None:
-            raise InvalidSettingError(
-                "enable_lora", "cannot be combined with speculative decoding yet."
-            )
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise InvalidSettingError(
                 "device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}."

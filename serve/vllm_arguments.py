@@ -254,6 +254,20 @@ VLLM_ARGUMENTS = (
             "reward heads",
         ),
     ),
+    VllmArgument(
+        "lora_dtype",
+        str,
+        "auto only: serve keeps LoRA adapters in the model's dtype",
+        _only("lora_dtype", (None, "auto"), "must be auto: adapters run in the model's dtype"),
+    ),
+    VllmArgument(
+        "fully_sharded_loras",
+        bool,
+        "accepted so vLLM command lines run: under tensor parallelism serve splits each "
+        "adapter as the layer it adapts is split (B's rows for a column-parallel layer, A's "
+        "columns for a row-parallel one)",
+        _ignored,
+    ),
     VllmArgument(  # older vLLM's
         "task",
         str,

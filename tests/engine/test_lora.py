@@ -288,3 +288,27 @@ def test_an_adapter_that_cannot_be_read_again_fails_its_requests_alone(adapters,
         base, prompts[1], MAX_TOKENS, ignore_eos=True
     )
     assert _generate(llm, prompts, [one, None]) == _expected(base, loras, prompts, [one, None])
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_checks_proposals_with_the_adapter(adapters, method):
+    """Proposals (n-gram lookup, or the base model as its own draft, which knows no
+    adapter) are checked by the target's forward with each request's adapter: greedy
+    output is the merged model's whatever was proposed."""
+    base, loras = adapters("llama")
+    one, two = (request for request, _ in loras.values())
+    spec = {"method": method, "num_speculative_tokens": 3}
+    spec |= {"prompt_lookup_max": 3, "prompt_lookup_min": 1} if method == "ngram" else {}
+    spec |= {"model": str(base)} if method == "draft_model" else {}
+    # Repetitive prompts, so that n-gram lookup finds proposals.
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5, [12, 13] * 6]
+    chosen = [one, None, two]
+    llm = LLM(
+        str(base),
+        enable_lora=True,
+        max_loras=2,
+        kv_cache_memory="16MiB",
+        speculative_config=json.dumps(spec),
+    )
+    assert _generate(llm, prompts, chosen) == _expected(base, loras, prompts, chosen)
+    assert llm.stats().spec_decode.num_draft_tokens > 0
