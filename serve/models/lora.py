@@ -157,7 +157,7 @@ def read_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> Adapt
         if rank > max_rank:
             raise _fail(
                 request,
-                f"{module} has rank {rank}, above the server's --max-lora-rank {max_rank}",
+                f"{module} has rank {rank}, above max_lora_rank {max_rank} (--max-lora-rank)",
             )
         largest = max(largest, rank)
         alpha = _alpha(config, module)

@@ -237,7 +237,7 @@ def test_loading_a_bad_adapter_is_400_naming_the_problem(lora_server, http, tiny
 
     assert "no such folder" in load("missing", tmp_path / "missing")
     big = make_tiny_lora(tiny_llama, tmp_path / "big", rank=16)
-    assert "rank 16, above the server's --max-lora-rank 8" in load("big", big)
+    assert "rank 16, above max_lora_rank 8 (--max-lora-rank)" in load("big", big)
     dora = make_tiny_lora(tiny_llama, tmp_path / "dora", use_dora=True)
     assert "DoRA" in load("dora", dora)
     names = [card["id"] for card in http.get("/v1/models").json()["data"]]

@@ -176,7 +176,9 @@ def test_bad_adapters_are_refused_before_running(adapters, tmp_path, tiny_model_
         with pytest.raises(ValueError, match=match):
             llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)
 
-    refused(LoRARequest("big", 10, _folder(tmp_path, base, "big", rank=16)), "--max-lora-rank 8")
+    refused(
+        LoRARequest("big", 10, _folder(tmp_path, base, "big", rank=16)), "above max_lora_rank 8"
+    )
     refused(LoRARequest("none", 11, str(tmp_path / "missing")), "no such folder")
     dora = _folder(tmp_path, base, "dora", use_dora=True)
     refused(LoRARequest("dora", 12, dora), "DoRA")
