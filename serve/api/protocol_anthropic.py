@@ -4,11 +4,17 @@ samples them.
 
 As on the OpenAI paths, unknown fields are accepted and ignored (`cache_control`,
 `citations`, beta fields). What this server cannot do is refused with a 400 that names
-it: image, document and other non-text content blocks, extended thinking, server tools.
+it: image, document and other non-text content blocks, server tools.
 
 The mapping: `system` becomes a system message; text blocks are joined with newlines (as
 the chat path joins text parts); an assistant's `tool_use` blocks become its `tool_calls`;
-a user's `tool_result` blocks become `tool` messages, in their order among its text.
+a user's `tool_result` blocks become `tool` messages, in their order among its text; an
+assistant's `thinking` blocks become its `reasoning` (`redacted_thinking` ones, opaque,
+are dropped), as vLLM 0.32 maps them. `thinking` {"type": "disabled"} is chat's
+`reasoning_effort` "none" (the template's `enable_thinking` false), over
+`output_config.effort`; "enabled" and "adaptive" change nothing: serve has no thinking
+token budget, so `budget_tokens` is checked (at least 1024, less than max_tokens, as
+vLLM's) but not enforced.
 Consecutive turns of one role are merged into one, as Anthropic's API does. A conversation
 that ends with an assistant's text is a prefill: the model continues that text.
 """
@@ -26,7 +32,7 @@ from serve.api.protocol import OpenAIModel
 # The content blocks this server reads, per place they may appear.
 _READ_BLOCKS = {
     "user": ("text", "tool_result"),
-    "assistant": ("text", "tool_use"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
     "system": ("text",),
     "tool_result": ("text",),
 }
@@ -80,7 +86,23 @@ class ToolResultBlock(OpenAIModel):
         return f"Error: {text}" if self.is_error else text  # the model has no other flag
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(OpenAIModel):
+    """A reply's thinking sent back; its `signature` (serve's are random) is not checked."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(OpenAIModel):
+    type: Literal["redacted_thinking"]
+    data: str | None = None
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class InputMessage(OpenAIModel):
@@ -94,7 +116,7 @@ class InputMessage(OpenAIModel):
         return _supported_blocks(role)(content) if role in _READ_BLOCKS else content
 
     @property
-    def blocks(self) -> list[TextBlock | ToolUseBlock | ToolResultBlock]:
+    def blocks(self) -> list[ContentBlock]:
         if isinstance(self.content, str):
             return [TextBlock(type="text", text=self.content)]
         return list(self.content)
@@ -158,7 +180,28 @@ class OutputFormat(OpenAIModel):
 
 
 class OutputConfig(OpenAIModel):
-    format: OutputFormat | None = None  # `effort` and other fields are accepted, unused
+    format: OutputFormat | None = None
+    # Chat's reasoning_effort (thinking disabled overrides it), as vLLM maps it.
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class ThinkingEnabled(OpenAIModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024)  # not enforced: serve has no thinking budget
+    # `display` is accepted and ignored (as vLLM's): the thinking is always returned.
+
+
+class ThinkingDisabled(OpenAIModel):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(OpenAIModel):
+    type: Literal["adaptive"]
+
+
+Thinking = Annotated[
+    ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")
+]
 
 
 class Metadata(OpenAIModel):
@@ -173,20 +216,10 @@ class MessagesInput(OpenAIModel):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: Thinking | None = None
     output_config: OutputConfig | None = None
 
     _supported_system = field_validator("system", mode="before")(_supported_blocks("system"))
-
-    @field_validator("thinking")
-    @classmethod
-    def _no_thinking(cls, thinking: dict[str, Any] | None) -> dict[str, Any] | None:
-        if thinking is not None and thinking.get("type") != "disabled":
-            raise ValueError(
-                "extended thinking is not supported by this server; leave thinking out or "
-                'set it to {"type": "disabled"}'
-            )
-        return thinking
 
     @field_validator("tools")
     @classmethod
@@ -255,6 +288,11 @@ class MessagesInput(OpenAIModel):
                 "type": "json_schema",
                 "json_schema": {"name": "output", "schema": schema},
             }
+        effort = self.output_config.effort if self.output_config is not None else None
+        if isinstance(self.thinking, ThinkingDisabled):
+            effort = "none"
+        if effort is not None:
+            fields["reasoning_effort"] = effort
         return fields
 
 
@@ -269,6 +307,13 @@ class MessagesRequest(MessagesInput):
     top_k: int | None = Field(default=None, ge=1)
     stream: bool = False
     metadata: Metadata | None = None
+
+    @model_validator(mode="after")
+    def _budget_within_max_tokens(self) -> MessagesRequest:
+        thinking = self.thinking
+        if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return self
 
     @field_validator("stop_sequences")
     @classmethod
@@ -337,6 +382,9 @@ def _assistant_message(message: InputMessage) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         entry["tool_calls"] = calls
+    thoughts = [block.thinking for block in message.blocks if isinstance(block, ThinkingBlock)]
+    if thoughts:
+        entry["reasoning"] = "".join(thoughts)
     return entry
 
 
@@ -354,6 +402,9 @@ def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             calls = previous.get("tool_calls", []) + message.get("tool_calls", [])
             if calls:
                 previous["tool_calls"] = calls
+            thoughts = [t for t in (previous.get("reasoning"), message.get("reasoning")) if t]
+            if thoughts:
+                previous["reasoning"] = "".join(thoughts)
         else:
             merged.append(dict(message))
     last = merged[-1]

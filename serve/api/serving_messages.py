@@ -8,6 +8,11 @@ request timeout and the engine's metrics are the chat path's. Here the output be
 Anthropic's content blocks (text, `tool_use`) and stop reasons, and a stream becomes
 Anthropic's events: message_start, ping, per block content_block_start / _delta / _stop,
 message_delta (stop reason, output tokens) and message_stop; or an `error` event.
+
+With `--reasoning-parser`, the model's thinking comes first as a `thinking` block, as
+vLLM 0.32 sends it: its `signature` a random hex string (nothing signs it, nothing checks
+it when it comes back); streamed, `thinking_delta`s, then a `signature_delta` before the
+block's content_block_stop. Usage counts it among the output tokens, apart nowhere.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from serve.api.streaming import (
     guard_stream,
     usage,
 )
+from serve.chat.reasoning_parsers import ReasoningDelta
 from serve.chat.tool_parsers import TOOL_PARSERS, StreamEvent, ToolCall, in_written_order
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
@@ -75,11 +81,20 @@ def sse_event(name: str, payload: dict[str, Any]) -> bytes:
     return sse(payload, event=name)
 
 
+def signature() -> str:
+    """A thinking block's `signature`: vLLM's, a random hex string that signs nothing."""
+    return uuid.uuid4().hex
+
+
+def thinking_block(thinking: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": thinking, "signature": signature()}
+
+
 class ContentBlockEvents:
-    """Anthropic's content-block events for one streamed output, from the chat path's
-    stream events (text, and tool-call headers and argument fragments): a text block is
-    open while text comes, each call is a tool_use block whose input arrives as
-    `input_json_delta`s."""
+    """Anthropic's content-block events for one streamed output, from its reasoning and
+    the chat path's stream events (text, and tool-call headers and argument fragments): a
+    thinking block is open while reasoning comes, a text block while text comes, each
+    call is a tool_use block whose input arrives as `input_json_delta`s."""
 
     def __init__(self) -> None:
         self.index = -1
@@ -104,14 +119,24 @@ class ContentBlockEvents:
             self._delta({"type": "input_json_delta", "partial_json": event.arguments}),
         ]
 
+    def thinking(self, reasoning: str) -> list[str]:
+        if not reasoning:
+            return []
+        start = {"type": "thinking", "thinking": ""}  # vLLM's: no signature until it closes
+        started = [] if self.open_type == "thinking" else self._start(start)
+        return [*started, self._delta({"type": "thinking_delta", "thinking": reasoning})]
+
     def close(self) -> list[str]:
-        """The open block's content_block_stop, if one is open."""
+        """The open block's content_block_stop, if one is open; a thinking block's
+        signature_delta before it."""
         if self.open_type is None:
             return []
+        signed = []
+        if self.open_type == "thinking":
+            signed = [self._delta({"type": "signature_delta", "signature": signature()})]
         self.open_type = None
-        return [
-            sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
-        ]
+        stop = {"type": "content_block_stop", "index": self.index}
+        return [*signed, sse_event("content_block_stop", stop)]
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         stopped = self.close()
@@ -179,12 +204,17 @@ class MessagesHandler:
         prepared = await self.prepare(request)
         (out,) = await final_outputs([self._generate(prepared, OutputKind.FINAL_ONLY)])
         completion = out.outputs[0]
+        reasoning = prepared.prompt.reasoning
+        split = reasoning.split(completion.text) if reasoning is not None else None
+        text = completion.text if split is None else split.content or ""
         # Blocks in the order written, as the stream sends them.
-        pieces = in_written_order(prepared.prompt.output_parser, completion.text)
+        pieces = in_written_order(prepared.prompt.output_parser, text)
         content = [
             {"type": "text", "text": piece} if isinstance(piece, str) else _tool_use_block(piece)
             for piece in pieces
         ]
+        if split is not None and split.reasoning:
+            content.insert(0, thinking_block(split.reasoning))
         has_calls = any(isinstance(piece, ToolCall) for piece in pieces)
         reason, sequence = stop_reason(completion, has_calls)
         num_prompt_tokens = len(prepared.prompt.token_ids)
@@ -214,8 +244,9 @@ class MessagesHandler:
         start["usage"] = {"input_tokens": num_prompt_tokens, "output_tokens": 0}
         yield sse_event("message_start", {"type": "message_start", "message": start})
         yield sse_event("ping", {"type": "ping"})
-        parser = prepared.prompt.output_parser
+        parser, reasoning = prepared.prompt.output_parser, prepared.prompt.reasoning
         reader = parser.stream() if parser is not None else None
+        thinking = reasoning.stream() if reasoning is not None else None
         state = StreamState(1)
         blocks = ContentBlockEvents()
         finished: CompletionOutput | None = None
@@ -225,11 +256,21 @@ class MessagesHandler:
                     continue
                 state.take(0, completion)
                 text = completion.text
-                events: list[StreamEvent] = reader.feed(text) if reader else [text]
+                # Each part's reasoning, then its content, which alone the tool parser reads.
+                parts = [thinking.feed(text)] if thinking else [ReasoningDelta(content=text)]
                 if completion.finished():
                     finished = completion
-                    events += reader.finish() if reader else []
-                for event in events:
+                    parts += [thinking.finish()] if thinking else []
+                for part in parts:
+                    for sse in blocks.thinking(part.reasoning):
+                        yield sse
+                    events: list[StreamEvent] = (
+                        reader.feed(part.content) if reader and part.content else [part.content]
+                    )
+                    for event in events:
+                        for sse in blocks.events(event):
+                            yield sse
+                for event in reader.finish() if reader and finished else []:
                     for sse in blocks.events(event):
                         yield sse
         if on_usage is not None:
