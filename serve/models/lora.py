@@ -162,10 +162,7 @@ def read_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> Adapt
         largest = max(largest, rank)
         alpha = _alpha(config, module)
         scale = alpha / math.sqrt(rank) if use_rslora else alpha / max(rank, 1)
-        name = f"{module}.weight"
-        for old, new in spec.renames:
-            name = name.replace(old, new)
-        targets = list(checkpoint_targets(name, InMemoryTensor(b), spec))
+        targets = list(checkpoint_targets(f"{module}.weight", InMemoryTensor(b), spec))
         for target, b_part, shard in targets:
             ours = target.removesuffix(".weight")
             layer = modules.get(ours)

@@ -145,7 +145,10 @@ def _has_module(name: str, module: str) -> bool:
 def checkpoint_targets(
     name: str, tensor: LazyTensor, spec: WeightSpec
 ) -> Iterable[tuple[str, LazyTensor, str | ExpertShard | None]]:
-    """(our parameter name, tensor, shard) for one checkpoint tensor, after renames."""
+    """(our parameter name, tensor, shard) for one checkpoint tensor, its name renamed
+    first (`spec.renames`)."""
+    for old, new in spec.renames:
+        name = name.replace(old, new)
     expert = spec.experts.target(name) if spec.experts is not None else None
     if expert is not None:
         return [(expert[0], tensor, expert[1])]
@@ -174,10 +177,7 @@ def load_checkpoint(
     for checkpoint_name, tensor in weights:
         if any(p.search(checkpoint_name) for p in ignored):
             continue
-        name = checkpoint_name
-        for old, new in spec.renames:
-            name = name.replace(old, new)
-        for target, part, shard in checkpoint_targets(name, as_lazy(tensor), spec):
+        for target, part, shard in checkpoint_targets(checkpoint_name, as_lazy(tensor), spec):
             if target not in params:
                 if target in all_names:
                     continue  # the checkpoint's copy of a tied parameter
