@@ -155,11 +155,12 @@ def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
 
 def grammar_start(reasoning: RequestReasoning | None, request: SamplingRequest) -> tuple[int, ...]:
     """The tokens after which the request's grammar starts (none: from its first token).
-    With --reasoning-parser, as vLLM decides: after the reasoning's end marker, unless the
-    prompt ended the reasoning already, the template was asked not to think, or the
-    request leaves its reasoning out (include_reasoning false). A 400 where the end
-    cannot be found by its token."""
-    if reasoning is None or not getattr(request, "include_reasoning", True):
+    With --reasoning-parser, as vLLM decides: after the reasoning's end marker while the
+    output starts in the reasoning (`reasoning.in_reasoning`: not when the prompt ended it
+    already, the template was asked not to think, or chat's include_reasoning false holds
+    a constrained output from its first token). A 400 where the end cannot be found by
+    its token."""
+    if reasoning is None:
         return ()
     if not reasoning.can_start_grammar and request.structured_outputs_params() is not None:
         parser = reasoning.parser

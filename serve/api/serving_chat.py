@@ -188,7 +188,7 @@ class ChatHandler:
         if self.reasoning_parser is not None:
             variables = self.template_variables(request)
             reasoning = self.reasoning_parser.for_request(prompt_ids, variables)
-            if not request.include_reasoning and request.structured_outputs_params():
+            if not request.include_reasoning and request.structured_outputs_params() is not None:
                 # Its grammar holds the output from the first token (vLLM's
                 # reasoning_ended): no part of that output is reasoning.
                 reasoning = dataclasses.replace(reasoning, in_reasoning=False)
