@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.sampling_params import SamplingParams
 
 
@@ -62,6 +63,9 @@ class Sequence:
     seed: int | None = None
     # What besides its tokens decides its K/V, for the prefix cache: its adapter ("" none).
     cache_key: str = ""
+    # Its prompt's images (their runs of placeholder tokens take the images' embeddings):
+    # the prefix cache keys a block by the images it holds; the workers get the pixels.
+    mm_inputs: tuple[MultiModalInput, ...] = ()
 
     output_token_ids: list[int] = field(default_factory=list)
     # Each output token's logprob, when its request needs them

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.sampling_params import SamplingParams
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
@@ -44,6 +45,7 @@ class NewSequence:
     # The compiled grammar (xgrammar's serialized JSON) for structured output, else None.
     grammar: str | None = None
     lora: LoRARequest | None = None  # the adapter its forward passes apply
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its prompt's images
 
 
 @dataclass

@@ -135,3 +135,11 @@ def tp2_ranks():
 
     with RankPool(world_size=2) as pool:
         yield pool
+
+
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory):
+    """A tiny LLaVA (CLIP tower, tiny Llama) with its image processor and tokenizer."""
+    from tiny_models import make_tiny_llava
+
+    return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))

@@ -36,6 +36,7 @@ LEAVES = frozenset(
         "step",
         "vllm_arguments",
         "lora_request",
+        "multimodal_inputs",
     }
 )
 LAYERS = frozenset(

@@ -129,7 +129,7 @@ def _greedy_generation_config(model, max_new_tokens: int, ignore_eos: bool):
     `max_new_tokens` with no logits processor added (`min_new_tokens` would mask EOS)."""
     config = model.generation_config.to_dict()
     config.update(do_sample=False, max_new_tokens=max_new_tokens)
-    config.update(pad_token_id=model.config.pad_token_id)
+    config.update(pad_token_id=model.config.get_text_config().pad_token_id)
     if ignore_eos:
         config["eos_token_id"] = []  # None would be refilled from the model's config
     return transformers.GenerationConfig(**config)
@@ -384,3 +384,118 @@ def merge_tiny_lora(model_dir: Path, adapter_dir: Path, out_dir: Path) -> Path:
     model.save_pretrained(out_dir, safe_serialization=True)
     build_tokenizer().save_pretrained(out_dir)
     return out_dir
+
+
+IMAGE_TOKEN = "<image>"
+# ChatML whose messages' content may be a list of parts: an image part writes the
+# placeholder (as llava-hf's templates do), a text part its text.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LLAVA_IMAGE_SIZE = 28  # pixels a side after the processor's resize and crop
+LLAVA_TOKENS_PER_IMAGE = 16  # (28 / 7) ** 2 patches; CLIP's class token dropped ("default")
+
+
+def build_llava_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The tiny tokenizer with `<image>` as one more special token (id 512) and a chat
+    template that writes it for image parts."""
+    tokenizer = copy.deepcopy(build_tokenizer())
+    tokenizer.add_tokens([IMAGE_TOKEN], special_tokens=True)
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_llava(
+    out_dir: Path, *, seed: int = 0, text_arch: str = "llama", tower: str = "clip"
+) -> Path:
+    """A tiny LLaVA (a 2-layer vision tower on 28-pixel images, the projector, the tiny
+    `text_arch` language model) with its image processor and tokenizer, saved as
+    transformers saves it. `tower`: "clip" (LLaVA 1.5's: its class token dropped, 16 image
+    tokens) or "siglip" (LLaVA-Interleave's: no class token, every output kept, 16 too)."""
+    tokenizer = build_llava_tokenizer()
+    text_config = make_tiny_config(text_arch, vocab_size=len(tokenizer))
+    shape = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=LLAVA_IMAGE_SIZE,
+        patch_size=7,
+    )
+    if tower == "clip":
+        vision_config = transformers.CLIPVisionConfig(projection_dim=32, **shape)
+        strategy = "default"
+    else:
+        vision_config = transformers.SiglipVisionConfig(**shape)
+        strategy = "full"
+    config = transformers.LlavaConfig(
+        vision_config=vision_config,
+        text_config=text_config,
+        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        vision_feature_select_strategy=strategy,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    _perturb_(model, std=0.2)
+    model.eval()
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if tower == "clip":
+        processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": LLAVA_IMAGE_SIZE},
+            crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+        )
+    else:
+        size = {"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE}
+        processor = transformers.SiglipImageProcessor(size=size)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+def random_image(seed: int, width: int = 40, height: int = 32):
+    """A PIL image of random pixels (a size the processor must resize and crop)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def hf_llava_greedy(
+    model_dir: Path, prompt_token_ids: list[int], images: list, max_new_tokens: int
+) -> list[int]:
+    """HF's LLaVA greedy continuation in float32 (new token ids, EOS ignored), the prompt
+    already widened (one run of image tokens per image), the pixels from the model's own
+    image processor."""
+    key = "llava:" + str(Path(model_dir).resolve())
+    if key not in _hf_models:
+        model = transformers.LlavaForConditionalGeneration.from_pretrained(
+            model_dir, dtype=torch.float32
+        )
+        _hf_models[key] = model.eval()
+    model = _hf_models[key]
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
+    kwargs = {}
+    if images:
+        processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+    config = _greedy_generation_config(model, max_new_tokens, ignore_eos=True)
+    with torch.no_grad():
+        output = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            generation_config=config,
+            **kwargs,
+        )
+    return output[0, len(prompt_token_ids) :].tolist()

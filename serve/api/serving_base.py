@@ -15,6 +15,7 @@ from serve.api.protocol import SamplingRequest
 from serve.api.settings import ServerSettings
 from serve.engine.protocol import EngineClient
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import OutputKind, RequestOutput
 
 T = TypeVar("T")
@@ -44,6 +45,7 @@ def open_stream(
     *,
     grammar_start_token_ids: tuple[int, ...] = (),
     lora_request: LoRARequest | None = None,
+    mm_inputs: tuple[MultiModalInput, ...] = (),
 ) -> AsyncGenerator[RequestOutput, None]:
     """One engine request for a prompt's `n` choices, which share the prompt's KV blocks;
     it is stopped with RequestTimeoutError after the server's `--request-timeout`. It
@@ -51,7 +53,8 @@ def open_stream(
     alone (FINAL_ONLY). The fields the request leaves out take the model's sampling
     defaults; the request is logged as it goes in (`--enable-log-requests`). Its grammar,
     if any, starts after one of `grammar_start_token_ids` (`request_checks.grammar_start`).
-    `lora_request`: the adapter it runs with (`ServedModels.resolve`), None for the base."""
+    `lora_request`: the adapter it runs with (`ServedModels.resolve`), None for the base;
+    `mm_inputs`: its prompt's images, processed (`engine/multimodal.py`)."""
     try:
         params = request.sampling_params(max_tokens, num_logprobs, settings.sampling_defaults)
         if grammar_start_token_ids and params.structured_outputs is not None:
@@ -71,6 +74,7 @@ def open_stream(
         priority=request.priority,
         output_kind=output_kind,
         lora_request=lora_request,
+        mm_inputs=mm_inputs,
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 
 from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from serve.engine.lora_check import AdapterChecker
+from serve.engine.multimodal import image_layout
 from serve.engine.validation import (
     check_gpu_count,
     check_params,
@@ -45,6 +46,7 @@ from serve.models.partition import check_tensor_parallel
 from serve.models.pooling_config import model_pooling
 from serve.models.registry import get_arch_config
 from serve.models.tokenizer import eos_token_ids, load_tokenizer
+from serve.multimodal_inputs import MultiModalInput, check_placements
 from serve.outputs import EngineStats, StepTimes, request_error_message
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
@@ -70,6 +72,12 @@ class EngineCore:
         hf_config = load_hf_config(self.model_path)
         tp_size = config.parallel.tensor_parallel_size
         arch = get_arch_config(hf_config, config.model.model_impl)
+        self.image_layout = image_layout(hf_config)  # None: the model takes no images
+        if self.image_layout is not None and config.lora.enable_lora:
+            raise ValueError(
+                "--enable-lora is not supported with a vision-language model yet "
+                f"({self.model_path.name}): serve it without adapters."
+            )
         check_tensor_parallel(arch, tp_size)  # before any worker starts
         self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
@@ -173,12 +181,16 @@ class EngineCore:
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> None:
         """Queue a request (ValueError if it is invalid). One with a grammar joins the
-        scheduler's queue once its grammar has compiled."""
+        scheduler's queue once its grammar has compiled. `mm_inputs`: its prompt's images,
+        processed (`engine/multimodal.py`)."""
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
         self.check_params(params)
         self.adapters.check(lora_request)
+        if mm_inputs:
+            self.check_mm_inputs(mm_inputs, prompt_token_ids, params)
         if params.pooling is not None:  # the model's defaults, so the workers read them
             params = replace(params, pooling=self.pooling.resolve(params.pooling))
         check_priority(priority, self.config.scheduler.scheduling_policy)
@@ -195,12 +207,38 @@ class EngineCore:
             awaits_grammar=grammar is not None,
             priority=priority,
             lora=lora_request,
+            mm_inputs=mm_inputs,
         )
         if grammar is not None:
             self._compiling[request_id] = grammar
 
     def check_token_ids(self, token_ids: list[int], what: str = "Token ids") -> None:
         check_token_ids(token_ids, self.vocab_size, what)
+
+    def check_mm_inputs(
+        self,
+        mm_inputs: tuple[MultiModalInput, ...],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        """A request's images: the model takes them, and each run of placeholder tokens
+        is where its image says, of the length its embeddings take."""
+        layout = self.image_layout
+        if layout is None:
+            raise ValueError(f"{self.model_path.name} takes no images: send text alone.")
+        check_placements(list(mm_inputs), len(prompt_token_ids))
+        for item in mm_inputs:
+            if item.modality != "image" or "pixel_values" not in item.tensors:
+                raise ValueError(f"{item.modality} input without pixel_values is not taken.")
+            run = prompt_token_ids[item.offset : item.end]
+            if item.length != layout.tokens_per_image or any(
+                t != layout.placeholder_token_id for t in run
+            ):
+                raise ValueError(
+                    f"An image's run [{item.offset}, {item.end}) must be "
+                    f"{layout.tokens_per_image} placeholder tokens "
+                    f"({layout.placeholder_token_id}); MultiModalProcessor.process makes it."
+                )
 
     def check_params(self, params: SamplingParams) -> None:
         params.update_from_tokenizer(self.tokenizer)  # its bad words, which the check reads

@@ -98,6 +98,7 @@ def _apply(core: EngineCore, command: Command, replies: ReplySink) -> None:
             command.prompt,
             command.priority,
             command.lora,
+            command.mm_inputs,
         )
     except ValueError as e:
         replies.request_failed(command.request_id, e)

@@ -25,6 +25,7 @@ from serve.engine.offline_inputs import (
 from serve.engine.output_processor import OutputProcessor
 from serve.lora_request import LoRARequest
 from serve.models.generation_config import generation_defaults
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import (
     BeamSearchOutput,
     EmbeddingOutput,
@@ -276,10 +277,19 @@ class LLM:
         prompt: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> None:
-        """Queue one request; `step()` gives its outputs, of `params.output_kind`."""
+        """Queue one request; `step()` gives its outputs, of `params.output_kind`.
+        `mm_inputs`: its prompt's images, as `MultiModalProcessor.process` gives them."""
         self._add_request(
-            request_id, prompt_token_ids, params, prompt, priority, params.output_kind, lora_request
+            request_id,
+            prompt_token_ids,
+            params,
+            prompt,
+            priority,
+            params.output_kind,
+            lora_request,
+            mm_inputs,
         )
 
     def _add_request(
@@ -291,8 +301,14 @@ class LLM:
         priority: int,
         output_kind: OutputKind,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> None:
         self._check_special_token_spacing(params)
+        if mm_inputs and params.truncate_prompt_tokens is not None:
+            raise ValueError(
+                "truncate_prompt_tokens cannot cut a prompt with images (their placeholder "
+                "tokens would be cut apart); leave it unset for such prompts."
+            )
         prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens, params)
         self.engine.add_request(
             request_id,
@@ -301,6 +317,7 @@ class LLM:
             prompt,
             priority=priority,
             lora_request=lora_request,
+            mm_inputs=tuple(mm_inputs),
         )
         self._params[request_id] = params
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
@@ -500,6 +517,7 @@ class LLM:
         use_tqdm: bool | Callable[..., tqdm],
         priorities: list[int] | None = None,
         loras: list[LoRARequest | None] | None = None,
+        mm_inputs: list[tuple[MultiModalInput, ...]] | None = None,
     ) -> list[RequestOutput]:
         ids = [f"offline-{next(self._request_ids)}" for _ in requests]
         # Compile every grammar up front (in the background, all at once), so a bad one
@@ -511,9 +529,17 @@ class LLM:
             for i, (request_id, (text, token_ids, params)) in enumerate(zip(ids, requests)):
                 priority = priorities[i] if priorities else 0
                 lora = loras[i] if loras else None
+                images = mm_inputs[i] if mm_inputs else ()
                 # Only the finished outputs are kept (vLLM's LLM asks for them alone too).
                 self._add_request(
-                    request_id, token_ids, params, text, priority, OutputKind.FINAL_ONLY, lora
+                    request_id,
+                    token_ids,
+                    params,
+                    text,
+                    priority,
+                    OutputKind.FINAL_ONLY,
+                    lora,
+                    images,
                 )
         except Exception:
             for request_id in ids:

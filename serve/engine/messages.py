@@ -18,6 +18,7 @@ from pathlib import Path
 import msgspec
 
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import EngineStats, StepTimes
 from serve.pooling_params import ModelPooling
 from serve.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class AddRequest:
     prompt: str | None
     priority: int = 0  # --scheduling-policy priority: lower runs first
     lora: LoRARequest | None = None
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its prompt's images, processed
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from serve.engine.output_processor import OutputProcessor
 from serve.engine.protocol import EngineDeadError, RequestError, RequestTimeoutError
 from serve.engine.request_metrics import RequestMetrics
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import OutputKind, RequestOutput
 from serve.sampling_params import SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
@@ -204,9 +205,18 @@ class EngineFrontEnd:
         priority: int = 0,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, of `output_kind`, until it finishes or `timeout_s`
         passes. Closing or cancelling the iterator early aborts the request in the core
-        and frees its blocks."""
-        add = AddRequest(request_id, list(prompt_token_ids), params, prompt, priority, lora_request)
+        and frees its blocks. `mm_inputs`: its prompt's images (`MultiModalProcessor`)."""
+        add = AddRequest(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            prompt,
+            priority,
+            lora_request,
+            tuple(mm_inputs),
+        )
         return self._streams.generate(add, timeout_s, output_kind)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from serve.engine.messages import CoreStats
 from serve.engine.request_metrics import RequestMetrics
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import OutputKind, RequestOutput, request_error_message
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -80,6 +81,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         output_kind: OutputKind = OutputKind.CUMULATIVE,
         lora_request: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes: everything so far at each, what is
         new since the last, or the finished one alone (`output_kind`). Closing the

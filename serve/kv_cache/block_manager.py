@@ -184,7 +184,9 @@ class BlockManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else root_hash(seq.cache_key)
-            hashes.append(hash_block(parent, seq.token_ids_between(i * bs, (i + 1) * bs)))
+            start, end = i * bs, (i + 1) * bs
+            images = [m.identifier for m in seq.mm_inputs if m.overlaps(start, end)]
+            hashes.append(hash_block(parent, seq.token_ids_between(start, end), images))
         return hashes
 
     # -- growth and copy-on-write ------------------------------------------------------------

@@ -24,7 +24,13 @@ def root_hash(cache_key: str) -> bytes:
     return hashlib.sha256(ROOT_HASH + cache_key.encode()).digest()
 
 
-def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+def hash_block(
+    parent_hash: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+) -> bytes:
+    """`extra_keys`: what else decides the block's K/V (the content hashes of the images
+    whose placeholder tokens it holds: equal tokens, other pixels)."""
     digest = hashlib.sha256(parent_hash)
     digest.update(array("q", token_ids).tobytes())
+    for key in extra_keys:
+        digest.update(b"\x00" + key.encode())
     return digest.digest()

@@ -85,6 +85,13 @@ def hf_sliding_windows(hf: Any, num_layers: int) -> tuple[int | None, ...]:
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
+def hf_text_config(hf: Any) -> Any:
+    """The language model's part of a config (a vision-language model's `text_config`;
+    any other config is its own)."""
+    get = getattr(hf, "get_text_config", None)
+    return get() if get is not None else hf
+
+
 def hf_with(hf: Any, **fields: Any) -> Any:
     """A copy of the HF config with `fields` set: how a family whose config spells things its
     own way (a remote-code format read as data) hands the shared layers the names they read

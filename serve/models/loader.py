@@ -328,5 +328,9 @@ def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.de
     with _default_dtype(dtype), torch.device(device):
         model = model_class(arch)
     weights = iterate_checkpoint(path, config.load_format, allow_pickle=config.allow_pickle_weights)
-    load_checkpoint(model, weights, model.weight_spec)
+    load_weights = getattr(model, "load_weights", None)  # a model of parts (LLaVA)
+    if load_weights is not None:
+        load_weights(weights)
+    else:
+        load_checkpoint(model, weights, model.weight_spec)
     return model.eval()

@@ -4,7 +4,10 @@ A model class is built as `cls(config: ArchConfig)` and provides `forward(input_
 positions) -> hidden [T, hidden]`, `compute_logits(hidden) -> [N, vocab] | None` (None off
 rank 0) and `weight_spec: WeightSpec` (how checkpoint names reach its parameters). It may
 define `arch_config(hf, architecture) -> ArchConfig` (a classmethod) where its HF config
-spells the shape in its own way.
+spells the shape in its own way, and `load_weights(weights)` where its checkpoint is read
+in parts (LLaVA: the language model by its spec, the vision tower whole). A model that
+takes images adds `embed_images(pixel_values) -> [n, tokens, hidden]` and a `forward`
+keyword `image_embeddings` (rows, values) whose values replace those rows' embeddings.
 
 `model_impl` (--model-impl) chooses between serve's own classes ("native") and the
 transformers backend ("transformers": transformers' modeling code with serve's paged
@@ -49,6 +52,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     # MosaicML's checkpoints name their own class MPT..., transformers' is Mpt...
     "MPTForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
     "MptForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
+    # Vision-language: an image encoder before a language model of the families above.
+    "LlavaForConditionalGeneration": ("serve.models.llava", "LlavaForConditionalGeneration"),
     # Formats whose transformers code ships with the checkpoint: config.json is read as data.
     "AquilaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "AquilaModel": ("serve.models.llama", "LlamaForCausalLM"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from serve.models.arch_config import hf_text_config
+
 # The files one of transformers' tokenizers loads from (fast, sentencepiece, BPE).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -44,7 +46,7 @@ def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> set[int]:
     if (path / "generation_config.json").exists():
         eos = GenerationConfig.from_pretrained(path).eos_token_id
     if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
+        eos = getattr(hf_text_config(hf_config), "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id
     if eos is None:

@@ -77,6 +77,7 @@ from msgspec.structs import replace
 from serve.config import SchedulerConfig, SpeculativeMethod
 from serve.kv_cache.block_manager import BlockManager
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import (
     ITERATION_TOKENS_BUCKETS,
     Histogram,
@@ -178,12 +179,14 @@ class Scheduler:
         awaits_grammar: bool = False,
         priority: int = 0,
         lora: LoRARequest | None = None,
+        mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> SequenceGroup:
         """Queue a new request (ValueError if it could never run, or its id is taken).
         With `awaits_grammar` it waits for `set_grammar` before it can be scheduled."""
         seq = Sequence(self._next_seq_id, request_id, prompt_token_ids, params, prompt)
         if lora is not None:
             seq.cache_key = lora.cache_key
+        seq.mm_inputs = tuple(mm_inputs)
         group = SequenceGroup(
             request_id, [seq], params, prompt, seq.arrival_time, priority=priority, lora=lora
         )

@@ -56,6 +56,7 @@ class WorkerSync:
                     seq.seed,
                     group.grammar,
                     group.lora,
+                    seq.mm_inputs,
                 )
             )
             num_known = 0

@@ -11,6 +11,7 @@ import torch
 
 from serve.kernels import AttentionMetadata
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.step import SchedulerOutput
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 
@@ -38,6 +39,16 @@ class PoolSpan:
     offset: int
 
 
+class ImageSpan(NamedTuple):
+    """Part of an image's run of placeholder tokens computed this step: its embeddings
+    [first, first + count) go to rows [row, row + count) of the token stream."""
+
+    item: MultiModalInput
+    first: int
+    count: int
+    row: int
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [num_tokens]
@@ -53,6 +64,8 @@ class ModelInputs:
     pool_spans: list[PoolSpan] = field(default_factory=list)  # pooling sequences' rows
     # Each sequence's adapter, in token-stream order (`meta.query_lens_cpu`'s).
     loras: list[LoRARequest | None] = field(default_factory=list)
+    # The images whose placeholder tokens this step computes (prompt chunks reaching them).
+    image_spans: list[ImageSpan] = field(default_factory=list)
 
     @property
     def first_logits_rows(self) -> list[int]:
@@ -198,6 +211,7 @@ def build_model_inputs(
     prompt_spans: list[PromptSpan] = []
     pool_spans: list[PoolSpan] = []
     loras: list[LoRARequest | None] = []
+    image_spans: list[ImageSpan] = []
     for n, s in ordered:
         seq, start = seqs[s.seq_id], s.start
         n_known = s.num_new_tokens - s.num_spec_tokens
@@ -224,6 +238,14 @@ def build_model_inputs(
             pool_spans.append(PoolSpan(seq, start, n, offset))
         spans.append(QuerySpan(seq.block_table, start, n))
         loras.append(seq.lora)
+        if seq.mm_inputs and start < seq.num_prompt_tokens:
+            end = start + n_known
+            for item in seq.mm_inputs:
+                if item.overlaps(start, end):
+                    first, last = max(start, item.offset), min(end, item.end)
+                    image_spans.append(
+                        ImageSpan(item, first - item.offset, last - first, offset + first - start)
+                    )
         if s.is_sampled:
             last = offset + n_known - 1  # the sequence's last known token
             logits_indices.extend(range(last, offset + n))
@@ -244,4 +266,5 @@ def build_model_inputs(
         prompt_spans,
         pool_spans,
         loras,
+        image_spans,
     )

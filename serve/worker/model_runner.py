@@ -26,6 +26,7 @@ from serve.config import EngineConfig, GiB, available_memory_bytes
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
 from serve.kv_cache.cache_engine import CacheEngine
+from serve.models.arch_config import hf_text_config
 from serve.models.forward_context import forward_context
 from serve.models.layers.attention import attention_layers
 from serve.models.layers.lora import lora_batch
@@ -44,6 +45,7 @@ from serve.worker.draft_model import DraftModelProposer
 from serve.worker.lora_manager import LoRAManager
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.model_kv import ModelKV
+from serve.worker.multimodal import ImageEmbeddings
 from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 from serve.worker.speculative import before_grammar_start, make_proposer
@@ -182,6 +184,10 @@ class ModelRunner:
             self.lora = LoRAManager(
                 self.model, lora.max_loras, lora.max_lora_rank, lora.num_cpu_loras
             )
+        # A model that takes images: their embeddings, encoded as steps reach them.
+        self.images: ImageEmbeddings | None = None
+        if hasattr(self.model, "embed_images"):
+            self.images = ImageEmbeddings(self.model, device)
         self.cache_engine: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None  # on CUDA, once the cache is bound
         self.mirror = SequenceMirror()
@@ -202,7 +208,7 @@ class ModelRunner:
             tokenizer_path = engine.model.tokenizer or config.model_path
             grammars = LazyStructuredOutput(
                 lambda: load_tokenizer(tokenizer_path),
-                int(hf_config.vocab_size),
+                int(hf_text_config(hf_config).vocab_size),
                 config.eos_token_ids,
             )
             self.step_sampler = StepSampler(engine.model.seed, config.eos_token_ids, grammars)
@@ -353,7 +359,12 @@ class ModelRunner:
         )
         inputs = build_model_inputs(out, self.mirror, self.block_size, self.device, drafts)
         prepared = time.perf_counter()
-        graph_size = self.graphs.size_for(inputs) if self.graphs is not None else None
+        image_embeddings = None
+        if self.images is not None:  # a graph replays token embeddings alone
+            image_embeddings = self.images.for_step(inputs.image_spans)
+        graph_size = None
+        if self.graphs is not None and image_embeddings is None:
+            graph_size = self.graphs.size_for(inputs)
         if graph_size is not None:
             assert self.graphs is not None
             hidden = self.graphs.run(inputs, graph_size)
@@ -367,8 +378,10 @@ class ModelRunner:
                         if seq.lora is not None and seq.lora.lora_int_id in unread:
                             message = unread[seq.lora.lora_int_id]
                             output.failed_requests.setdefault(seq.request_id, message)
+            images = {} if image_embeddings is None else {"image_embeddings": image_embeddings}
             with forward_context(inputs.meta), lora_batch(adapters):
-                hidden = self.model(inputs.input_ids, inputs.positions)  # [num_tokens, hidden]
+                # [num_tokens, hidden]
+                hidden = self.model(inputs.input_ids, inputs.positions, **images)
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
         if inputs.sampled_seqs:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])

@@ -18,6 +18,7 @@ from array import array
 from dataclasses import dataclass, field
 
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.sampling_params import SamplingParams
 from serve.step import SchedulerOutput
 
@@ -34,6 +35,7 @@ class MirroredSequence:
     # into one numpy array, a memcpy from an array (~5x faster than from a list).
     block_table: array = field(default_factory=lambda: array("q"))
     lora: LoRARequest | None = None
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its prompt's images
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +69,7 @@ class MirroredSequence:
             list(self.output_token_ids),
             array("q", self.block_table),
             self.lora,
+            self.mm_inputs,
         )
 
 
@@ -97,6 +100,7 @@ class SequenceMirror:
                 new.params,
                 new.seed,
                 lora=new.lora,
+                mm_inputs=new.mm_inputs,
             )
         for s in out.scheduled:
             table = self.seqs[s.seq_id].block_table
