@@ -4,7 +4,9 @@ samples them.
 
 As on the OpenAI paths, unknown fields are accepted and ignored (`cache_control`,
 `citations`, beta fields). What this server cannot do is refused with a 400 that names
-it: image, document and other non-text content blocks, server tools.
+it: document blocks, images anywhere but a user's turn, server tools. A user's `image`
+blocks (base64 or URL sources) become chat's `image_url` parts, in their place among its
+text, so the chat path reads them as it reads OpenAI's (a model without images refuses them).
 
 The mapping: `system` becomes a system message; text blocks are joined with newlines (as
 the chat path joins text parts); an assistant's `tool_use` blocks become its `tool_calls`;
@@ -31,7 +33,7 @@ from serve.api.protocol import OpenAIModel
 
 # The content blocks this server reads, per place they may appear.
 _READ_BLOCKS = {
-    "user": ("text", "tool_result"),
+    "user": ("text", "image", "tool_result"),
     "assistant": ("text", "tool_use", "thinking", "redacted_thinking"),
     "system": ("text",),
     "tool_result": ("text",),
@@ -64,6 +66,31 @@ def _supported_blocks(place: str):
 class TextBlock(OpenAIModel):
     type: Literal["text"]
     text: str
+
+
+class Base64Source(OpenAIModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class URLSource(OpenAIModel):
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
+class ImageBlock(OpenAIModel):
+    type: Literal["image"]
+    source: Annotated[Base64Source | URLSource, Field(discriminator="type")]
+
+    def chat_part(self) -> dict[str, Any]:
+        """As chat's `image_url` part (a base64 source as a data URL)."""
+        source = self.source
+        if isinstance(source, URLSource):
+            url = source.url
+        else:
+            url = f"data:{source.media_type};base64,{source.data}"
+        return {"type": "image_url", "image_url": {"url": url}}
 
 
 class ToolUseBlock(OpenAIModel):
@@ -100,7 +127,7 @@ class RedactedThinkingBlock(OpenAIModel):
 
 
 ContentBlock = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
@@ -352,20 +379,36 @@ def _chat_messages(
         if message.role == "assistant":
             chat.append(_assistant_message(message))
             continue
-        texts: list[str] = []
+        parts: list[dict[str, Any]] = []
         for block in message.blocks:
             if isinstance(block, TextBlock):
-                texts.append(block.text)
+                parts.append({"type": "text", "text": block.text})
+            elif isinstance(block, ImageBlock):
+                parts.append(block.chat_part())
             elif isinstance(block, ToolResultBlock):
-                if texts:
-                    chat.append({"role": message.role, "content": "\n".join(texts)})
-                    texts = []
+                if parts:
+                    chat.append({"role": message.role, "content": _chat_content(parts)})
+                    parts = []
                 chat.append(
                     {"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()}
                 )
-        if texts or not message.blocks:
-            chat.append({"role": message.role, "content": "\n".join(texts)})
+        if parts or not message.blocks:
+            chat.append({"role": message.role, "content": _chat_content(parts)})
     return chat
+
+
+def _chat_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text alone as one string (joined by newlines, as chat joins text parts); with
+    images, the parts in order."""
+    if all(part["type"] == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    return parts
+
+
+def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return content
+    return [{"type": "text", "text": content}] if content else []
 
 
 def _assistant_message(message: InputMessage) -> dict[str, Any]:
@@ -397,8 +440,11 @@ def _merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         previous = merged[-1] if merged else None
         same_turn = previous is not None and previous["role"] == message["role"]
         if same_turn and message["role"] in ("user", "assistant"):
-            texts = [t for t in (previous["content"], message["content"]) if t]
-            previous["content"] = "\n".join(texts)
+            if isinstance(previous["content"], list) or isinstance(message["content"], list):
+                previous["content"] = _as_parts(previous["content"]) + _as_parts(message["content"])
+            else:
+                texts = [t for t in (previous["content"], message["content"]) if t]
+                previous["content"] = "\n".join(texts)
             calls = previous.get("tool_calls", []) + message.get("tool_calls", [])
             if calls:
                 previous["tool_calls"] = calls

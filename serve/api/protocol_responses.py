@@ -1,7 +1,8 @@
 """OpenAI's Responses API request (POST /v1/responses), validated at the door.
 
-What this server cannot honour is refused by name with a 400 rather than ignored: image,
-file and audio input, built-in tools (web search, file search, computer use, ...), item
+What this server cannot honour is refused by name with a 400 rather than ignored: file
+and audio input (images by `file_id`: there is no Files API; `input_image` by URL goes to
+the chat path, which refuses it for a model that takes no images), built-in tools (web search, file search, computer use, ...), item
 kinds other than messages, function calls and reasoning, encrypted reasoning, background
 runs, conversations and prompt templates. Unknown fields are accepted and ignored, as on
 the other endpoints; vLLM's sampling extras (`top_k`, `seed`, `stop`, ...) pass through to
@@ -46,7 +47,7 @@ SAMPLING_EXTRAS = frozenset(
         "chat_template_kwargs",
     }
 )
-TEXT_PARTS = ("input_text", "output_text", "refusal")
+CONTENT_PARTS = ("input_text", "input_image", "output_text", "refusal")
 ITEM_KINDS = ("message", "function_call", "function_call_output", "reasoning")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16  # OpenAI's bounds: 16 pairs, keys of 64 and values of 512 chars
@@ -66,15 +67,23 @@ def _refuse_unsupported(values: Any, field: str, supported: tuple[str, ...], why
 
 
 class ContentPart(OpenAIModel):
-    """A text part of a message: `input_text`, or `output_text` / `refusal` in assistant
-    turns sent back."""
+    """A part of a message: `input_text` or `input_image` (by URL: http(s) or a data URL),
+    or `output_text` / `refusal` in assistant turns sent back."""
 
-    type: Literal["input_text", "output_text", "refusal"]
+    type: Literal["input_text", "input_image", "output_text", "refusal"]
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
     @model_validator(mode="after")
     def _has_its_text(self) -> ContentPart:
+        if self.type == "input_image":
+            if self.image_url is None:
+                why = "no Files API here: send image_url" if self.file_id else "need image_url"
+                raise PydanticCustomError("missing", f"input_image parts {why}")
+            return self
         key = "refusal" if self.type == "refusal" else "text"
         if getattr(self, key) is None:
             raise PydanticCustomError("missing", f"{self.type} parts need {key}")
@@ -85,21 +94,31 @@ class ContentPart(OpenAIModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-def _text_parts(parts: Any) -> Any:
+def _supported_parts(parts: Any) -> Any:
     return _refuse_unsupported(
         parts,
         "content",
-        TEXT_PARTS,
-        "this server does not read: its models take text only (input_text parts; "
-        "output_text and refusal in assistant turns)",
+        CONTENT_PARTS,
+        "this server does not read (input_text and input_image parts; output_text and "
+        "refusal in assistant turns)",
     )
 
 
-def chat_content(content: str | list[ContentPart]) -> str | list[dict[str, str]]:
-    """Content as a chat message holds it (text parts joined as chat joins them)."""
+def chat_content(content: str | list[ContentPart]) -> str | list[dict[str, Any]]:
+    """Content as a chat message holds it: text parts (joined as chat joins them), and
+    images as chat's `image_url` parts."""
     if isinstance(content, str):
         return content
-    return [{"type": "text", "text": part.value} for part in content]
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if part.type == "input_image":
+            image: dict[str, Any] = {"url": part.image_url}
+            if part.detail is not None:
+                image["detail"] = part.detail
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            parts.append({"type": "text", "text": part.value})
+    return parts
 
 
 class MessageItem(OpenAIModel):
@@ -107,7 +126,7 @@ class MessageItem(OpenAIModel):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
 
-    _text_only = field_validator("content", mode="before")(_text_parts)
+    _parts = field_validator("content", mode="before")(_supported_parts)
 
 
 class FunctionCallItem(OpenAIModel):
@@ -125,7 +144,7 @@ class FunctionCallOutputItem(OpenAIModel):
     call_id: str = Field(min_length=1)
     output: str | list[ContentPart]
 
-    _text_only = field_validator("output", mode="before")(_text_parts)
+    _parts = field_validator("output", mode="before")(_supported_parts)
 
 
 class ReasoningText(OpenAIModel):

@@ -404,16 +404,16 @@ def test_invalid_requests_are_anthropic_errors(server):
         "message": "max_tokens: Field required",
     }
 
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": ""}}
+    document = {"type": "document", "source": {"type": "text", "data": "A page."}}
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(
             model=server.model,
-            messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}],
+            messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"}, document]}],
             max_tokens=5,
         )
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "block 1 is of type 'image'" in e.value.body["error"]["message"]
+    assert "block 1 is of type 'document'" in e.value.body["error"]["message"]
 
     with pytest.raises(anthropic.NotFoundError) as e:
         client.messages.create(model="claude-opus-4", messages=MESSAGES, max_tokens=5)

@@ -376,9 +376,14 @@ def test_unknown_and_unstored_ids_are_404s(client, server):
     ("body", "param", "named"),
     [
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input.0.content",
-            "input_image",
+            "input_file",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input.0.content.0",
+            "Files API",
         ),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
         ({"input": "Hi", "tools": [{"type": "file_search"}]}, "tools", "file_search"),
