@@ -143,3 +143,11 @@ def tiny_llava(tmp_path_factory):
     from tiny_models import make_tiny_llava
 
     return make_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vl(tmp_path_factory):
+    """A tiny Qwen2-VL (its vision transformer, a tiny Qwen2 with M-RoPE)."""
+    from tiny_models import make_tiny_qwen2_vl
+
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"))

@@ -499,3 +499,92 @@ def hf_llava_greedy(
             **kwargs,
         )
     return output[0, len(prompt_token_ids) :].tolist()
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+QWEN_VL_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace(
+    "{{ '<image>' }}", "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+)
+
+
+def build_qwen_vl_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """The tiny tokenizer with Qwen2-VL's image tokens (ids 512-514) and a chat template
+    that writes `<|vision_start|><|image_pad|><|vision_end|>` for image parts."""
+    tokenizer = copy.deepcopy(build_tokenizer())
+    tokenizer.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
+    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, version: str = "2") -> Path:
+    """A tiny Qwen2-VL (`version` "2") or Qwen2.5-VL ("2.5"): a 2-layer vision transformer
+    on 14-pixel patches merged 2 x 2, before the tiny Qwen2 with M-RoPE (sections 2, 3, 3 of
+    its 8 frequencies); its image processor takes 56 to 112 pixels a side (4 to 16 tokens
+    an image, by its size)."""
+    tokenizer = build_qwen_vl_tokenizer()
+    start, end, pad = tokenizer.convert_tokens_to_ids(list(QWEN_VL_TOKENS))
+    text = make_tiny_config("qwen2", vocab_size=len(tokenizer)).to_dict()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    text["rope_parameters"]["mrope_section"] = [2, 3, 3]
+    vision = dict(depth=2, num_heads=2, patch_size=14, spatial_merge_size=2)
+    vision.update(temporal_patch_size=2, hidden_size=64)
+    if version == "2":
+        config_class, model_class = (
+            transformers.Qwen2VLConfig,
+            transformers.Qwen2VLForConditionalGeneration,
+        )
+        text["model_type"] = "qwen2_vl_text"
+        vision.update(embed_dim=32, mlp_ratio=2)
+    else:
+        config_class = transformers.Qwen2_5_VLConfig
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+        text["model_type"] = "qwen2_5_vl_text"
+        # Windowed attention on all but the last block (fullatt_block_indexes), as 2.5's.
+        vision.update(intermediate_size=64, out_hidden_size=64, hidden_size=32)
+        vision.update(window_size=56, fullatt_block_indexes=[1])
+    config = config_class(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=pad,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = model_class(config)
+    _perturb_(model, std=0.2)
+    out_dir = Path(out_dir)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    transformers.Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(
+        out_dir
+    )
+    return out_dir
+
+
+def hf_vl_greedy(
+    model_dir: Path, prompt_token_ids: list[int], images: list, max_new_tokens: int
+) -> list[int]:
+    """HF's greedy continuation (new token ids, EOS ignored) of a vision-language model
+    (any `AutoModelForImageTextToText`) in float32, the prompt already widened, the image
+    tensors from the model's own image processor."""
+    key = "vl:" + str(Path(model_dir).resolve())
+    if key not in _hf_models:
+        model = transformers.AutoModelForImageTextToText.from_pretrained(
+            model_dir, dtype=torch.float32
+        )
+        _hf_models[key] = model.eval()
+    model = _hf_models[key]
+    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
+    kwargs = {}
+    if images:
+        processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
+        kwargs.update(processor(images=images, return_tensors="pt"))
+        image_token = model.config.image_token_id
+        kwargs["mm_token_type_ids"] = (input_ids == image_token).to(torch.int32)
+    config = _greedy_generation_config(model, max_new_tokens, ignore_eos=True)
+    with torch.no_grad():
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **kwargs
+        )
+    return output[0, len(prompt_token_ids) :].tolist()

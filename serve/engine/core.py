@@ -231,13 +231,13 @@ class EngineCore:
             if item.modality != "image" or "pixel_values" not in item.tensors:
                 raise ValueError(f"{item.modality} input without pixel_values is not taken.")
             run = prompt_token_ids[item.offset : item.end]
-            if item.length != layout.tokens_per_image or any(
-                t != layout.placeholder_token_id for t in run
-            ):
+            arrays = {name: array.numpy() for name, array in item.tensors.items()}
+            expected = layout.num_tokens(arrays)
+            if item.length != expected or any(t != layout.placeholder_token_id for t in run):
                 raise ValueError(
-                    f"An image's run [{item.offset}, {item.end}) must be "
-                    f"{layout.tokens_per_image} placeholder tokens "
-                    f"({layout.placeholder_token_id}); MultiModalProcessor.process makes it."
+                    f"An image's run [{item.offset}, {item.end}) must be {expected} "
+                    f"placeholder tokens ({layout.placeholder_token_id}); "
+                    "MultiModalProcessor.process makes it."
                 )
 
     def check_params(self, params: SamplingParams) -> None:

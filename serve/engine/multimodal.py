@@ -1,14 +1,16 @@
 """A prompt's images made into what the engine runs: the front end's half of multimodal
 input, shared by the server and the offline `LLM`.
 
-A model that takes images names one placeholder token (LLaVA's `<image>`); a prompt holds
-it once per image, where the chat template (or the user) put it. `process` runs the
+A model that takes images names one placeholder token (LLaVA's `<image>`, Qwen2-VL's
+`<|image_pad|>`); a prompt holds it once per image, where the chat template (or the user)
+put it. `process` runs the
 model's own image processor (its `preprocessor_config.json`, through transformers) on each
 image and widens each placeholder into the run of tokens the image's embeddings take,
 returning the prompt's new token ids and one `MultiModalInput` per image. The workers
 later replace the run's token embeddings with the image's (`worker/multimodal.py`).
 
-Which families take images, and how many tokens an image takes, is read off the HF config
+Which families take images, how the processor's output splits into images, and how many
+tokens an image takes (fixed for LLaVA, by its size for Qwen2-VL) is read off the HF config
 alone (`image_layout`), so the front end needs no model code.
 """
 
@@ -25,10 +27,44 @@ from serve.multimodal_inputs import ArrayData, MultiModalInput, content_hash
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """How a model's prompt holds an image."""
+    """How a model's prompt holds an image: a run of `tokens_per_image` placeholders, the
+    image its processor's `pixel_values[i]` (LLaVA)."""
 
     placeholder_token_id: int  # the token a prompt holds once per image
     tokens_per_image: int  # the run it is widened into: the encoder's embeddings per image
+
+    def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The image processor's output for a list of images, one dict per image."""
+        return [{"pixel_values": pixels} for pixels in processed["pixel_values"]]
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        """The run one image takes."""
+        return self.tokens_per_image
+
+
+@dataclass(frozen=True)
+class GridImageLayout(ImageLayout):
+    """Qwen2-VL's: an image is its patches (`pixel_values` rows, every image's laid end to
+    end) on a grid (`image_grid_thw`: frames, rows, columns of patches), and takes one token
+    per `merge_size` x `merge_size` patches, so a bigger image takes more."""
+
+    merge_size: int = 2
+
+    def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        items, start = [], 0
+        for grid in processed["image_grid_thw"]:
+            count = int(np.prod(grid))
+            items.append(
+                {
+                    "pixel_values": processed["pixel_values"][start : start + count],
+                    "image_grid_thw": np.asarray(grid, dtype=np.int64),
+                }
+            )
+            start += count
+        return items
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        return int(np.prod(tensors["image_grid_thw"])) // self.merge_size**2
 
 
 def _llava_layout(hf: Any) -> ImageLayout:
@@ -54,8 +90,12 @@ def _llava_layout(hf: Any) -> ImageLayout:
     return ImageLayout(int(token_id), tokens)
 
 
+def _qwen2_vl_layout(hf: Any) -> ImageLayout:
+    return GridImageLayout(int(hf.image_token_id), 0, int(hf.vision_config.spatial_merge_size))
+
+
 # HF model_type -> its layout, for the families serve runs with images.
-_LAYOUTS = {"llava": _llava_layout}
+_LAYOUTS = {"llava": _llava_layout, "qwen2_vl": _qwen2_vl_layout, "qwen2_5_vl": _qwen2_vl_layout}
 
 
 def image_layout(hf_config: Any) -> ImageLayout | None:
@@ -81,10 +121,15 @@ class MultiModalProcessor:
         layout = image_layout(hf_config)
         if layout is None:
             return None
-        from transformers import AutoImageProcessor
+        import transformers
 
+        # transformers 5 picks a torchvision backend, falling back (with a warning) to PIL
+        # where torchvision is missing; serve asks for PIL, which it depends on.
+        backend = {"backend": "pil"} if int(transformers.__version__.split(".")[0]) >= 5 else {}
         try:
-            image_processor = AutoImageProcessor.from_pretrained(str(model_path))
+            image_processor = transformers.AutoImageProcessor.from_pretrained(
+                str(model_path), **backend
+            )
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"{model_path} takes images but its image processor could not be loaded "
@@ -109,14 +154,13 @@ class MultiModalProcessor:
             )
         if not images:
             return list(prompt_token_ids), ()
-        pixel_values = self._pixel_values(images)
-        run = self.layout.tokens_per_image
         token_ids: list[int] = []
         inputs = []
         last = 0
-        for position, pixels in zip(found, pixel_values):
+        for position, arrays in zip(found, self._processed(images)):
             token_ids += prompt_token_ids[last:position]
-            tensors = {"pixel_values": ArrayData.of(pixels)}
+            tensors = {name: ArrayData.of(array) for name, array in arrays.items()}
+            run = self.layout.num_tokens(arrays)
             identifier = content_hash("image", tensors)
             inputs.append(MultiModalInput("image", identifier, len(token_ids), run, tensors))
             token_ids += [token_id] * run
@@ -124,7 +168,7 @@ class MultiModalProcessor:
         token_ids += prompt_token_ids[last:]
         return token_ids, tuple(inputs)
 
-    def _pixel_values(self, images: list[Any]) -> list[np.ndarray]:
+    def _processed(self, images: list[Any]) -> list[dict[str, np.ndarray]]:
         from PIL import Image
 
         rgb = []
@@ -135,5 +179,8 @@ class MultiModalProcessor:
                     "(or, over HTTP, image URLs)."
                 )
             rgb.append(image.convert("RGB") if image.mode != "RGB" else image)
-        out = self.image_processor(images=rgb, return_tensors="np")["pixel_values"]
-        return [np.asarray(p, dtype=np.float32) for p in out]
+        out = self.image_processor(images=rgb, return_tensors="np")
+        items = self.layout.split({name: np.asarray(value) for name, value in out.items()})
+        for item in items:
+            item["pixel_values"] = item["pixel_values"].astype(np.float32, copy=False)
+        return items

@@ -6,8 +6,10 @@ rank 0) and `weight_spec: WeightSpec` (how checkpoint names reach its parameters
 define `arch_config(hf, architecture) -> ArchConfig` (a classmethod) where its HF config
 spells the shape in its own way, and `load_weights(weights)` where its checkpoint is read
 in parts (LLaVA: the language model by its spec, the vision tower whole). A model that
-takes images adds `embed_images(pixel_values) -> [n, tokens, hidden]` and a `forward`
-keyword `image_embeddings` (rows, values) whose values replace those rows' embeddings.
+takes images adds `embed_images(images: list of tensor dicts) -> list of [tokens, hidden]`
+and a `forward` keyword `image_embeddings` (rows, values) whose values replace those rows'
+embeddings; one whose positions depend on its images (M-RoPE) adds
+`multimodal_positions(positions, mm_rows) -> [3, T]`.
 
 `model_impl` (--model-impl) chooses between serve's own classes ("native") and the
 transformers backend ("transformers": transformers' modeling code with serve's paged
@@ -54,6 +56,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MptForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
     # Vision-language: an image encoder before a language model of the families above.
     "LlavaForConditionalGeneration": ("serve.models.llava", "LlavaForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("serve.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "serve.models.qwen2_vl",
+        "Qwen2VLForConditionalGeneration",
+    ),
     # Formats whose transformers code ships with the checkpoint: config.json is read as data.
     "AquilaForCausalLM": ("serve.models.llama", "LlamaForCausalLM"),
     "AquilaModel": ("serve.models.llama", "LlamaForCausalLM"),

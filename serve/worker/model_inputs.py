@@ -66,6 +66,11 @@ class ModelInputs:
     loras: list[LoRARequest | None] = field(default_factory=list)
     # The images whose placeholder tokens this step computes (prompt chunks reaching them).
     image_spans: list[ImageSpan] = field(default_factory=list)
+    # Each sequence with images: (its images, first position, tokens, first row), for
+    # positions that depend on them (Qwen2-VL's M-RoPE).
+    mm_rows: list[tuple[tuple[MultiModalInput, ...], int, int, int]] = field(
+        default_factory=list
+    )
 
     @property
     def first_logits_rows(self) -> list[int]:
@@ -212,6 +217,7 @@ def build_model_inputs(
     pool_spans: list[PoolSpan] = []
     loras: list[LoRARequest | None] = []
     image_spans: list[ImageSpan] = []
+    mm_rows: list[tuple[tuple[MultiModalInput, ...], int, int, int]] = []
     for n, s in ordered:
         seq, start = seqs[s.seq_id], s.start
         n_known = s.num_new_tokens - s.num_spec_tokens
@@ -238,6 +244,8 @@ def build_model_inputs(
             pool_spans.append(PoolSpan(seq, start, n, offset))
         spans.append(QuerySpan(seq.block_table, start, n))
         loras.append(seq.lora)
+        if seq.mm_inputs:
+            mm_rows.append((seq.mm_inputs, start, n, offset))
         if seq.mm_inputs and start < seq.num_prompt_tokens:
             end = start + n_known
             for item in seq.mm_inputs:
@@ -267,4 +275,5 @@ def build_model_inputs(
         pool_spans,
         loras,
         image_spans,
+        mm_rows,
     )

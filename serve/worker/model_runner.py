@@ -188,6 +188,7 @@ class ModelRunner:
         self.images: ImageEmbeddings | None = None
         if hasattr(self.model, "embed_images"):
             self.images = ImageEmbeddings(self.model, device)
+        self.mrope = hasattr(self.model, "multimodal_positions")
         self.cache_engine: CacheEngine | None = None
         self.graphs: DecodeGraphs | None = None  # on CUDA, once the cache is bound
         self.mirror = SequenceMirror()
@@ -269,6 +270,8 @@ class ModelRunner:
         engine = self.config.engine
         arch = get_arch_config(self.hf_config, engine.model.model_impl)
         reason = ineligibility(arch.model_impl, self.config.world_size, self.device)
+        if reason is None and hasattr(self.model, "multimodal_positions"):
+            reason = "M-RoPE positions differ per sequence (a graph replays plain ones)"
         if reason is not None:
             logger.info("Decode steps run eagerly, not as CUDA graphs, because %s.", reason)
             return None
@@ -379,9 +382,12 @@ class ModelRunner:
                             message = unread[seq.lora.lora_int_id]
                             output.failed_requests.setdefault(seq.request_id, message)
             images = {} if image_embeddings is None else {"image_embeddings": image_embeddings}
+            positions = inputs.positions
+            if self.mrope:  # three per token: frame, row, column (Qwen2-VL)
+                positions = self.model.multimodal_positions(positions, inputs.mm_rows)
             with forward_context(inputs.meta), lora_batch(adapters):
                 # [num_tokens, hidden]
-                hidden = self.model(inputs.input_ids, inputs.positions, **images)
+                hidden = self.model(inputs.input_ids, positions, **images)
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
         if inputs.sampled_seqs:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])

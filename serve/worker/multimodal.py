@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from serve.worker.model_inputs import ImageSpan
@@ -40,8 +39,14 @@ class ImageEmbeddings:
             if span.item.identifier not in embeddings:
                 todo.setdefault(span.item.identifier, span.item)
         if todo:
-            pixels = np.stack([item.tensors["pixel_values"].numpy() for item in todo.values()])
-            encoded = self.model.embed_images(torch.from_numpy(pixels).to(self.device))
+            tensors = [
+                {
+                    name: torch.from_numpy(array.numpy().copy()).to(self.device)
+                    for name, array in item.tensors.items()
+                }
+                for item in todo.values()
+            ]
+            encoded = self.model.embed_images(tensors)
             for identifier, item, values in zip(todo, todo.values(), encoded):
                 if values.shape[0] != item.length:
                     raise RuntimeError(

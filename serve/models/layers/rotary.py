@@ -204,10 +204,45 @@ class LongRopeRotaryEmbedding(nn.Module):
         return kernels.rotary_embedding(rows, q, k, self.cos_sin_cache, True)
 
 
+class MultimodalRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's M-RoPE: a token has three positions (frame, row, column; all equal for
+    text), and each section of the frequencies (`mrope_section`, in order) turns by one of
+    them. Given [3, T] positions, each token's cos/sin row is gathered from the one-position
+    table by section, and the shared kernel rotates by those rows; given [T], it is plain
+    rotary."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, params: dict[str, Any], rotary_dim: int | None
+    ) -> None:
+        super().__init__(head_dim, max_position, params, rotary_dim)
+        sections = [int(n) for n in params["mrope_section"]]
+        half = self.cos_sin_cache.shape[-1] // 2
+        if sum(sections) != half:
+            raise ValueError(f"mrope_section {sections} must sum to {half}")
+        which = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(sections)])
+        self.register_buffer("section_of", which, persistent=False)  # [half]: 0, 1 or 2
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        half = self.section_of.shape[0]
+        columns = torch.arange(half, device=positions.device)
+        by_section = positions[self.section_of].t()  # [T, half]: each frequency's position
+        cos = self.cos_sin_cache[:, :half][by_section, columns]
+        sin = self.cos_sin_cache[:, half:][by_section, columns]
+        rows = torch.cat((cos, sin), dim=-1)  # [T, rotary_dim]: one table row per token
+        tokens = torch.arange(rows.shape[0], device=positions.device)
+        return kernels.rotary_embedding(tokens, q, k, rows, self.is_neox_style)
+
+
 def get_rope(
     head_dim: int, max_position: int, params: dict[str, Any], rotary_dim: int | None = None
 ) -> RotaryEmbedding | LongRopeRotaryEmbedding:
     """The neox-style rotary embedding for `params` (rope_parameters' output)."""
     if params["rope_type"] == "longrope":
         return LongRopeRotaryEmbedding(head_dim, max_position, params, rotary_dim)
+    if "mrope_section" in params:
+        return MultimodalRotaryEmbedding(head_dim, max_position, params, rotary_dim)
     return RotaryEmbedding(head_dim, max_position, params, rotary_dim)

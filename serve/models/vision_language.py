@@ -1,0 +1,133 @@
+"""What a vision-language model shares, whatever its tower: a native language model built
+from the config's `text_config`, image embeddings written over the placeholder tokens'
+own where that model embeds its tokens, and a checkpoint read in parts (the language
+model's tensors by its own `WeightSpec`, split per rank; the tower's and projector's
+whole, on every rank).
+
+A family (llava.py, qwen2_vl.py) builds its tower in `__init__`, names its checkpoint
+prefixes, and writes `embed_images`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from serve.models.arch_config import ArchConfig, hf_with
+from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from serve.models.layers.linear import default_weight_loader
+from serve.models.lazy_tensor import LazyTensor, as_lazy
+from serve.models.weights import WeightSpec, load_checkpoint
+
+
+def text_architecture(text_config: Any) -> str:
+    """The causal LM class transformers would run `text_config` with."""
+    names = getattr(text_config, "architectures", None)
+    if names:
+        return names[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(text_config, "model_type", "")
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if architecture is None:
+        raise ValueError(f"The language model ({model_type!r}) is not a causal LM.")
+    return architecture
+
+
+def text_model(text_config: Any, architecture: str) -> tuple[type[nn.Module], ArchConfig]:
+    """The language model's class and shape, as serve would run it alone."""
+    from serve.models.registry import get_arch_config, get_model_class
+
+    text_hf = hf_with(text_config, architectures=[architecture])
+    try:
+        model_class = get_model_class([architecture], "native")
+    except ValueError:
+        raise ValueError(
+            f"The language model {architecture} has no native serve class; serve runs "
+            "vision-language models on the natively supported families."
+        ) from None
+    return model_class, get_arch_config(text_hf, "native")
+
+
+class VisionLanguageModel(nn.Module):
+    """A language model (`self.language_model`) that takes image embeddings in place of
+    its placeholder tokens'. Subclasses set `own_prefixes` (their tower's and projector's
+    module names) and `renames` (checkpoint prefix -> ours), and build those modules."""
+
+    own_prefixes: tuple[str, ...] = ()
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, text_config: Any, architecture: str) -> None:
+        super().__init__()
+        text_class, self.text_arch = text_model(text_config, architecture)
+        self.language_model = text_class(self.text_arch)
+        self.text_spec: WeightSpec = self.language_model.weight_spec
+        self.weight_spec = self.text_spec  # what LoRA would read (refused for these models)
+        # The rows a forward's image embeddings replace, set around the language model's call.
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        embedding = next(
+            m
+            for m in self.language_model.modules()
+            if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+        )
+        embedding.register_forward_hook(self._replace_image_rows)
+
+    def _replace_image_rows(self, module: nn.Module, args: Any, output: torch.Tensor) -> Any:
+        if self._pending is None:
+            return None
+        rows, values = self._pending
+        return output.index_copy(0, rows, values.to(output.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        image_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`image_embeddings`: (rows of the token stream, [len(rows), hidden]) that replace
+        those rows' token embeddings."""
+        self._pending = image_embeddings
+        try:
+            return self.language_model(input_ids, positions)
+        finally:
+            self._pending = None
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, LazyTensor | torch.Tensor]]) -> None:
+        """The language model's tensors (`language_model.` once renamed) by its spec; every
+        other tensor whole into this model's own modules."""
+        own = {
+            name: param
+            for name, param in self.named_parameters()
+            if name.startswith(self.own_prefixes)
+        }
+        buffers = {name for name, _ in self.named_buffers()}
+        loaded: set[str] = set()
+
+        def text_weights() -> Iterable[tuple[str, LazyTensor | torch.Tensor]]:
+            for name, tensor in weights:
+                for old, new in self.renames:
+                    if name.startswith(old):
+                        name = new + name[len(old) :]
+                        break
+                if name.startswith("language_model."):
+                    yield name[len("language_model.") :], tensor
+                    continue
+                if name in buffers:
+                    continue  # one the module makes itself (CLIP's position ids)
+                if name not in own:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                    )
+                default_weight_loader(own[name], as_lazy(tensor))
+                loaded.add(name)
+
+        load_checkpoint(self.language_model, text_weights(), self.text_spec)
+        missing = sorted(set(own) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {', '.join(missing[:8])}")

@@ -1,0 +1,87 @@
+"""Qwen2-VL and Qwen2.5-VL: greedy output equals transformers' token for token with
+images of different sizes (so runs of different lengths), two images in one prompt, and a
+text-only prompt in the same steps; with chunks cut inside images and between an image and
+the text after it; and the M-RoPE positions continue after the images into the decode."""
+
+from __future__ import annotations
+
+import numpy as np
+from tiny_models import build_qwen_vl_tokenizer, hf_vl_greedy, make_tiny_qwen2_vl, random_image
+
+from serve import LLM, SamplingParams
+from serve.engine.multimodal import MultiModalProcessor
+from serve.models.loader import load_hf_config
+from serve.models.qwen2_vl import image_positions
+from serve.multimodal_inputs import ArrayData, MultiModalInput
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+# 70x60 pixels resize to a 4x4 patch grid (4 tokens), 100x50 to 4x8 (8), 120x90 to 6x8 (12).
+CASES = [
+    (f"hello {IMAGE} what is this?", [random_image(1, 70, 60)]),
+    (f"hello {IMAGE} what is this?", [random_image(2, 100, 50)]),
+    (f"{IMAGE} and {IMAGE}, compare them", [random_image(3, 60, 60), random_image(4, 120, 90)]),
+    ("no image here at all", []),
+]
+
+
+def _run(model_dir, **engine_args) -> tuple[list[list[int]], list[list[int]]]:
+    """(serve's, transformers') greedy tokens for CASES, all four in the same steps."""
+    tokenizer = build_qwen_vl_tokenizer()
+    processor = MultiModalProcessor.from_model(model_dir, load_hf_config(model_dir), tokenizer)
+    assert processor is not None
+    prompts = [processor.process(tokenizer(text)["input_ids"], ims) for text, ims in CASES]
+    llm = LLM(str(model_dir), kv_cache_memory="16MiB", **engine_args)
+    for i, (token_ids, mm_inputs) in enumerate(prompts):
+        llm.add_request(f"r{i}", token_ids, GREEDY, mm_inputs=mm_inputs)
+    finished = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                finished[out.request_id] = list(out.outputs[0].token_ids)
+    got = [finished[f"r{i}"] for i in range(len(CASES))]
+    expected = [
+        hf_vl_greedy(model_dir, token_ids, ims, MAX_TOKENS)
+        for (token_ids, _), (_, ims) in zip(prompts, CASES)
+    ]
+    assert [[item.length for item in mm] for _, mm in prompts] == [[4], [8], [4, 12], []]
+    return got, expected
+
+
+def test_qwen2_vl_matches_hf(tiny_qwen2_vl):
+    got, expected = _run(tiny_qwen2_vl)
+    assert got == expected
+    assert got[0] != got[1]
+
+
+def test_qwen2_vl_chunks_cut_inside_images(tiny_qwen2_vl):
+    got, expected = _run(tiny_qwen2_vl, max_num_batched_tokens=5, block_size=4)
+    assert got == expected
+
+
+def test_qwen2_5_vl_matches_hf(tmp_path):
+    """2.5's tower (windowed attention, RMSNorm, gated MLP) before the same language model."""
+    got, expected = _run(make_tiny_qwen2_vl(tmp_path / "qwen2.5-vl", version="2.5", seed=1))
+    assert got == expected
+
+
+def _image(offset: int, rows: int, columns: int) -> MultiModalInput:
+    grid = {"image_grid_thw": ArrayData.of(np.array([1, 2 * rows, 2 * columns]))}
+    return MultiModalInput("image", "x", offset, rows * columns, grid)
+
+
+def test_positions_follow_the_grid_and_continue_after_it():
+    """Text before an image counts on; the image's tokens take (start, start + row,
+    start + column); the text after it resumes from start + the longer side; a chunk or a
+    decode gets the same positions as the whole."""
+    items = (_image(2, 2, 3), _image(9, 1, 1))  # a 2x3 grid at 2, a 1x1 grid at 9
+    whole = image_positions(items, 0, 12, merge_size=2)
+    assert whole.tolist() == [
+        [0, 1, 2, 2, 2, 2, 2, 2, 5, 6, 7, 8],
+        [0, 1, 2, 2, 2, 3, 3, 3, 5, 6, 7, 8],
+        [0, 1, 2, 3, 4, 2, 3, 4, 5, 6, 7, 8],
+    ]
+    for start in range(12):  # a chunk from anywhere, one token (a decode) long
+        assert image_positions(items, start, 1, 2).tolist() == whole[:, start : start + 1].tolist()
+    assert image_positions(items, 20, 1, 2).tolist() == [[17], [17], [17]]
