@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,30 @@ def load_tokenizer(path: str | Path) -> Any:
             "with --tokenizer."
         )
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             local if local.exists() else text, trust_remote_code=False, local_files_only=True
         )
     except Exception as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         where = "" if local.exists() else " (serve does not download: is it in the local HF cache?)"
         raise ValueError(f"Cannot load a tokenizer from {text}{where}: {first_line}") from None
+    if not tokenizer.chat_template and local.is_dir():
+        tokenizer.chat_template = processor_chat_template(local)
+    return tokenizer
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The chat template a multimodal checkpoint keeps for its processor rather than its
+    tokenizer (`chat_template.json`, as llava-hf's repos ship it), which transformers'
+    tokenizer does not read."""
+    file = path / "chat_template.json"
+    if not file.exists():
+        return None
+    try:
+        template = json.loads(file.read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) and template else None
 
 
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> set[int]:

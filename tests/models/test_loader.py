@@ -230,3 +230,27 @@ def test_a_quantized_checkpoint_is_refused_by_its_method(tiny_llama, tmp_path):
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"is a quantized checkpoint \(fp8\); serve runs"):
         load_hf_config(quantized)
+
+
+def test_a_processors_chat_template_is_the_tokenizers_when_it_has_none(tiny_llava, tmp_path):
+    """llava-hf's checkpoints keep the template in chat_template.json (the processor's),
+    which transformers' tokenizer does not read: serve's tokenizer takes it, while a
+    template of the tokenizer's own wins."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "llava"
+    shutil.copytree(tiny_llava, model_dir)
+    for file in model_dir.glob("chat_template.*"):
+        file.unlink()
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(model_dir).chat_template is None
+    template = "{% for m in messages %}USER: {{ m['content'] }}\n{% endfor %}ASSISTANT:"
+    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = load_tokenizer(model_dir)
+    assert tokenizer.chat_template == template
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert prompt == "USER: hi\nASSISTANT:"
+    assert load_tokenizer(tiny_llava).chat_template != template  # its own template kept
