@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import random
 from pathlib import Path
 
@@ -414,13 +415,23 @@ def build_llava_tokenizer() -> transformers.PreTrainedTokenizerFast:
     return tokenizer
 
 
+LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+
+
 def make_tiny_llava(
-    out_dir: Path, *, seed: int = 0, text_arch: str = "llama", tower: str = "clip"
+    out_dir: Path,
+    *,
+    seed: int = 0,
+    text_arch: str = "llama",
+    tower: str = "clip",
+    next_tiles: bool = False,
 ) -> Path:
     """A tiny LLaVA (a 2-layer vision tower on 28-pixel images, the projector, the tiny
     `text_arch` language model) with its image processor and tokenizer, saved as
     transformers saves it. `tower`: "clip" (LLaVA 1.5's: its class token dropped, 16 image
-    tokens) or "siglip" (LLaVA-Interleave's: no class token, every output kept, 16 too)."""
+    tokens) or "siglip" (LLaVA-Interleave's: no class token, every output kept, 16 too).
+    `next_tiles`: LLaVA-NeXT, whose image is a base view plus 2 to 4 tiles of 28 pixels
+    (`LLAVA_NEXT_PINPOINTS`), with a newline embedding after each row of tile features."""
     tokenizer = build_llava_tokenizer()
     text_config = make_tiny_config(text_arch, vocab_size=len(tokenizer))
     shape = dict(
@@ -437,21 +448,30 @@ def make_tiny_llava(
     else:
         vision_config = transformers.SiglipVisionConfig(**shape)
         strategy = "full"
-    config = transformers.LlavaConfig(
+    config_class = transformers.LlavaNextConfig if next_tiles else transformers.LlavaConfig
+    extra = {"image_grid_pinpoints": LLAVA_NEXT_PINPOINTS} if next_tiles else {}
+    config = config_class(
         vision_config=vision_config,
         text_config=text_config,
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
         vision_feature_select_strategy=strategy,
         dtype="float32",
+        **extra,
     )
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config)
+    model = transformers.AutoModelForImageTextToText.from_config(config)
     _perturb_(model, std=0.2)
     model.eval()
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    if tower == "clip":
+    if next_tiles:
+        processor = transformers.LlavaNextImageProcessor(
+            size={"shortest_edge": LLAVA_IMAGE_SIZE},
+            crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
+            image_grid_pinpoints=LLAVA_NEXT_PINPOINTS,
+        )
+    elif tower == "clip":
         processor = transformers.CLIPImageProcessor(
             size={"shortest_edge": LLAVA_IMAGE_SIZE},
             crop_size={"height": LLAVA_IMAGE_SIZE, "width": LLAVA_IMAGE_SIZE},
@@ -580,8 +600,9 @@ def hf_vl_greedy(
     if images:
         processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
         kwargs.update(processor(images=images, return_tensors="pt"))
-        image_token = model.config.image_token_id
-        kwargs["mm_token_type_ids"] = (input_ids == image_token).to(torch.int32)
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # Qwen2-VL
+            image_token = model.config.image_token_id
+            kwargs["mm_token_type_ids"] = (input_ids == image_token).to(torch.int32)
     config = _greedy_generation_config(model, max_new_tokens, ignore_eos=True)
     with torch.no_grad():
         output = model.generate(

@@ -10,8 +10,9 @@ returning the prompt's new token ids and one `MultiModalInput` per image. The wo
 later replace the run's token embeddings with the image's (`worker/multimodal.py`).
 
 Which families take images, how the processor's output splits into images, and how many
-tokens an image takes (fixed for LLaVA, by its size for Qwen2-VL) is read off the HF config
-alone (`image_layout`), so the front end needs no model code.
+tokens an image takes (fixed for LLaVA; by the tile grid and aspect for LLaVA-NeXT; by the
+patch grid for Qwen2-VL) is read off the HF config alone (`image_layout`), so the front end
+needs no model code.
 """
 
 from __future__ import annotations
@@ -67,6 +68,70 @@ class GridImageLayout(ImageLayout):
         return int(np.prod(tensors["image_grid_thw"])) // self.merge_size**2
 
 
+@dataclass(frozen=True)
+class AnyResImageLayout(ImageLayout):
+    """LLaVA-NeXT's: an image is a base view plus tiles of the grid (`grid_pinpoints`)
+    that best fits its size (`pixel_values[i]`, padded to the batch's most tiles; its
+    `image_sizes` row tells how many it has). Its run is the base view's tokens, then the
+    tiles' tokens laid out as one picture, the padding the resize added cut off, with a
+    newline token after each row: so it grows with the image's size and aspect."""
+
+    image_size: int = 336  # pixels a side of the base view and of each tile
+    patch_size: int = 14
+    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+
+    def _grid(self, image_size: Any) -> tuple[int, int]:
+        """(rows, columns) of tiles for an image of `image_size` (height, width)."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        pinpoints = [list(p) for p in self.grid_pinpoints]
+        height, width = select_best_resolution([int(n) for n in image_size], pinpoints)
+        return height // self.image_size, width // self.image_size
+
+    def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        items = []
+        for pixels, size in zip(processed["pixel_values"], processed["image_sizes"]):
+            rows, columns = self._grid(size)
+            items.append(
+                {
+                    "pixel_values": pixels[: 1 + rows * columns],
+                    "image_sizes": np.asarray(size, dtype=np.int64),
+                }
+            )
+        return items
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        height, width = (int(n) for n in tensors["image_sizes"])
+        rows, columns = self._grid((height, width))
+        side = self.image_size // self.patch_size
+        tall, wide = rows * side, columns * side  # the tiles' features as one picture
+        # Cut to the image's aspect: the resize padded the shorter way evenly on both sides.
+        if width / height > wide / tall:
+            pad = (tall - int(round(height * (wide / width), 7))) // 2
+            tall -= 2 * pad
+        else:
+            pad = (wide - int(round(width * (tall / height), 7))) // 2
+            wide -= 2 * pad
+        return side * side + tall * wide + tall  # base view, tiles, a newline per row
+
+
+def _placeholder_id(hf: Any) -> int:
+    token_id = getattr(hf, "image_token_id", None)
+    return int(token_id if token_id is not None else hf.image_token_index)
+
+
+def _llava_next_layout(hf: Any) -> ImageLayout:
+    vision = hf.vision_config
+    if vision.model_type != "clip_vision_model" or hf.vision_feature_select_strategy != "default":
+        raise ValueError(
+            "LLaVA-NeXT is supported with a CLIP tower and the 'default' feature strategy."
+        )
+    pinpoints = tuple(tuple(int(n) for n in p) for p in hf.image_grid_pinpoints)
+    return AnyResImageLayout(
+        _placeholder_id(hf), 0, int(vision.image_size), int(vision.patch_size), pinpoints
+    )
+
+
 def _llava_layout(hf: Any) -> ImageLayout:
     vision = hf.vision_config
     if getattr(vision, "model_type", None) not in ("clip_vision_model", "siglip_vision_model"):
@@ -84,10 +149,7 @@ def _llava_layout(hf: Any) -> ImageLayout:
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported.")
     # "default" drops the first of the tower's outputs (CLIP's class token), "full" keeps all.
     tokens = patches + int(has_cls) - int(strategy == "default")
-    token_id = getattr(hf, "image_token_id", None)
-    if token_id is None:
-        token_id = hf.image_token_index
-    return ImageLayout(int(token_id), tokens)
+    return ImageLayout(_placeholder_id(hf), tokens)
 
 
 def _qwen2_vl_layout(hf: Any) -> ImageLayout:
@@ -95,7 +157,12 @@ def _qwen2_vl_layout(hf: Any) -> ImageLayout:
 
 
 # HF model_type -> its layout, for the families serve runs with images.
-_LAYOUTS = {"llava": _llava_layout, "qwen2_vl": _qwen2_vl_layout, "qwen2_5_vl": _qwen2_vl_layout}
+_LAYOUTS = {
+    "llava": _llava_layout,
+    "llava_next": _llava_next_layout,
+    "qwen2_vl": _qwen2_vl_layout,
+    "qwen2_5_vl": _qwen2_vl_layout,
+}
 
 
 def image_layout(hf_config: Any) -> ImageLayout | None:

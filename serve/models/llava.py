@@ -53,12 +53,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
     def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
         """The language model's shape (what the engine sizes the KV cache and the context
         by), named for LLaVA, with LLaVA's whole config."""
-        _, text = text_model(hf.text_config, text_architecture(hf.text_config))
+        _, text = text_model(hf, text_architecture(hf.text_config))
         return dataclasses.replace(text, architecture=architecture, hf=hf)
 
     def __init__(self, config: ArchConfig) -> None:
         hf = config.hf
-        super().__init__(hf.text_config, text_architecture(hf.text_config))
+        super().__init__(hf, text_architecture(hf.text_config))
         from transformers import AutoModel
 
         self.vision_tower = AutoModel.from_config(hf.vision_config, attn_implementation="sdpa")
@@ -82,3 +82,48 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         if self.drop_first:
             features = features[:, 1:]
         return list(self.multi_modal_projector(features))
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (1.6): each image is a base view and the tiles of the grid that best fits
+    its size, all through the same tower; the tiles' features are laid out as one picture,
+    the resize's padding cut off, a learned newline embedding after each row, after the
+    base view's (engine/multimodal.AnyResImageLayout counts the same tokens)."""
+
+    own_prefixes = ("vision_tower.", "multi_modal_projector.", "image_newline")
+    renames = (("model.image_newline", "image_newline"), *LlavaForConditionalGeneration.renames)
+
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__(config)
+        hf = config.hf
+        self.image_newline = nn.Parameter(torch.empty(self.text_arch.hidden_size))
+        self.grid_pinpoints = [list(p) for p in hf.image_grid_pinpoints]
+        self.tile_size = int(hf.vision_config.image_size)
+        self.side = self.tile_size // int(hf.vision_config.patch_size)
+
+    @torch.inference_mode()
+    def embed_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's views `pixel_values` [1 + tiles, channels, size, size] and
+        `image_sizes` [2] (height, width) -> its run of embeddings."""
+        from transformers.models.llava_next.modeling_llava_next import (
+            get_anyres_image_grid_shape,
+            unpad_image,
+        )
+
+        views = [image["pixel_values"] for image in images]
+        features = super().embed_images([{"pixel_values": v} for v in torch.cat(views)])
+        per_view = torch.stack(features)  # [all views, side * side, hidden]
+        out, first = [], 0
+        for image, pixels in zip(images, views):
+            image_features = per_view[first : first + pixels.shape[0]]
+            first += pixels.shape[0]
+            size = image["image_sizes"].tolist()
+            rows, columns = get_anyres_image_grid_shape(size, self.grid_pinpoints, self.tile_size)
+            tiles = image_features[1:].view(rows, columns, self.side, self.side, -1)
+            # [hidden, rows * side, columns * side]: the tiles as one picture
+            picture = tiles.permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+            picture = unpad_image(picture, size)
+            newline = self.image_newline[:, None, None].expand(*picture.shape[:-1], 1)
+            picture = torch.cat((picture, newline.to(picture.dtype)), dim=-1)
+            out.append(torch.cat((image_features[0], picture.flatten(1, 2).transpose(0, 1))))
+        return out

@@ -77,12 +77,12 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
 
     @classmethod
     def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
-        _, text = text_model(hf.text_config, "Qwen2ForCausalLM")
+        _, text = text_model(hf, "Qwen2ForCausalLM")
         return dataclasses.replace(text, architecture=architecture, hf=hf)
 
     def __init__(self, config: ArchConfig) -> None:
         hf = config.hf
-        super().__init__(hf.text_config, "Qwen2ForCausalLM")
+        super().__init__(hf, "Qwen2ForCausalLM")
         tower = _tower_class(hf.model_type)
         self.visual = tower._from_config(hf.vision_config, attn_implementation="sdpa")
         self.merge_size = int(hf.vision_config.spatial_merge_size)

@@ -56,6 +56,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MptForCausalLM": ("serve.models.mpt", "MptForCausalLM"),
     # Vision-language: an image encoder before a language model of the families above.
     "LlavaForConditionalGeneration": ("serve.models.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": (
+        "serve.models.llava",
+        "LlavaNextForConditionalGeneration",
+    ),
     "Qwen2VLForConditionalGeneration": ("serve.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serve.models.qwen2_vl",

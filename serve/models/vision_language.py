@@ -37,11 +37,14 @@ def text_architecture(text_config: Any) -> str:
     return architecture
 
 
-def text_model(text_config: Any, architecture: str) -> tuple[type[nn.Module], ArchConfig]:
-    """The language model's class and shape, as serve would run it alone."""
+def text_model(hf: Any, architecture: str) -> tuple[type[nn.Module], ArchConfig]:
+    """The language model's class and shape, as serve would run it alone: `hf`'s
+    `text_config`, its LM head tied to the embedding as the whole model's config says
+    (transformers ties a composite model's by the outer `tie_word_embeddings`)."""
     from serve.models.registry import get_arch_config, get_model_class
 
-    text_hf = hf_with(text_config, architectures=[architecture])
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    text_hf = hf_with(hf.text_config, architectures=[architecture], tie_word_embeddings=tied)
     try:
         model_class = get_model_class([architecture], "native")
     except ValueError:
@@ -60,9 +63,9 @@ class VisionLanguageModel(nn.Module):
     own_prefixes: tuple[str, ...] = ()
     renames: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, text_config: Any, architecture: str) -> None:
+    def __init__(self, hf: Any, architecture: str) -> None:
         super().__init__()
-        text_class, self.text_arch = text_model(text_config, architecture)
+        text_class, self.text_arch = text_model(hf, architecture)
         self.language_model = text_class(self.text_arch)
         self.text_spec: WeightSpec = self.language_model.weight_spec
         self.weight_spec = self.text_spec  # what LoRA would read (refused for these models)

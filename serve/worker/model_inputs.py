@@ -68,9 +68,7 @@ class ModelInputs:
     image_spans: list[ImageSpan] = field(default_factory=list)
     # Each sequence with images: (its images, first position, tokens, first row), for
     # positions that depend on them (Qwen2-VL's M-RoPE).
-    mm_rows: list[tuple[tuple[MultiModalInput, ...], int, int, int]] = field(
-        default_factory=list
-    )
+    mm_rows: list[tuple[tuple[MultiModalInput, ...], int, int, int]] = field(default_factory=list)
 
     @property
     def first_logits_rows(self) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 from tiny_models import (
     LLAVA_TOKENS_PER_IMAGE,
     build_llava_tokenizer,
-    hf_llava_greedy,
+    hf_vl_greedy,
     make_tiny_llava,
     random_image,
 )
@@ -63,7 +63,7 @@ def _tokens(outputs) -> list[list[int]]:
 
 def _expected(model_dir, cases=CASES) -> list[list[int]]:
     return [
-        hf_llava_greedy(model_dir, token_ids, images, MAX_TOKENS)
+        hf_vl_greedy(model_dir, token_ids, images, MAX_TOKENS)
         for (token_ids, _), (_, images) in zip(_prompts(model_dir, cases), cases)
     ]
 
@@ -169,3 +169,25 @@ def test_bad_image_inputs_are_refused(tiny_llava, tiny_llama):
     assert not llm.has_unfinished_requests()
     with pytest.raises(ValueError, match="not supported with a vision-language model"):
         LLM(str(tiny_llava), enable_lora=True)
+
+
+@pytest.mark.parametrize("budget", [None, 7])
+def test_llava_next_runs_follow_the_tile_grid(tmp_path_factory, budget):
+    """LLaVA-NeXT: an image's run is its base view, its tiles as one picture cut to its
+    aspect, and a newline per row, so images of other shapes take runs of other lengths;
+    each matches transformers (whose language model here is untied from the embedding
+    by the outer config, though its text_config says tied)."""
+    model_dir = tmp_path_factory.getbasetemp() / "tiny-llava-next"
+    if not model_dir.exists():
+        make_tiny_llava(model_dir, next_tiles=True, seed=5)
+    cases = [
+        ("hello <image> what is this?", [random_image(1, 40, 32)]),
+        ("hello <image> what is this?", [random_image(2, 30, 70)]),
+        ("<image> and <image> compare", [random_image(3, 90, 30), random_image(4, 50, 50)]),
+        CASES[3],
+    ]
+    prompts = _prompts(model_dir, cases)
+    assert [[item.length for item in mm] for _, mm in prompts] == [[70], [56], [34, 88], []]
+    extra = {} if budget is None else {"max_num_batched_tokens": budget, "block_size": 4}
+    llm = LLM(str(model_dir), kv_cache_memory="16MiB", **extra)
+    assert _tokens(_run(llm, prompts)) == _expected(model_dir, cases)
