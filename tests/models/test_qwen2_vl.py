@@ -33,13 +33,16 @@ def _run(model_dir, **engine_args) -> tuple[list[list[int]], list[list[int]]]:
     assert processor is not None
     prompts = [processor.process(tokenizer(text)["input_ids"], ims) for text, ims in CASES]
     llm = LLM(str(model_dir), kv_cache_memory="16MiB", **engine_args)
-    for i, (token_ids, mm_inputs) in enumerate(prompts):
-        llm.add_request(f"r{i}", token_ids, GREEDY, mm_inputs=mm_inputs)
     finished = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                finished[out.request_id] = list(out.outputs[0].token_ids)
+    try:
+        for i, (token_ids, mm_inputs) in enumerate(prompts):
+            llm.add_request(f"r{i}", token_ids, GREEDY, mm_inputs=mm_inputs)
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                if out.finished:
+                    finished[out.request_id] = list(out.outputs[0].token_ids)
+    finally:
+        llm.shutdown()
     got = [finished[f"r{i}"] for i in range(len(CASES))]
     expected = [
         hf_vl_greedy(model_dir, token_ids, ims, MAX_TOKENS)
@@ -85,3 +88,9 @@ def test_positions_follow_the_grid_and_continue_after_it():
     for start in range(12):  # a chunk from anywhere, one token (a decode) long
         assert image_positions(items, start, 1, 2).tolist() == whole[:, start : start + 1].tolist()
     assert image_positions(items, 20, 1, 2).tolist() == [[17], [17], [17]]
+
+
+def test_qwen2_vl_tensor_parallel(tiny_qwen2_vl):
+    """Two ranks: each computes the same M-RoPE positions and runs the replicated tower."""
+    got, expected = _run(tiny_qwen2_vl, tensor_parallel_size=2)
+    assert got == expected
