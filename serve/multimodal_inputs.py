@@ -51,6 +51,15 @@ class MultiModalInput:
     length: int  # the run's length: the embeddings the encoder gives for it
     # The processor's outputs for this one item, by name (LLaVA: "pixel_values" [C, H, W]).
     tensors: dict[str, ArrayData] = field(default_factory=dict)
+    # Which of the run's tokens take the image's embeddings, in order (bool [length]);
+    # None: all of them. Mistral 3's runs hold row breaks and an end token, which are
+    # ordinary tokens between the image's.
+    is_embed: ArrayData | None = None
+
+    @property
+    def num_embeds(self) -> int:
+        """The embeddings the encoder gives for it."""
+        return self.length if self.is_embed is None else int(self.is_embed.numpy().sum())
 
     @property
     def end(self) -> int:

@@ -609,3 +609,43 @@ def hf_vl_greedy(
             input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **kwargs
         )
     return output[0, len(prompt_token_ids) :].tolist()
+
+
+MISTRAL3_TOKENS = ("[IMG]", "[IMG_BREAK]", "[IMG_END]")
+
+
+def make_tiny_mistral3(out_dir: Path, *, seed: int = 0) -> Path:
+    """A tiny Mistral 3: a 2-layer Pixtral tower on 7-pixel patches merged 2 x 2 (a token
+    per 14 pixels, images up to 56 pixels a side), before the tiny Mistral; the tokenizer
+    has `[IMG]`, `[IMG_BREAK]`, `[IMG_END]` (ids 512-514) and writes `[IMG]` for image
+    parts. Its LM head is tied to the embedding, as Mistral3Config's default."""
+    tokenizer = copy.deepcopy(build_tokenizer())
+    tokenizer.add_tokens(list(MISTRAL3_TOKENS), special_tokens=True)
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE.replace("{{ '<image>' }}", "{{ '[IMG]' }}")
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=56,
+        patch_size=7,
+    )
+    config = transformers.Mistral3Config(
+        vision_config=vision,
+        text_config=make_tiny_config("mistral", vocab_size=len(tokenizer)),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(config)
+    _perturb_(model, std=0.2)
+    out_dir = Path(out_dir)
+    model.eval().save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    transformers.PixtralImageProcessor(size={"longest_edge": 56}, patch_size=7).save_pretrained(
+        out_dir
+    )
+    return out_dir

@@ -72,14 +72,15 @@ class EngineCore:
         hf_config = load_hf_config(self.model_path)
         tp_size = config.parallel.tensor_parallel_size
         arch = get_arch_config(hf_config, config.model.model_impl)
-        self.image_layout = image_layout(hf_config)  # None: the model takes no images
+        check_tensor_parallel(arch, tp_size)  # before any worker starts
+        self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
+        # None: the model takes no images
+        self.image_layout = image_layout(hf_config, self.tokenizer)
         if self.image_layout is not None and config.lora.enable_lora:
             raise ValueError(
                 "--enable-lora is not supported with a vision-language model yet "
                 f"({self.model_path.name}): serve it without adapters."
             )
-        check_tensor_parallel(arch, tp_size)  # before any worker starts
-        self.tokenizer = load_tokenizer(config.model.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, hf_config, self.tokenizer)
         self.vocab_size = arch.vocab_size
         self.pooling = model_pooling(
@@ -232,12 +233,14 @@ class EngineCore:
                 raise ValueError(f"{item.modality} input without pixel_values is not taken.")
             run = prompt_token_ids[item.offset : item.end]
             arrays = {name: array.numpy() for name, array in item.tensors.items()}
-            expected = layout.num_tokens(arrays)
-            if item.length != expected or any(t != layout.placeholder_token_id for t in run):
+            expected = layout.run_tokens(arrays)
+            takes = [t == layout.placeholder_token_id for t in expected]
+            given = [True] * item.length if item.is_embed is None else item.is_embed.numpy()
+            if run != expected or list(given) != takes:
                 raise ValueError(
-                    f"An image's run [{item.offset}, {item.end}) must be {expected} "
-                    f"placeholder tokens ({layout.placeholder_token_id}); "
-                    "MultiModalProcessor.process makes it."
+                    f"An image's run [{item.offset}, {item.end}) must be its "
+                    f"{len(expected)} placeholder tokens ({layout.placeholder_token_id}, and "
+                    "any row tokens); MultiModalProcessor.process makes it."
                 )
 
     def check_params(self, params: SamplingParams) -> None:

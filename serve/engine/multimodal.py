@@ -42,6 +42,11 @@ class ImageLayout:
         """The run one image takes."""
         return self.tokens_per_image
 
+    def run_tokens(self, tensors: dict[str, np.ndarray]) -> list[int]:
+        """The run's token ids: the placeholder, once per embedding the image takes, for
+        every family but Mistral 3's."""
+        return [self.placeholder_token_id] * self.num_tokens(tensors)
+
 
 @dataclass(frozen=True)
 class GridImageLayout(ImageLayout):
@@ -115,12 +120,53 @@ class AnyResImageLayout(ImageLayout):
         return side * side + tall * wide + tall  # base view, tiles, a newline per row
 
 
+@dataclass(frozen=True)
+class RowsImageLayout(ImageLayout):
+    """Mistral 3's (Pixtral's tower): an image at its own size (`pixel_values[i]` padded to
+    the batch's largest, `image_sizes[i]` its own), one placeholder per `downsample` x
+    `downsample` pixels, each row of them ended by a break token, the last by an end
+    token. The breaks and the end are text tokens inside the run."""
+
+    downsample: int = 28  # pixels a token covers: the patch size times the merge size
+    break_token_id: int = -1
+    end_token_id: int = -1
+
+    def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        return [
+            {
+                "pixel_values": pixels[:, : int(size[0]), : int(size[1])],
+                "image_sizes": np.asarray(size, dtype=np.int64),
+            }
+            for pixels, size in zip(processed["pixel_values"], processed["image_sizes"])
+        ]
+
+    def run_tokens(self, tensors: dict[str, np.ndarray]) -> list[int]:
+        height, width = (int(n) // self.downsample for n in tensors["image_sizes"])
+        row = [self.placeholder_token_id] * width + [self.break_token_id]
+        run = row * height
+        run[-1] = self.end_token_id
+        return run
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        return len(self.run_tokens(tensors))
+
+
+def _mistral3_layout(hf: Any, tokenizer: Any) -> ImageLayout:
+    if tokenizer is None:
+        raise ValueError("Mistral 3's image layout needs its tokenizer (the row tokens).")
+    break_id, end_id = tokenizer.convert_tokens_to_ids(["[IMG_BREAK]", "[IMG_END]"])
+    if break_id is None or end_id is None or break_id == tokenizer.unk_token_id:
+        raise ValueError("Mistral 3's tokenizer lacks [IMG_BREAK] or [IMG_END].")
+    downsample = int(hf.vision_config.patch_size) * int(hf.spatial_merge_size)
+    return RowsImageLayout(_placeholder_id(hf), 0, downsample, break_id, end_id)
+
+
 def _placeholder_id(hf: Any) -> int:
     token_id = getattr(hf, "image_token_id", None)
     return int(token_id if token_id is not None else hf.image_token_index)
 
 
-def _llava_next_layout(hf: Any) -> ImageLayout:
+def _llava_next_layout(hf: Any, tokenizer: Any) -> ImageLayout:
     vision = hf.vision_config
     if vision.model_type != "clip_vision_model" or hf.vision_feature_select_strategy != "default":
         raise ValueError(
@@ -132,7 +178,7 @@ def _llava_next_layout(hf: Any) -> ImageLayout:
     )
 
 
-def _llava_layout(hf: Any) -> ImageLayout:
+def _llava_layout(hf: Any, tokenizer: Any) -> ImageLayout:
     vision = hf.vision_config
     if getattr(vision, "model_type", None) not in ("clip_vision_model", "siglip_vision_model"):
         raise ValueError(
@@ -152,7 +198,7 @@ def _llava_layout(hf: Any) -> ImageLayout:
     return ImageLayout(_placeholder_id(hf), tokens)
 
 
-def _qwen2_vl_layout(hf: Any) -> ImageLayout:
+def _qwen2_vl_layout(hf: Any, tokenizer: Any) -> ImageLayout:
     return GridImageLayout(int(hf.image_token_id), 0, int(hf.vision_config.spatial_merge_size))
 
 
@@ -162,14 +208,15 @@ _LAYOUTS = {
     "llava_next": _llava_next_layout,
     "qwen2_vl": _qwen2_vl_layout,
     "qwen2_5_vl": _qwen2_vl_layout,
+    "mistral3": _mistral3_layout,
 }
 
 
-def image_layout(hf_config: Any) -> ImageLayout | None:
+def image_layout(hf_config: Any, tokenizer: Any = None) -> ImageLayout | None:
     """How the model's prompts hold images; None for a model that takes none (ValueError
-    for a multimodal config serve cannot run)."""
+    for a multimodal config serve cannot run). Mistral 3's needs the tokenizer."""
     layout = _LAYOUTS.get(getattr(hf_config, "model_type", ""))
-    return layout(hf_config) if layout is not None else None
+    return layout(hf_config, tokenizer) if layout is not None else None
 
 
 class MultiModalProcessor:
@@ -185,7 +232,7 @@ class MultiModalProcessor:
     def from_model(
         cls, model_path: str | Path, hf_config: Any, tokenizer: Any
     ) -> MultiModalProcessor | None:
-        layout = image_layout(hf_config)
+        layout = image_layout(hf_config, tokenizer)
         if layout is None:
             return None
         import transformers
@@ -227,10 +274,13 @@ class MultiModalProcessor:
         for position, arrays in zip(found, self._processed(images)):
             token_ids += prompt_token_ids[last:position]
             tensors = {name: ArrayData.of(array) for name, array in arrays.items()}
-            run = self.layout.num_tokens(arrays)
+            run = self.layout.run_tokens(arrays)
+            is_embed = np.asarray(run) == token_id
+            mask = None if is_embed.all() else ArrayData.of(is_embed)
             identifier = content_hash("image", tensors)
-            inputs.append(MultiModalInput("image", identifier, len(token_ids), run, tensors))
-            token_ids += [token_id] * run
+            item = MultiModalInput("image", identifier, len(token_ids), len(run), tensors, mask)
+            inputs.append(item)
+            token_ids += run
             last = position + 1
         token_ids += prompt_token_ids[last:]
         return token_ids, tuple(inputs)

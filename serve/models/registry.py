@@ -60,6 +60,10 @@ _MODELS: dict[str, tuple[str, str]] = {
         "serve.models.llava",
         "LlavaNextForConditionalGeneration",
     ),
+    "Mistral3ForConditionalGeneration": (
+        "serve.models.mistral3",
+        "Mistral3ForConditionalGeneration",
+    ),
     "Qwen2VLForConditionalGeneration": ("serve.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": (
         "serve.models.qwen2_vl",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from serve.worker.model_inputs import ImageSpan
@@ -48,16 +49,15 @@ class ImageEmbeddings:
             ]
             encoded = self.model.embed_images(tensors)
             for identifier, item, values in zip(todo, todo.values(), encoded):
-                if values.shape[0] != item.length:
+                if values.shape[0] != item.num_embeds:
                     raise RuntimeError(
-                        f"the encoder gave {values.shape[0]} embeddings for an image whose "
-                        f"run is {item.length} tokens"
+                        f"the encoder gave {values.shape[0]} embeddings for an image that "
+                        f"takes {item.num_embeds}"
                     )
                 embeddings[identifier] = values
-        rows = torch.cat([torch.arange(s.row, s.row + s.count, device=self.device) for s in spans])
-        values = torch.cat(
-            [embeddings[s.item.identifier][s.first : s.first + s.count] for s in spans]
-        )
+        parts = [_span_rows(s, embeddings[s.item.identifier], self.device) for s in spans]
+        rows = torch.cat([r for r, _ in parts])
+        values = torch.cat([v for _, v in parts])
         # Kept: the images a chunk stopped inside of.
         self._kept = {
             s.item.identifier: embeddings[s.item.identifier]
@@ -65,3 +65,19 @@ class ImageEmbeddings:
             if s.first + s.count < s.item.length
         }
         return rows, values
+
+
+def _span_rows(
+    span: ImageSpan, embeddings: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token-stream rows a span's embeddings go to, and those embeddings: every token
+    of the span's part of the run, or only those its mask names (the others are text)."""
+    first, count = span.first, span.count
+    if span.item.is_embed is None:
+        rows = torch.arange(span.row, span.row + count, device=device)
+        return rows, embeddings[first : first + count]
+    mask = span.item.is_embed.numpy()
+    before = int(mask[:first].sum())  # the embeddings of the run's earlier part
+    taken = np.flatnonzero(mask[first : first + count])
+    rows = torch.from_numpy(taken + span.row).to(device)
+    return rows, embeddings[before : before + len(taken)]
