@@ -688,6 +688,65 @@ class ParallelConfig:
         return "uniproc" if self.tensor_parallel_size == 1 else "mp"
 
 
+MODALITIES = ("image", "video", "audio")  # vLLM's keys of limit_mm_per_prompt
+DEFAULT_MM_LIMIT = 999  # vLLM's items of each modality a prompt may hold, when not set
+
+
+def parse_limit_mm_per_prompt(value: str | dict[str, Any] | None) -> dict[str, int]:
+    """`limit_mm_per_prompt` (JSON text, or a dict from `LLM(...)`) as modality -> count:
+    vLLM's `{"image": 2}`, or its `{"image": {"count": 2, ...}}` (the other keys size
+    vLLM's profiling and mean nothing here). InvalidSettingError says what is wrong."""
+    name = "limit_mm_per_prompt"
+    if value is None:
+        return {}
+    limits = {}
+    for modality, item in _json_object(name, value).items():
+        if modality not in MODALITIES:
+            raise InvalidSettingError(
+                name, f"has unknown modality {modality!r}; the keys are {', '.join(MODALITIES)}."
+            )
+        count = item.get("count", DEFAULT_MM_LIMIT) if isinstance(item, dict) else item
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise InvalidSettingError(
+                name, f"needs {modality}'s count to be an integer >= 0, got {count!r}."
+            )
+        limits[modality] = count
+    return limits
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Images in prompts, for a vision-language model (engine/multimodal.py): how many a
+    prompt may hold, and where an image URL may point. The front ends' (the server's
+    chat, `LLM`), which read and count a prompt's images; the engine core never reads it."""
+
+    limit_mm_per_prompt: str | dict[str, Any] | None = setting(
+        None,
+        'most images a prompt may hold, as vLLM\'s JSON: {"image": 2} (default 999; 0: '
+        "images are refused, as vLLM's --language-model-only)",
+        metavar="JSON",
+    )
+    allowed_local_media_path: str | None = setting(
+        None,
+        "a directory whose files requests may name as file:// image URLs (default: none, "
+        "file URLs are refused); any client can then read any image under it",
+        metavar="DIR",
+    )
+
+    def __post_init__(self) -> None:
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        folder = self.allowed_local_media_path
+        if folder is not None and not Path(folder).is_dir():
+            raise InvalidSettingError(
+                "allowed_local_media_path", f"must be an existing directory; {folder} is not."
+            )
+
+    @property
+    def image_limit(self) -> int:
+        """The most images a prompt may hold."""
+        return parse_limit_mm_per_prompt(self.limit_mm_per_prompt).get("image", DEFAULT_MM_LIMIT)
+
+
 @dataclass(frozen=True)
 class ResponseStoreConfig:
     """The Responses API's memory (serve/api/response_store.py): responses kept so that a
@@ -739,6 +798,9 @@ class EngineConfig:
         default_factory=SpeculativeConfig, metadata={_TITLE: "speculative decoding"}
     )
     lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={_TITLE: "LoRA adapters"})
+    multimodal: MultiModalConfig = field(
+        default_factory=MultiModalConfig, metadata={_TITLE: "images (vision-language models)"}
+    )
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     cuda_graphs: bool = setting(
         True,

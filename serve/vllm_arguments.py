@@ -319,6 +319,13 @@ VLLM_ARGUMENTS = (
         _compilation_config,
     ),
     VllmArgument(
+        "language_model_only",
+        bool,
+        "refuse images, as --limit-mm-per-prompt '{\"image\": 0}' (serve still loads the "
+        "vision tower)",
+        lambda on: {"limit_mm_per_prompt": {"image": 0}} if on else {},
+    ),
+    VllmArgument(
         "hf_overrides",
         str,
         "accepted when empty: serve reads the model's config.json as it is",

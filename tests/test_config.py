@@ -274,3 +274,31 @@ def test_this_machine_has_some():
     if available is None:
         pytest.skip("no /proc/meminfo here")
     assert total and 0 < available <= total
+
+
+def test_image_settings_read_vllms_forms(tmp_path):
+    """limit_mm_per_prompt as vLLM writes it (a count, or {"count": ...}; 999 unset),
+    vLLM's language_model_only as a limit of 0, and a local media folder that exists."""
+    assert EngineConfig().multimodal.image_limit == 999
+    limits = {
+        '{"image": 2}': 2,
+        '{"image": {"count": 3, "width": 512}}': 3,
+        '{"video": 1}': 999,
+        '{"image": 0}': 0,
+    }
+    for value, limit in limits.items():
+        assert EngineConfig.create(limit_mm_per_prompt=value).multimodal.image_limit == limit
+    assert EngineConfig.create(limit_mm_per_prompt={"image": 4}).multimodal.image_limit == 4
+    assert EngineConfig.create(language_model_only=True).multimodal.image_limit == 0
+    assert EngineConfig.create(language_model_only=False) == EngineConfig()
+    for value, refused in [
+        ('{"image": -1}', "integer >= 0"),
+        ('{"image": true}', "integer >= 0"),
+        ('{"pictures": 1}', "unknown modality"),
+        ("image=2", "not valid JSON"),
+    ]:
+        with pytest.raises(InvalidSettingError, match=f"^limit_mm_per_prompt .*{refused}"):
+            EngineConfig.create(limit_mm_per_prompt=value)
+    assert EngineConfig.create(allowed_local_media_path=str(tmp_path)).multimodal
+    with pytest.raises(InvalidSettingError, match="must be an existing directory"):
+        EngineConfig.create(allowed_local_media_path=str(tmp_path / "absent"))

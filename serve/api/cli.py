@@ -747,6 +747,7 @@ def _load(args: argparse.Namespace):
     from serve.api.served_models import ServedModels
     from serve.api.server import build_app
     from serve.api.settings import ServerSettings
+    from serve.engine.image_inputs import ImageInputs
     from serve.models.generation_config import generation_defaults
 
     if args.disable_frontend_multiprocessing:
@@ -812,10 +813,12 @@ def _load(args: argparse.Namespace):
         )
     # The app reads the tokenizer: a --reasoning-parser it cannot serve is refused. Each
     # --lora-modules adapter is read by the engine's check: one it would not load is too.
+    # A model that takes images has its image processor read here, beside the tokenizer.
     try:
         if lora_modules:
             asyncio.run(_serve_adapters(models, lora_modules))
-        app = build_app(engine, settings, models)
+        images = ImageInputs.for_model(model_path, engine.tokenizer, config.multimodal, names[0])
+        app = build_app(engine, settings, models, images)
     except ValueError:
         engine.shutdown()
         raise

@@ -443,15 +443,38 @@ class RefusalPart(OpenAIModel):
     refusal: str
 
 
+class ImageURL(OpenAIModel):
+    url: str = Field(min_length=1)  # data:image/...;base64,..., http(s)://, file://
+    # OpenAI's "auto", "low", "high": taken and ignored, as vLLM ignores it (an image
+    # becomes the tokens its model's image processor makes of it).
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(OpenAIModel):
+    """An image by its URL (serve/engine/media.py reads it), for a model that takes
+    images. vLLM's short form, `{"image_url": "<url>"}` with no type, is taken too."""
+
+    type: Literal["image_url"] = "image_url"
+    image_url: ImageURL | str
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
 def _part_kind(part: Any) -> str:
-    # Any type but "refusal" is checked as a text part, so that an unknown one is refused
-    # at `content.N.type`.
+    # Any type but "refusal" and "image_url" is checked as a text part, so that an unknown
+    # one is refused at `content.N.type`.
     kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-    return "refusal" if kind == "refusal" else "text"
+    if kind is None and isinstance(part, dict) and "image_url" in part:
+        return "image_url"  # vLLM's short form
+    return kind if kind in ("refusal", "image_url") else "text"
 
 
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("text")] | Annotated[RefusalPart, Tag("refusal")],
+    Annotated[TextPart, Tag("text")]
+    | Annotated[RefusalPart, Tag("refusal")]
+    | Annotated[ImageURLPart, Tag("image_url")],
     Discriminator(_part_kind),
 ]
 
@@ -528,10 +551,22 @@ class ChatMessage(OpenAIModel):
 
     @property
     def text(self) -> str:
-        """The content as text: its parts' texts (a refusal's included) joined by newlines."""
+        """The content as text: its parts' texts (a refusal's included, images left out)
+        joined by newlines."""
         if isinstance(self.content, list):
-            return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+            return "\n".join(
+                p.text if isinstance(p, TextPart) else p.refusal
+                for p in self.content
+                if not isinstance(p, ImageURLPart)
+            )
         return self.content or ""
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of its image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.url for p in self.content if isinstance(p, ImageURLPart)]
 
     @field_validator("content")
     @classmethod
@@ -718,6 +753,11 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def image_urls(self) -> list[str]:
+        """Its messages' image URLs, in the order their placeholders take in the prompt."""
+        return [url for message in self.messages for url in message.image_urls]
 
 
 def _forced_functions(

@@ -55,6 +55,7 @@ from serve.api.serving_messages import MessagesHandler
 from serve.api.serving_responses import ResponsesHandler
 from serve.api.settings import ServerSettings
 from serve.api.tokenizer_info import tokenizer_info
+from serve.engine.image_inputs import ImageInputs
 from serve.engine.protocol import EngineClient, EngineDeadError
 from serve.lora_request import LoRARequest
 
@@ -64,11 +65,15 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(
-    engine: EngineClient, settings: ServerSettings, models: ServedModels | None = None
+    engine: EngineClient,
+    settings: ServerSettings,
+    models: ServedModels | None = None,
+    images: ImageInputs | None = None,
 ) -> FastAPI:
     """The app serving `engine`, which it shuts down when the server stops (SIGTERM,
     Ctrl-C): a core process is stopped, never left behind. `models`: the names it answers
-    to and its LoRA adapters (default: the base model's names, no adapters)."""
+    to and its LoRA adapters (default: the base model's names, no adapters); `images`:
+    the images its chat takes (default: none, as a text-only model's)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -88,7 +93,7 @@ def build_app(
     app.state.engine, app.state.settings = engine, settings
     prompt_chars = PromptCharLimit(engine.tokenizer, engine.max_model_len)  # reads the vocab
     served = models or ServedModels(settings, engine)
-    chat = ChatHandler(engine, settings, prompt_chars, served)
+    chat = ChatHandler(engine, settings, prompt_chars, served, images)
     completions = CompletionHandler(engine, settings, prompt_chars, served)
     stored = settings.response_store
     responses = ResponsesHandler(

@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from serve.api.chat_images import load_images, widen_prompt
 from serve.api.errors import APIError, validation_message
 from serve.api.logprobs_json import (
     prompt_logprobs_json,
@@ -59,8 +60,10 @@ from serve.chat.tool_parsers import (
     ToolParser,
     get_tool_parser,
 )
+from serve.engine.image_inputs import ImageInputs
 from serve.engine.protocol import EngineClient
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.outputs import CompletionOutput, OutputKind, RequestOutput
 
 
@@ -75,6 +78,7 @@ class ChatPrompt:
     reasoning: RequestReasoning | None = None
     # The tokens after which the request's grammar starts (request_checks.grammar_start).
     grammar_start_token_ids: tuple[int, ...] = ()
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # its images (token_ids hold their runs)
 
 
 def tool_finish_reason(
@@ -159,9 +163,12 @@ class ChatHandler:
         settings: ServerSettings,
         prompt_chars: PromptCharLimit,
         models: ServedModels | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         self.engine, self.settings = engine, settings
         self.tokenizer = engine.tokenizer
+        # The images the model takes (None: a text-only model, as a stand-in engine's).
+        self.images = images or ImageInputs.text_only(settings.served_model_name)
         self.prompt_chars = prompt_chars
         self.models = models or ServedModels(settings)  # the Responses and Messages ones' too
         name = settings.tool_call_parser
@@ -171,14 +178,25 @@ class ChatHandler:
             get_reasoning_parser(name, self.tokenizer.get_vocab()) if name else None
         )
 
-    def prepare(self, request: ChatCompletionRequest) -> ChatPrompt:
+    async def prepare_with_images(self, request: ChatCompletionRequest) -> ChatPrompt:
+        """`prepare` on the prompt thread, once the request's images are read (off it)."""
+        images = await load_images(self.images, request)
+        return await off_the_loop(self.prepare, request, images)
+
+    def prepare(
+        self, request: ChatCompletionRequest, images: list[Any] | None = None
+    ) -> ChatPrompt:
+        """The prompt of a chat request whose `images` (PIL, in order) are read already."""
         lora = self.models.resolve(request.model)
         check_limits(request, self.settings)
         if request.stream:
             check_no_streamed_prompt_logprobs(request)
         output_parser = self._output_parser(request)
+        text, ids = self.render(request)
+        ids, mm_inputs = widen_prompt(self.images, request, ids, images or [])
         text, prompt_ids, max_tokens = fit_prompt(
-            *self.render(request),
+            text,
+            ids,
             request,
             self.tokenizer,
             self.engine.max_model_len,
@@ -193,7 +211,9 @@ class ChatHandler:
                 # reasoning_ended): no part of that output is reasoning.
                 reasoning = dataclasses.replace(reasoning, in_reasoning=False)
         start = grammar_start(reasoning, request)
-        return ChatPrompt(text, prompt_ids, max_tokens, output_parser, lora, reasoning, start)
+        return ChatPrompt(
+            text, prompt_ids, max_tokens, output_parser, lora, reasoning, start, mm_inputs
+        )
 
     def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
         """The prompt of a chat request made of `fields` (/tokenize's messages form): the
@@ -224,6 +244,7 @@ class ChatHandler:
                 request.continue_final_message,
                 self.template_variables(request),
                 settings.chat_template_content_format,
+                self.images.placeholder_text,
             )
         except ChatRenderError as e:
             raise APIError(400, str(e)) from None
@@ -317,7 +338,7 @@ class ChatHandler:
     async def create(
         self, request: ChatCompletionRequest, on_usage: UsageCallback | None = None
     ) -> dict[str, Any]:
-        prompt = await off_the_loop(self.prepare, request)
+        prompt = await self.prepare_with_images(request)
         request_id, engine_id = response_ids("chatcmpl", request.request_id)
         stream = self.generate(request, engine_id, prompt, OutputKind.FINAL_ONLY)
         (out,) = await final_outputs([stream])
@@ -384,7 +405,7 @@ class ChatHandler:
         """SSE chunks as OpenAI sends them: a role chunk per choice, content and tool-call
         deltas, a finish chunk per choice, the usage chunk if asked for, then [DONE]. Bad
         requests raise here, before the response starts."""
-        prompt = await off_the_loop(self.prepare, request)
+        prompt = await self.prepare_with_images(request)
         response_id, engine_id = response_ids("chatcmpl", request.request_id)
         writer = ChunkWriter(
             response_id,
@@ -424,6 +445,7 @@ class ChatHandler:
             output_kind,
             grammar_start_token_ids=prompt.grammar_start_token_ids,
             lora_request=prompt.lora,
+            mm_inputs=prompt.mm_inputs,
         )
 
     async def _events(

@@ -190,7 +190,7 @@ class MessagesHandler:
         """Everything that can refuse the request, before a response starts."""
         chat = self.chat_request(request)
         await check_structured_output(self.engine, chat, self.settings.grammar_compile_timeout_s)
-        prompt = await off_the_loop(self.chat.prepare, chat)
+        prompt = await self.chat.prepare_with_images(chat)
         return PreparedMessage(chat, prompt, message_id())
 
     def _generate(

@@ -30,7 +30,7 @@ from serve.api.responses_items import (
     usage,
 )
 from serve.api.responses_stream import Event, EventNumbering, StreamedOutput
-from serve.api.serving_base import off_the_loop, open_stream
+from serve.api.serving_base import open_stream
 from serve.api.serving_chat import ChatHandler, ChatPrompt, chat_request_from
 from serve.api.streaming import (
     StreamState,
@@ -180,7 +180,7 @@ class ResponsesHandler:
         with _responses_params():
             timeout_s = self.settings.grammar_compile_timeout_s
             await check_structured_output(self.engine, turn.chat, timeout_s)
-            prompt = await off_the_loop(self.chat.prepare, turn.chat)
+            prompt = await self.chat.prepare_with_images(turn.chat)
         return turn, prompt
 
     def _turn(self, request: ResponsesRequest) -> Turn:
@@ -212,6 +212,7 @@ class ResponsesHandler:
                 output_kind,
                 grammar_start_token_ids=prompt.grammar_start_token_ids,
                 lora_request=prompt.lora,
+                mm_inputs=prompt.mm_inputs,
             )
 
     # -- the response -------------------------------------------------------------------------

@@ -11,12 +11,22 @@ the `developer` role gets developer messages as system ones (vLLM's rule). Templ
 know tools get them as `tools`; for those that do not (SmolLM2's ChatML), the tool list
 goes into the system message and past calls into the assistant's text, both in a tool
 parser's format, so that the model reads what it is asked to write (vLLM writes neither).
+
+Images (for a model that takes them: `image_placeholder`, its placeholder text) are
+`image_url` parts (vLLM's short form `{"image_url": "<url>"}` too) or, offline, vLLM's
+`image_pil` parts, in any role, as vLLM takes them. A template that loops over the parts
+gets `{"type": "image"}` where each stood (what HF templates of vision models write the
+placeholder for); for one that takes text, each message's images become placeholders on
+lines of their own before its text, less those its text already places (vLLM's rule).
+`chat_images` lists them in the same order, the order their placeholders take in the
+prompt; the caller reads and processes them (this package imports no model code).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from serve.chat.content_format import resolve_content_format
@@ -51,25 +61,51 @@ class ChatRenderError(ValueError):
 
 
 def template_messages(
-    messages: list[dict[str, Any]], content_format: str = "string"
+    messages: list[dict[str, Any]],
+    content_format: str = "string",
+    image_placeholder: str | None = None,
 ) -> list[dict[str, Any]]:
     """OpenAI-shaped messages (as the API validated them, or a script wrote them) as HF
-    chat templates take them; `content_format` "string" or "openai" (content_format.py)."""
-    return [_template_message(message, content_format) for message in messages]
+    chat templates take them; `content_format` "string" or "openai" (content_format.py).
+    `image_placeholder`: the model's placeholder text; None, a model that takes no images
+    (an image part is refused)."""
+    return [_template_message(m, content_format, image_placeholder) for m in messages]
 
 
-def _template_message(message: dict[str, Any], content_format: str) -> dict[str, Any]:
+def chat_images(messages: list[dict[str, Any]]) -> list[Any]:
+    """A conversation's images in prompt order: each `image_url` part's URL, each
+    `image_pil` part's image."""
+    return [
+        item.source
+        for message in messages
+        if isinstance(message, dict)
+        for item in _content_items(message.get("content"))
+        if isinstance(item, _Image)
+    ]
+
+
+def _template_message(
+    message: dict[str, Any], content_format: str, image_placeholder: str | None
+) -> dict[str, Any]:
     if not isinstance(message, dict) or "role" not in message:
         raise ChatRenderError(f"A message is a dict with a role; got {message!r:.100}.")
     role = message["role"]
-    texts = _texts(message.get("content"))
+    items = _content_items(message.get("content"))
     if isinstance(message.get("refusal"), str):  # an assistant's, beside its content
-        texts.append(message["refusal"])
-    # A tool result is text in either format: templates write it as one string.
-    if content_format == "openai" and role != "tool":
-        content: Any = [{"type": "text", "text": text} for text in texts]
+        items.append(message["refusal"])
+    texts = [item for item in items if isinstance(item, str)]
+    num_images = len(items) - len(texts)
+    if num_images and image_placeholder is None:
+        raise ChatRenderError("This model takes no images: send text content parts alone.")
+    # A tool result is text in either format (templates write it as one string), unless
+    # it holds images, which keep their place among its parts (as vLLM keeps them).
+    if content_format == "openai" and (role != "tool" or num_images):
+        content: Any = [
+            {"type": "text", "text": item} if isinstance(item, str) else {"type": "image"}
+            for item in items
+        ]
     else:
-        content = "\n".join(texts)
+        content = _with_placeholders("\n".join(texts), num_images, image_placeholder)
     entry: dict[str, Any] = {"role": role, "content": content}
     if isinstance(message.get("name"), str):
         entry["name"] = message["name"]
@@ -98,27 +134,71 @@ def _template_message(message: dict[str, Any], content_format: str) -> dict[str,
 
 # The text a part of each kind carries: an assistant's refusal is rendered as its text.
 _PART_TEXT = {"text": "text", "refusal": "refusal"}
+# The field of an image part of each kind: a URL (or {"url": ...}), or offline a PIL image.
+_PART_IMAGE = {"image_url": "image_url", "image_pil": "image_pil"}
 
 
-def _texts(content: Any) -> list[str]:
-    """A message's texts: a string, or the text of each of its parts."""
+@dataclass(frozen=True)
+class _Image:
+    source: Any  # a URL, or a PIL image
+
+
+def _content_items(content: Any) -> list[str | _Image]:
+    """A message's content as its texts and images, in order: a string, or its parts."""
     if content is None:
         return []
     if isinstance(content, str):
         return [content]
-    texts = []
+    items: list[str | _Image] = []
     for part in content:
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in _PART_TEXT:
+        kind = _part_kind(part)
+        if kind in _PART_TEXT:
+            items.append(part[_PART_TEXT[kind]])
+        elif kind in _PART_IMAGE:
+            items.append(_Image(_image_source(part.get(_PART_IMAGE[kind]))))
+        else:
             raise ChatRenderError(
-                f"Only text and refusal content parts can be rendered; got {kind!r}."
+                f"Only text, refusal and image (image_url) content parts can be rendered; "
+                f"got {kind!r}."
             )
-        texts.append(part[_PART_TEXT[kind]])
-    return texts
+    return items
+
+
+def _part_kind(part: Any) -> Any:
+    if not isinstance(part, dict):
+        return type(part).__name__
+    if part.get("type") is None:  # vLLM's short forms, {"image_url": "<url>"} and image_pil's
+        return next((kind for kind in _PART_IMAGE if kind in part), None)
+    return part["type"]
+
+
+def _image_source(value: Any) -> Any:
+    """An image part's URL (given as the URL or as {"url": ...}) or image."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if url is None or url == "":
+        raise ChatRenderError(f"An image part needs its image or URL; got {value!r:.100}.")
+    return url
+
+
+def _with_placeholders(text: str, num_images: int, placeholder: str | None) -> str:
+    """A message's text with its images' placeholders, as vLLM writes it for a template
+    that takes text: one per image its text does not place already, each on a line of its
+    own before the text."""
+    if not num_images or placeholder is None:
+        return text
+    num_missing = num_images - text.count(placeholder)
+    if num_missing < 0:
+        raise ChatRenderError(
+            f"A message's text holds {text.count(placeholder)} image placeholders "
+            f"({placeholder}) for {num_images} image{'s' * (num_images != 1)}."
+        )
+    return "\n".join([placeholder] * num_missing + ([text] if text else []))
 
 
 def _joined(content: str | list[dict[str, Any]]) -> str:
-    return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] for p in content if p.get("type") == "text")
 
 
 def _appended(content: str | list[dict[str, Any]], text: str, separator: str) -> Any:
@@ -194,6 +274,7 @@ def render_chat(
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     content_format: str = "auto",
+    image_placeholder: str | None = None,
 ) -> tuple[str, list[int]]:
     """The prompt text and ids for a conversation (OpenAI's messages, made
     `template_messages` here) and its tools (OpenAI's tool objects). `tool_format`
@@ -201,7 +282,9 @@ def render_chat(
     `check_text` sees the text before it is tokenized. With `continue_final_message` the
     prompt ends inside the final message, for the model to continue it. `template_kwargs`
     are more variables for the template (vLLM's `chat_template_kwargs`); `content_format`
-    is vLLM's `chat_template_content_format` (auto, string, openai)."""
+    is vLLM's `chat_template_content_format` (auto, string, openai). `image_placeholder`:
+    the text that places an image, for a model that takes them (the images themselves are
+    `chat_images(messages)`, in the order of their placeholders); None refuses images."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatRenderError(
             "This model has no chat template, so chats cannot be rendered. Give one (serve "
@@ -222,7 +305,7 @@ def render_chat(
         content_format = resolve_content_format(content_format, template)
     except ValueError as e:
         raise ChatRenderError(str(e)) from None
-    messages = template_messages(messages, content_format)
+    messages = template_messages(messages, content_format, image_placeholder)
     if "'developer'" not in template and '"developer"' not in template:
         messages = _developer_as_system(messages)
     tool_format = tool_format or get_tool_parser(DEFAULT_TOOL_FORMAT)

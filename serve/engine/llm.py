@@ -13,14 +13,17 @@ from serve.chat.rendering import render_chat
 from serve.config import EngineConfig
 from serve.engine.core import EngineCore
 from serve.engine.detokenizer import MAX_CHAR_TOKENS, text_decoder, token_text_in_context
+from serve.engine.image_inputs import ImageInputs
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.offline_inputs import (
     Prompt,
+    conversation_images,
     lora_list,
     prompt_list,
     spaces_between_special_tokens,
     tokenization_options,
     truncated_prompt,
+    with_images,
 )
 from serve.engine.output_processor import OutputProcessor
 from serve.lora_request import LoRARequest
@@ -63,6 +66,13 @@ class LLM:
         fixed seed) draws one at random, logged."""
         config = EngineConfig.create(model, **kwargs)
         self.engine = EngineCore(config)
+        try:  # the images the model takes (its image processor), as the server reads them
+            self._images = ImageInputs.for_model(
+                self.engine.model_path, self.engine.tokenizer, config.multimodal
+            )
+        except ValueError:
+            self.engine.shutdown()
+            raise
         self.output_processor = OutputProcessor(self.engine.tokenizer)
         self._request_ids = itertools.count()
         # Each running request's params: its outputs' logprobs and text follow them (`_present`).
@@ -94,7 +104,9 @@ class LLM:
         others have finished. `tokenization_kwargs` are vLLM's: `truncate_prompt_tokens`
         (as SamplingParams' own; a prompt's `prompt` text stays as given) and
         `add_special_tokens`. `lora_request` (a `LoRARequest`, with `enable_lora=True`) one
-        for all prompts or one per prompt: the adapter each request runs with."""
+        for all prompts or one per prompt: the adapter each request runs with. A prompt
+        dict's `multi_modal_data`, `{"image": PIL image or list}`, gives a vision-language
+        model its images, one per placeholder its prompt holds (LLaVA's `<image>`)."""
         prompts = prompt_list(prompts)
         loras = lora_list(lora_request, len(prompts))
         if sampling_params is None:
@@ -117,7 +129,7 @@ class LLM:
                 f"Got {len(priorities)} priorities for {len(prompts)} prompts; give one per prompt."
             )
         keep, add_special_tokens = tokenization_options(tokenization_kwargs)
-        requests = []
+        requests, mm_inputs = [], []
         for prompt, params in zip(prompts, params_list):
             if keep is not None and params.truncate_prompt_tokens not in (None, keep):
                 raise ValueError(
@@ -125,8 +137,10 @@ class LLM:
                     f"{params.truncate_prompt_tokens} in SamplingParams: give one."
                 )
             text, ids = self._tokenize(prompt, add_special_tokens)
+            ids, images = with_images(self._images, prompt, ids, keep)
             requests.append((text, self._truncated(ids, keep, params), params))
-        outputs = self._run(requests, use_tqdm, priorities, loras)
+            mm_inputs.append(images)
+        outputs = self._run(requests, use_tqdm, priorities, loras, mm_inputs)
         if any(out.error is not None for out in outputs):
             raise RequestsFailedError(outputs)
         return outputs
@@ -453,7 +467,9 @@ class LLM:
         parts, "auto" the parts to a template that loops over them, else the text (as the
         server's --chat-template-content-format). `tokenization_kwargs` and `lora_request` as in
         `generate` (the template writes the special tokens: `add_special_tokens` defaults
-        to False, as in vLLM)."""
+        to False, as in vLLM). A vision-language model takes images as `image_url` parts
+        (data:, http(s)://, file:// under `allowed_local_media_path`) or vLLM's
+        `{"type": "image_pil", "image_pil": PIL image}`."""
         keep, add_special_tokens = tokenization_options(tokenization_kwargs)
         if not messages:
             return []
@@ -467,6 +483,7 @@ class LLM:
             )
         prompts = []
         for conversation in conversations:
+            images = conversation_images(self._images, conversation)
             text, ids = render_chat(
                 self.get_tokenizer(),
                 conversation,
@@ -476,10 +493,12 @@ class LLM:
                 continue_final_message=continue_final_message,
                 template_kwargs=chat_template_kwargs,
                 content_format=chat_template_content_format,
+                image_placeholder=self._images.placeholder_text,
             )
             if add_special_tokens:
                 ids = self.get_tokenizer()(text, add_special_tokens=True).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            prompts.append(prompt | {"multi_modal_data": {"image": images}} if images else prompt)
         return self.generate(
             prompts,
             sampling_params,

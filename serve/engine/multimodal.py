@@ -249,8 +249,12 @@ class MultiModalProcessor:
                 f"{model_path} takes images but its image processor could not be loaded "
                 f"(preprocessor_config.json): {e}"
             ) from None
-        text = tokenizer.convert_ids_to_tokens(layout.placeholder_token_id)
-        return cls(layout, image_processor, text)
+        marks = [layout.placeholder_token_id]
+        start = getattr(hf_config, "vision_start_token_id", None)
+        end = getattr(hf_config, "vision_end_token_id", None)
+        if start is not None and end is not None:  # Qwen2-VL: an image between its markers
+            marks = [int(start), *marks, int(end)]
+        return cls(layout, image_processor, "".join(tokenizer.convert_ids_to_tokens(marks)))
 
     def process(
         self, prompt_token_ids: list[int], images: list[Any]
@@ -288,6 +292,8 @@ class MultiModalProcessor:
     def _processed(self, images: list[Any]) -> list[dict[str, np.ndarray]]:
         from PIL import Image
 
+        from serve.engine.media import to_rgb
+
         rgb = []
         for i, image in enumerate(images):
             if not isinstance(image, Image.Image):
@@ -295,7 +301,7 @@ class MultiModalProcessor:
                     f"Image {i} is a {type(image).__name__}; images are PIL images "
                     "(or, over HTTP, image URLs)."
                 )
-            rgb.append(image.convert("RGB") if image.mode != "RGB" else image)
+            rgb.append(to_rgb(image))
         out = self.image_processor(images=rgb, return_tensors="np")
         items = self.layout.split({name: np.asarray(value) for name, value in out.items()})
         for item in items:

@@ -1,14 +1,18 @@
-"""What `LLM`'s methods take in vLLM's forms, checked and read: prompts (one or a list),
-`tokenization_kwargs`, `truncate_prompt_tokens`, `lora_request`, the chat template's
-content format, and whether the tokenizer spaces special tokens apart."""
+"""What `LLM`'s methods take in vLLM's forms, checked and read: prompts (one or a list,
+their `multi_modal_data`), `tokenization_kwargs`, `truncate_prompt_tokens`,
+`lora_request`, the chat template's content format, and whether the tokenizer spaces
+special tokens apart."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from serve.chat.rendering import chat_images
 from serve.engine.detokenizer import text_decoder
+from serve.engine.image_inputs import ImageInputs
 from serve.lora_request import LoRARequest
+from serve.multimodal_inputs import MultiModalInput
 from serve.sampling_params import check_truncate_prompt_tokens
 
 # A prompt: text, token ids, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dict.
@@ -51,6 +55,50 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     ):
         return [prompts]
     return list(prompts)
+
+
+def prompt_images(prompt: Prompt) -> list[Any]:
+    """vLLM's `multi_modal_data` of a prompt dict, `{"image": an image or a list of them}`,
+    as the list of its images ([] for a prompt without)."""
+    data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(
+            f'multi_modal_data is a dict such as {{"image": image}}; got {type(data).__name__}.'
+        )
+    others = sorted(set(data) - {"image"})
+    if others:
+        raise ValueError(f"multi_modal_data takes images alone ('image'); serve reads no {others}.")
+    images = data.get("image")
+    if images is None:
+        return []
+    return list(images) if isinstance(images, (list, tuple)) else [images]
+
+
+def with_images(
+    images: ImageInputs, prompt: Prompt, token_ids: list[int], keep: int | None
+) -> tuple[list[int], tuple[MultiModalInput, ...]]:
+    """A prompt's token ids with its `multi_modal_data` images' placeholders widened, and
+    the images as the engine takes them (`ImageInputs.process`: the placeholders and the
+    images must pair up). `keep`, a truncation, cannot apply to a prompt with images."""
+    given = prompt_images(prompt)
+    images.check_count(len(given))
+    token_ids, mm_inputs = images.process(token_ids, [images.load(image) for image in given])
+    if mm_inputs and keep is not None:
+        raise ValueError(
+            "truncate_prompt_tokens cannot cut a prompt with images (an image's tokens would "
+            "be cut apart); leave it unset for such prompts."
+        )
+    return token_ids, mm_inputs
+
+
+def conversation_images(images: ImageInputs, conversation: list[dict[str, Any]]) -> list[Any]:
+    """A chat's images (its `image_url` parts read, its `image_pil` parts as given), in
+    the order of their placeholders, once the model and the limit take that many."""
+    sources = chat_images(conversation)
+    images.check_count(len(sources))
+    return [images.load(source) for source in sources]
 
 
 def lora_list(lora_request: Any, num_prompts: int) -> list[LoRARequest | None]:

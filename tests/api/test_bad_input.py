@@ -115,7 +115,7 @@ def test_a_body_without_a_content_type_is_read_as_json(http, server, content_typ
         ([{"role": "user", "content": 5}], "messages.0.content"),
         ([{"role": "user", "content": {"text": "Hi"}}], "messages.0.content"),
         (
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
             "messages.0.content.0.type",
         ),
         ([{"role": "user", "content": [{"type": "text"}]}], "messages.0.content.0.text"),
@@ -133,7 +133,7 @@ def test_a_body_without_a_content_type_is_read_as_json(http, server, content_typ
         "no-role",
         "content-number",
         "content-object",
-        "image-part",
+        "audio-part",
         "part-without-text",
         "user-without-content",
         "user-null-content",

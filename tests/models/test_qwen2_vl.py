@@ -94,3 +94,33 @@ def test_qwen2_vl_tensor_parallel(tiny_qwen2_vl):
     """Two ranks: each computes the same M-RoPE positions and runs the replicated tower."""
     got, expected = _run(tiny_qwen2_vl, tensor_parallel_size=2)
     assert got == expected
+
+
+def test_a_string_template_places_an_image_between_its_markers(tiny_qwen2_vl):
+    """For a template that takes text, an image part becomes Qwen2-VL's whole marker
+    (`<|vision_start|><|image_pad|><|vision_end|>`, as vLLM writes it), not the bare pad."""
+    from serve.chat.rendering import render_chat
+
+    tokenizer = build_qwen_vl_tokenizer()
+    processor = MultiModalProcessor.from_model(
+        tiny_qwen2_vl, load_hf_config(tiny_qwen2_vl), tokenizer
+    )
+    assert processor.placeholder_text == IMAGE
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "x"}},
+                {"type": "text", "text": "hi"},
+            ],
+        }
+    ]
+    text, _ = render_chat(
+        tokenizer,
+        messages,
+        True,
+        None,
+        content_format="string",
+        image_placeholder=processor.placeholder_text,
+    )
+    assert f"{IMAGE}\nhi" in text
