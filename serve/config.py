@@ -732,14 +732,30 @@ class MultiModalConfig:
         "file URLs are refused); any client can then read any image under it",
         metavar="DIR",
     )
+    mm_processor_kwargs: str | dict[str, Any] | None = setting(
+        None,
+        "keyword arguments for the model's image processor, as vLLM's JSON: "
+        '{"max_pixels": 1003520} bounds a Qwen2-VL image to 1,280 tokens (a request\'s '
+        "own mm_processor_kwargs are laid over them)",
+        metavar="JSON",
+    )
 
     def __post_init__(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        if self.mm_processor_kwargs is not None:
+            _json_object("mm_processor_kwargs", self.mm_processor_kwargs)
         folder = self.allowed_local_media_path
         if folder is not None and not Path(folder).is_dir():
             raise InvalidSettingError(
                 "allowed_local_media_path", f"must be an existing directory; {folder} is not."
             )
+
+    @property
+    def processor_kwargs(self) -> dict[str, Any]:
+        """`mm_processor_kwargs` as a dict ({} when unset)."""
+        if self.mm_processor_kwargs is None:
+            return {}
+        return _json_object("mm_processor_kwargs", self.mm_processor_kwargs)
 
     @property
     def image_limit(self) -> int:

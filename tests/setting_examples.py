@@ -58,6 +58,9 @@ EXAMPLES = {
     "max_lora_rank": Example(("--max-lora-rank", "64"), 64),
     "max_cpu_loras": Example(("--max-cpu-loras", "4"), 4),
     "limit_mm_per_prompt": Example(("--limit-mm-per-prompt", '{"image": 2}'), '{"image": 2}'),
+    "mm_processor_kwargs": Example(
+        ("--mm-processor-kwargs", '{"max_pixels": 1003520}'), '{"max_pixels": 1003520}'
+    ),
     "allowed_local_media_path": Example(("--allowed-local-media-path", "/tmp"), "/tmp"),
     "device": Example(("--device", "cpu"), "cpu"),
     "cuda_graphs": Example(("--no-cuda-graphs",), False),

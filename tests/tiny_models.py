@@ -492,35 +492,6 @@ def random_image(seed: int, width: int = 40, height: int = 32):
     return Image.fromarray(pixels)
 
 
-def hf_llava_greedy(
-    model_dir: Path, prompt_token_ids: list[int], images: list, max_new_tokens: int
-) -> list[int]:
-    """HF's LLaVA greedy continuation in float32 (new token ids, EOS ignored), the prompt
-    already widened (one run of image tokens per image), the pixels from the model's own
-    image processor."""
-    key = "llava:" + str(Path(model_dir).resolve())
-    if key not in _hf_models:
-        model = transformers.LlavaForConditionalGeneration.from_pretrained(
-            model_dir, dtype=torch.float32
-        )
-        _hf_models[key] = model.eval()
-    model = _hf_models[key]
-    input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
-    kwargs = {}
-    if images:
-        processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
-    config = _greedy_generation_config(model, max_new_tokens, ignore_eos=True)
-    with torch.no_grad():
-        output = model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            generation_config=config,
-            **kwargs,
-        )
-    return output[0, len(prompt_token_ids) :].tolist()
-
-
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 QWEN_VL_CHAT_TEMPLATE = LLAVA_CHAT_TEMPLATE.replace(
     "{{ '<image>' }}", "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
@@ -583,7 +554,11 @@ def make_tiny_qwen2_vl(out_dir: Path, *, seed: int = 0, version: str = "2") -> P
 
 
 def hf_vl_greedy(
-    model_dir: Path, prompt_token_ids: list[int], images: list, max_new_tokens: int
+    model_dir: Path,
+    prompt_token_ids: list[int],
+    images: list,
+    max_new_tokens: int,
+    processor_kwargs: dict | None = None,
 ) -> list[int]:
     """HF's greedy continuation (new token ids, EOS ignored) of a vision-language model
     (any `AutoModelForImageTextToText`) in float32, the prompt already widened, the image
@@ -599,7 +574,7 @@ def hf_vl_greedy(
     kwargs = {}
     if images:
         processor = transformers.AutoImageProcessor.from_pretrained(model_dir)
-        kwargs.update(processor(images=images, return_tensors="pt"))
+        kwargs.update(processor(images=images, return_tensors="pt", **(processor_kwargs or {})))
         if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # Qwen2-VL
             image_token = model.config.image_token_id
             kwargs["mm_token_type_ids"] = (input_ids == image_token).to(torch.int32)

@@ -54,7 +54,7 @@ def widen_prompt(
     engine takes them (`ImageInputs.process`)."""
     check_images(inputs, request)
     try:
-        token_ids, mm_inputs = inputs.process(token_ids, images)
+        token_ids, mm_inputs = inputs.process(token_ids, images, request.mm_processor_kwargs)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     if mm_inputs and request.truncate_prompt_tokens is not None:

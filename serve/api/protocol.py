@@ -638,6 +638,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     # vLLM's extra: more variables for the chat template (e.g. Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extra: the image processor's keyword arguments for this request's images,
+    # over --mm-processor-kwargs (Qwen2-VL's max_pixels).
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     # Default: "auto" when tools are given, else "none" (see `effective_tool_choice`).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

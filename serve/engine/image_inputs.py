@@ -7,7 +7,7 @@ answers it with a 400."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ class ImageInputs:
     processor: MultiModalProcessor | None  # None: the model takes no images
     loader: MediaLoader
     limit: int  # the most images a prompt may hold
+    # The image processor's keyword arguments (mm_processor_kwargs); a request's over them.
+    processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def for_model(
@@ -42,7 +44,8 @@ class ImageInputs:
             model_path, load_hf_config(model_path), tokenizer
         )
         loader = MediaLoader.create(config.allowed_local_media_path)
-        return cls(model_name or Path(model_path).name, processor, loader, config.image_limit)
+        name = model_name or Path(model_path).name
+        return cls(name, processor, loader, config.image_limit, config.processor_kwargs)
 
     @classmethod
     def text_only(cls, model_name: str) -> ImageInputs:
@@ -78,12 +81,17 @@ class ImageInputs:
         raise ValueError(f"An image is a URL or a PIL image; got a {type(source).__name__}.")
 
     def process(
-        self, prompt_token_ids: list[int], images: list[Any]
+        self,
+        prompt_token_ids: list[int],
+        images: list[Any],
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], tuple[MultiModalInput, ...]]:
         """The prompt with each image's placeholder widened into its run, and the images
         as the engine takes them. For a model that takes images, every prompt goes through
-        here: one that holds a placeholder without its image is refused too."""
+        here: one that holds a placeholder without its image is refused too.
+        `processor_kwargs`: a request's own, over the setting's."""
         self.check_count(len(images))
         if self.processor is None:
             return list(prompt_token_ids), ()
-        return self.processor.process(prompt_token_ids, list(images))
+        kwargs = self.processor_kwargs | (processor_kwargs or {})
+        return self.processor.process(prompt_token_ids, list(images), kwargs)

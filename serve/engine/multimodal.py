@@ -257,11 +257,16 @@ class MultiModalProcessor:
         return cls(layout, image_processor, "".join(tokenizer.convert_ids_to_tokens(marks)))
 
     def process(
-        self, prompt_token_ids: list[int], images: list[Any]
+        self,
+        prompt_token_ids: list[int],
+        images: list[Any],
+        processor_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], tuple[MultiModalInput, ...]]:
         """The prompt with each image's placeholder widened into its run, and the images as
-        the engine takes them. ValueError when the placeholders and images do not pair up
-        or an image cannot be read."""
+        the engine takes them. `processor_kwargs` go to the image processor's call (vLLM's
+        `mm_processor_kwargs`: Qwen2-VL's `min_pixels` / `max_pixels`). ValueError when the
+        placeholders and images do not pair up, an image cannot be read or the processor
+        refuses its arguments."""
         token_id = self.layout.placeholder_token_id
         found = [i for i, t in enumerate(prompt_token_ids) if t == token_id]
         if len(found) != len(images):
@@ -275,7 +280,7 @@ class MultiModalProcessor:
         token_ids: list[int] = []
         inputs = []
         last = 0
-        for position, arrays in zip(found, self._processed(images)):
+        for position, arrays in zip(found, self._processed(images, processor_kwargs or {})):
             token_ids += prompt_token_ids[last:position]
             tensors = {name: ArrayData.of(array) for name, array in arrays.items()}
             run = self.layout.run_tokens(arrays)
@@ -289,7 +294,25 @@ class MultiModalProcessor:
         token_ids += prompt_token_ids[last:]
         return token_ids, tuple(inputs)
 
-    def _processed(self, images: list[Any]) -> list[dict[str, np.ndarray]]:
+    def _call_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's `min_pixels` / `max_pixels` (Qwen2-VL's) as the `size` transformers 5
+        takes them in (its bounds on an image's pixels, named `shortest_edge` and
+        `longest_edge`); other arguments as given."""
+        size = getattr(self.image_processor, "size", None)
+        bounds = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
+        if not (set(bounds) & set(kwargs)) or not isinstance(size, dict) or "size" in kwargs:
+            return kwargs
+        if not set(bounds.values()) <= set(size):
+            return kwargs
+        kwargs, size = dict(kwargs), dict(size)
+        for name, key in bounds.items():
+            if name in kwargs:
+                size[key] = kwargs.pop(name)
+        return kwargs | {"size": size}
+
+    def _processed(
+        self, images: list[Any], processor_kwargs: dict[str, Any]
+    ) -> list[dict[str, np.ndarray]]:
         from PIL import Image
 
         from serve.engine.media import to_rgb
@@ -302,7 +325,14 @@ class MultiModalProcessor:
                     "(or, over HTTP, image URLs)."
                 )
             rgb.append(to_rgb(image))
-        out = self.image_processor(images=rgb, return_tensors="np")
+        try:
+            out = self.image_processor(
+                images=rgb, return_tensors="np", **self._call_kwargs(processor_kwargs)
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"The image processor refused mm_processor_kwargs {processor_kwargs}: {e}"
+            ) from None
         items = self.layout.split({name: np.asarray(value) for name, value in out.items()})
         for item in items:
             item["pixel_values"] = item["pixel_values"].astype(np.float32, copy=False)

@@ -84,7 +84,11 @@ def with_images(
     images must pair up). `keep`, a truncation, cannot apply to a prompt with images."""
     given = prompt_images(prompt)
     images.check_count(len(given))
-    token_ids, mm_inputs = images.process(token_ids, [images.load(image) for image in given])
+    kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs is a dict; got {type(kwargs).__name__}.")
+    loaded = [images.load(image) for image in given]
+    token_ids, mm_inputs = images.process(token_ids, loaded, kwargs)
     if mm_inputs and keep is not None:
         raise ValueError(
             "truncate_prompt_tokens cannot cut a prompt with images (an image's tokens would "

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from api.openai_errors import assert_openai_error
 from image_fixtures import closed_port, data_url, hf_chat_prompt, image_server, png_bytes
-from tiny_models import build_llava_tokenizer, hf_llava_greedy, random_image
+from tiny_models import build_llava_tokenizer, hf_vl_greedy, random_image
 
 MAX_TOKENS = 8
 QUESTION = "What is this?"
@@ -77,7 +77,7 @@ def expected(tokenizer, model_dir, content, images) -> tuple[list[int], list[int
     """HF's widened prompt for one user turn of `content` (HF's parts), and its greedy
     continuation."""
     prompt = hf_chat_prompt(tokenizer, content)
-    return prompt, hf_llava_greedy(model_dir, prompt, images, MAX_TOKENS)
+    return prompt, hf_vl_greedy(model_dir, prompt, images, MAX_TOKENS)
 
 
 HF_ONE_IMAGE = [{"type": "image"}, {"type": "text", "text": QUESTION}]
@@ -273,3 +273,19 @@ def test_the_limit_and_local_files(one_image_llava, media_dir, tokenizer, tiny_l
     outside = image_part(f"file://{media_dir}/../0.png")
     error = assert_openai_error(post(server, chat(server, [outside])), 400, "messages")
     assert "must be under" in error["message"]
+
+
+def test_a_requests_mm_processor_kwargs_reach_the_image_processor(llava, tokenizer, tiny_llava):
+    """vLLM's per-request mm_processor_kwargs: CLIP's processor without normalization gives
+    other pixels, so another answer (HF's under the same arguments); an argument the
+    processor does not take is a 400 that names it."""
+    content = [image_part(data_url(IMAGES[0])), {"type": "text", "text": QUESTION}]
+    plain = post(llava, chat(llava, content)).json()
+    raw = post(llava, chat(llava, content, mm_processor_kwargs={"do_normalize": False})).json()
+    prompt = hf_chat_prompt(tokenizer, HF_ONE_IMAGE)
+    expected = hf_vl_greedy(tiny_llava, prompt, IMAGES[:1], MAX_TOKENS, {"do_normalize": False})
+    assert raw["choices"][0]["token_ids"] == expected
+    assert raw["choices"][0]["token_ids"] != plain["choices"][0]["token_ids"]
+    bad = chat(llava, content, mm_processor_kwargs={"no_such_argument": 1})
+    error = assert_openai_error(post(llava, bad), 400, "messages")
+    assert "no_such_argument" in error["message"]

@@ -10,7 +10,7 @@ from image_fixtures import data_url, hf_chat_prompt, widened
 from tiny_models import (
     IMAGE_TOKEN,
     build_llava_tokenizer,
-    hf_llava_greedy,
+    hf_vl_greedy,
     random_image,
 )
 
@@ -39,7 +39,7 @@ def llm(tiny_llava):
 def check_matches_hf(model_dir, out, prompt_ids: list[int], images: list) -> list[int]:
     assert out.prompt_token_ids == prompt_ids
     tokens = list(out.outputs[0].token_ids)
-    assert tokens == hf_llava_greedy(model_dir, prompt_ids, images, MAX_TOKENS)
+    assert tokens == hf_vl_greedy(model_dir, prompt_ids, images, MAX_TOKENS)
     return tokens
 
 

@@ -6,6 +6,7 @@ the text after it; and the M-RoPE positions continue after the images into the d
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from tiny_models import build_qwen_vl_tokenizer, hf_vl_greedy, make_tiny_qwen2_vl, random_image
 
 from serve import LLM, SamplingParams
@@ -124,3 +125,39 @@ def test_a_string_template_places_an_image_between_its_markers(tiny_qwen2_vl):
         image_placeholder=processor.placeholder_text,
     )
     assert f"{IMAGE}\nhi" in text
+
+
+def test_mm_processor_kwargs_bound_an_images_tokens(tiny_qwen2_vl):
+    """vLLM's mm_processor_kwargs reach the image processor: the setting's for every
+    prompt, a prompt's own over them. A 200x150 image takes 12 tokens under the tiny
+    processor's own max_pixels (112*112), 2 under 56*56; the output still equals
+    transformers' under the same arguments."""
+    image = random_image(7, 200, 150)
+    prompt = f"hello {IMAGE} what is this?"
+    llm = LLM(
+        str(tiny_qwen2_vl), kv_cache_memory="16MiB", mm_processor_kwargs={"max_pixels": 56 * 56}
+    )
+    tokenizer = build_qwen_vl_tokenizer()
+    processor = MultiModalProcessor.from_model(
+        tiny_qwen2_vl, load_hf_config(tiny_qwen2_vl), tokenizer
+    )
+    for kwargs, given, tokens in [
+        ({"max_pixels": 56 * 56}, None, 2),  # the setting's
+        ({}, {"max_pixels": 112 * 112}, 12),  # the prompt's own, over it
+    ]:
+        request = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        if given is not None:
+            request["mm_processor_kwargs"] = given
+        (out,) = llm.generate([request], GREEDY, use_tqdm=False)
+        token_ids, (item,) = processor.process(
+            tokenizer(prompt)["input_ids"], [image], kwargs | (given or {})
+        )
+        assert item.length == tokens
+        assert out.prompt_token_ids == token_ids
+        expected = hf_vl_greedy(
+            tiny_qwen2_vl, token_ids, [image], MAX_TOKENS, kwargs | (given or {})
+        )
+        assert list(out.outputs[0].token_ids) == expected
+    with pytest.raises(ValueError, match="refused mm_processor_kwargs"):
+        bad = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        llm.generate([bad | {"mm_processor_kwargs": {"no_such_argument": 1}}], GREEDY)
