@@ -2,6 +2,7 @@
 
     serve bench --base-url http://127.0.0.1:8000 --request-rate 0.5,1,2,inf
     serve bench --dataset sharegpt --dataset-path ShareGPT.json --request-rate 4
+    serve bench --dataset random-image --images-per-request 2 --image-size 224x224-672x672
     serve bench --compare before/results.json after/results.json
 
 Each rate in `--request-rate` is one run over the same requests (a sweep); the results
@@ -18,7 +19,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import httpx
 
 from serve.bench import datasets
 from serve.bench.client import get_model, replay, send
-from serve.bench.datasets import Request
+from serve.bench.datasets import ImageSizes, Request
 from serve.bench.report import format_summary, summarize
 
 
@@ -50,6 +51,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _image_sizes(text: str) -> ImageSizes:
+    try:
+        return ImageSizes.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="serve bench",
@@ -66,15 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="bearer key (default: $SERVE_API_KEY or $OPENAI_API_KEY)",
     )
     data = p.add_argument_group("requests")
-    data.add_argument("--dataset", choices=("random", "sharegpt", "prefix"), default="random")
+    data.add_argument(
+        "--dataset", choices=("random", "sharegpt", "prefix", "random-image"), default="random"
+    )
     data.add_argument("--dataset-path", type=Path, default=None, help="the ShareGPT JSON file")
     data.add_argument("--num-requests", type=_positive_int, default=64)
     data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--min-prompt", type=int, default=32, help="random: prompt tokens, least")
+    data.add_argument(
+        "--min-prompt",
+        type=int,
+        default=32,
+        help="random: prompt tokens, least; random-image: words of text (about a token each)",
+    )
     data.add_argument("--max-prompt", type=int, default=512, help="random: prompt tokens, most")
     data.add_argument("--min-output", type=int, default=16, help="random: output tokens, least")
     data.add_argument(
         "--max-output", type=int, default=256, help="random: output tokens, most; prefix: all"
+    )
+    data.add_argument(
+        "--images-per-request", type=_positive_int, default=1, help="random-image: images each"
+    )
+    data.add_argument(
+        "--image-size",
+        type=_image_sizes,
+        default=ImageSizes((336, 336), (336, 336)),
+        help="random-image: WxH, or a range WxH-WxH that widths and heights are drawn "
+        "from uniformly (seeded), e.g. 224x224-672x672",
     )
     data.add_argument(
         "--num-prefixes", type=_positive_int, default=4, help="prefix: distinct prefixes"
@@ -136,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     ranges = (("min_prompt", "max_prompt"), ("min_output", "max_output"))
-    for least, most in ranges if args.dataset == "random" else ():
+    for least, most in ranges if args.dataset in ("random", "random-image") else ():
         low, high = getattr(args, least), getattr(args, most)
         flags = f"--{least.replace('_', '-')}", f"--{most.replace('_', '-')}"
         if low < 1 or low > high:
@@ -196,7 +221,9 @@ async def run(args: argparse.Namespace) -> dict:
         model, max_model_len = await get_model(client, args.model)
         requests = make_requests(args, max_model_len, _token_counter(args, model))
         print(f"url={args.base_url} model={model} dataset={args.dataset} requests={len(requests)}")
-        warmup = await send(client, model, Request(requests[0].prompt, 2), 0.0, args.ignore_eos)
+        warmup = await send(
+            client, model, replace(requests[0], num_output_tokens=2), 0.0, args.ignore_eos
+        )
         if warmup.error is not None:
             raise ValueError(f"the warm-up request failed: {warmup.error}")
         runs = []
@@ -229,6 +256,7 @@ async def run(args: argparse.Namespace) -> dict:
     config["request_rate"] = [f"{r:g}" for r in args.request_rate]
     config["dataset_path"] = None if args.dataset_path is None else str(args.dataset_path)
     config["output_dir"] = None if args.output_dir is None else str(args.output_dir)
+    config["image_size"] = str(args.image_size)  # "336x336" or "224x224-672x672"
     return {
         "label": args.label or model,
         "model": model,
@@ -257,6 +285,16 @@ def make_requests(
             args.suffix_len,
             args.max_output,
             token_ids,
+            args.seed,
+        )
+    elif args.dataset == "random-image":
+        longest = args.max_prompt + args.max_output  # text only: the images' tokens come on top
+        requests = datasets.random_image_requests(
+            args.num_requests,
+            (args.min_prompt, args.max_prompt),
+            (args.min_output, args.max_output),
+            args.image_size,
+            args.images_per_request,
             args.seed,
         )
     else:

@@ -11,6 +11,10 @@ forced (`ignore_eos`, the default), its usage chunk reports the number of output
 asked for; the others count as failed (an HTTP or stream error) or mismatched. Without
 `ignore_eos` a model may stop early: any length counts. Works against any OpenAI-compatible server that streams usage and
 accepts vLLM's `ignore_eos` (serve, vLLM, SGLang).
+
+Requests with images go to `/v1/chat/completions` as one user message (the text, then
+`image_url` parts), their text read from `delta.content`; the others to
+`/v1/completions`, read from `text`. The stream and its timing are the same.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class RequestResult:
     e2e_s: float | None = None
     error: str | None = None
     forces_length: bool = True  # sent with ignore_eos: its length is known in advance
+    num_images: int = 0
 
     @property
     def is_success(self) -> bool:
@@ -67,12 +72,14 @@ async def send(
     """One streamed completion; never raises for the server's errors (they are recorded).
     `extra`: more body fields (e.g. `min_tokens`), sent as given."""
     result = RequestResult(
-        request.num_prompt_tokens, request.num_output_tokens, forces_length=ignore_eos
+        request.num_prompt_tokens,
+        request.num_output_tokens,
+        forces_length=ignore_eos,
+        num_images=len(request.image_urls),
     )
-    payload = {
+    path, payload = _endpoint_and_body(request)
+    payload |= {
         "model": model,
-        "prompt": request.prompt,
-        "max_tokens": request.num_output_tokens,
         "temperature": temperature,
         "ignore_eos": ignore_eos,
         "stream": True,
@@ -81,7 +88,7 @@ async def send(
     }
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=payload) as response:
+        async with client.stream("POST", path, json=payload) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body[:200]}"
@@ -100,7 +107,7 @@ async def send(
                     result.num_output_tokens = chunk["usage"]["completion_tokens"]
                     if not isinstance(request.prompt, list):
                         result.num_prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                if any(_text(choice) for choice in chunk.get("choices", [])):
                     if result.ttft_s is None:
                         result.ttft_s = now - start
                     else:
@@ -110,6 +117,25 @@ async def send(
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         result.error = f"{type(e).__name__}: {e}"
     return result
+
+
+def _endpoint_and_body(request: Request) -> tuple[str, dict[str, Any]]:
+    """Where the request goes, and the body fields that differ between the two."""
+    if not request.image_urls:
+        body = {"prompt": request.prompt, "max_tokens": request.num_output_tokens}
+        return "/v1/completions", body
+    images = [{"type": "image_url", "image_url": {"url": url}} for url in request.image_urls]
+    content = [{"type": "text", "text": request.prompt}, *images]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_completion_tokens": request.num_output_tokens,
+    }
+    return "/v1/chat/completions", body
+
+
+def _text(choice: dict[str, Any]) -> str | None:
+    """A streamed choice's new text: a completion's `text`, a chat's `delta.content`."""
+    return choice.get("text") or (choice.get("delta") or {}).get("content")
 
 
 async def replay(

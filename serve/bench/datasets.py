@@ -5,7 +5,9 @@
 - sharegpt: the first human turn of each conversation in a ShareGPT-format JSON file as
   the prompt, the length of the reply that followed as the output length;
 - prefix: groups of requests whose prompts share a long prefix (a system prompt, a
-  document), each with a short suffix of its own: what prefix caching is for.
+  document), each with a short suffix of its own: what prefix caching is for;
+- random-image: chat requests for vision-language models, random words and images of
+  random pixels (PNG data URLs) of seeded sizes (vLLM's random-mm, images only).
 
 Output lengths are asked for with `ignore_eos` by default, so every server does the same
 work whatever its model would say.
@@ -13,19 +15,35 @@ work whatever its model would say.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# Words that are one token each, a leading space included, in the BPE vocabularies of
+# common models: a random-image prompt of n words is about n text tokens.
+WORDS = tuple(
+    "the of and to in is for on that with as it at by from this be are was or an not "
+    "but all can one has more new time year day way work life world hand part place "
+    "case week group number point home water room state name night side line end".split()
+)
+MAX_IMAGE_SIDE = 8192
 
 
 @dataclass(frozen=True)
 class Request:
     prompt: list[int] | str  # token ids, or text the server tokenizes
     num_output_tokens: int
-    # Text prompts: their length as counted by the tokenizer the set was built with.
+    # Text prompts: their length as counted when the set was built (random-image: its
+    # words, an estimate); the server's count replaces it once the request is answered.
     text_prompt_tokens: int = field(default=0, compare=False)
+    # With images, the request is one chat message (`/v1/chat/completions`): the prompt
+    # text, then these images (data URLs).
+    image_urls: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -55,6 +73,70 @@ def random_requests(
         )
         for _ in range(num_requests)
     ]
+
+
+@dataclass(frozen=True)
+class ImageSizes:
+    """The sizes random images are drawn from: width and height each uniform between
+    `least` and `most`, inclusive. Written `WxH` (one size) or `WxH-WxH` (a range)."""
+
+    least: tuple[int, int]  # (width, height) in pixels
+    most: tuple[int, int]
+
+    @classmethod
+    def parse(cls, text: str) -> ImageSizes:
+        """Raises ValueError, saying what is wrong, for anything but `WxH[-WxH]` with
+        sides from 1 to MAX_IMAGE_SIDE and the least size no larger than the most."""
+        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*(?:-\s*(\d+)x(\d+)\s*)?", text)
+        if match is None:
+            raise ValueError(f"not WxH or WxH-WxH (e.g. 336x336, 224x224-672x672): {text!r}")
+        sides = [int(side) for side in match.groups() if side is not None]
+        if any(not 1 <= side <= MAX_IMAGE_SIDE for side in sides):
+            raise ValueError(f"image sides are 1 to {MAX_IMAGE_SIDE} pixels: {text!r}")
+        least, most = (sides[0], sides[1]), (sides[-2], sides[-1])
+        if least[0] > most[0] or least[1] > most[1]:
+            raise ValueError(f"the first size is larger than the second: {text!r}")
+        return cls(least, most)
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        return rng.randint(self.least[0], self.most[0]), rng.randint(self.least[1], self.most[1])
+
+    def __str__(self) -> str:
+        text = f"{self.least[0]}x{self.least[1]}"
+        return text if self.least == self.most else f"{text}-{self.most[0]}x{self.most[1]}"
+
+
+def random_image_requests(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    image_sizes: ImageSizes,
+    images_per_request: int = 1,
+    seed: int = 0,
+) -> list[Request]:
+    """Chat requests: a text of random words (as many as a prompt length drawn from
+    `prompt_len`; about a token each) followed by `images_per_request` images of random
+    pixels, PNG data URLs, each of a size drawn from `image_sizes`. The prompt length
+    reported is the server's count (usage), image tokens included."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(*prompt_len))]
+        num_output_tokens = rng.randint(*output_len)
+        urls = tuple(_random_png_url(image_sizes.draw(rng), rng) for _ in range(images_per_request))
+        requests.append(Request(" ".join(words), num_output_tokens, len(words), urls))
+    return requests
+
+
+def _random_png_url(size: tuple[int, int], rng: random.Random) -> str:
+    # Random pixels do not compress: the most bytes an image of this size can cost.
+    from PIL import Image  # Pillow, a dependency of serve; only this set needs it
+
+    width, height = size
+    image = Image.frombytes("RGB", size, rng.randbytes(width * height * 3))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
 
 
 def prefix_requests(

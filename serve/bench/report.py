@@ -26,6 +26,7 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
     timed = [r for r in ok if r.ttft_s is not None]
     num_output = sum(r.num_output_tokens or 0 for r in ok)
     num_prompt = sum(r.num_prompt_tokens for r in ok)
+    num_images_sent = sum(r.num_images for r in results)
     return {
         "num_successful": len(ok),
         "num_failed": sum(r.error is not None for r in results),
@@ -36,6 +37,10 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict:
         "requests_per_s": len(ok) / duration_s,
         "output_tokens_per_s": num_output / duration_s,
         "total_tokens_per_s": (num_prompt + num_output) / duration_s,
+        # Every request's images, failed ones too; the throughput counts successful ones.
+        "num_images_sent": num_images_sent,
+        "images_per_request": num_images_sent / len(results) if results else 0.0,
+        "images_per_s": sum(r.num_images for r in ok) / duration_s,
         "ttft_ms": latency_stats([r.ttft_s for r in timed]),
         "tpot_ms": latency_stats(
             [
@@ -61,6 +66,12 @@ def format_summary(s: dict) -> str:
         ("Output token throughput (tok/s)", s["output_tokens_per_s"], ".1f"),
         ("Total token throughput (tok/s)", s["total_tokens_per_s"], ".1f"),
     ]
+    if s["num_images_sent"]:  # text-only runs keep the table they had
+        rows += [
+            ("Images sent", s["num_images_sent"], "d"),
+            ("Images per request", s["images_per_request"], ".2f"),
+            ("Image throughput (img/s)", s["images_per_s"], ".2f"),
+        ]
     lines = [f"{label:<34}{value:>12{fmt}}" for label, value, fmt in rows]
     header = "".join(f"{k:>10}" for k in s["ttft_ms"])
     lines.append(f"{'latency (ms)':<14}{header}")

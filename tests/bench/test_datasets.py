@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
 import pytest
+from PIL import Image
 
 from serve.bench.cli import main as bench_main
-from serve.bench.datasets import prefix_requests, random_requests, sharegpt_requests
+from serve.bench.datasets import (
+    ImageSizes,
+    prefix_requests,
+    random_image_requests,
+    random_requests,
+    sharegpt_requests,
+)
 
 TOKENS = range(10, 500)
 
@@ -31,6 +40,44 @@ def test_prefix_requests_share_their_group_prefix_only():
         group = [r for r in requests if tuple(r.prompt[:16]) == prefix]
         assert len(group) == 4
         assert all(len(r.prompt) == 20 for r in group)
+
+
+def _decode(url: str) -> Image.Image:
+    header, data = url.split(",", 1)
+    assert header == "data:image/png;base64"
+    image = Image.open(io.BytesIO(base64.b64decode(data)))
+    assert image.format == "PNG" and image.mode == "RGB"
+    return image
+
+
+def test_random_image_requests_are_seeded_and_their_images_have_the_asked_sizes():
+    one_size = ImageSizes.parse("24x16")
+    a = random_image_requests(6, (3, 7), (2, 5), one_size, images_per_request=2, seed=3)
+    assert a == random_image_requests(6, (3, 7), (2, 5), one_size, images_per_request=2, seed=3)
+    b = random_image_requests(6, (3, 7), (2, 5), one_size, images_per_request=2, seed=4)
+    assert [r.image_urls for r in a] != [r.image_urls for r in b]
+    for request in a:
+        assert len(request.image_urls) == 2 and isinstance(request.prompt, str)
+        assert 3 <= len(request.prompt.split()) == request.num_prompt_tokens <= 7
+        assert 2 <= request.num_output_tokens <= 5
+        assert all(_decode(url).size == (24, 16) for url in request.image_urls)
+    # random pixels: no two images alike
+    assert len({url for r in a for url in r.image_urls}) == 12
+
+    ranged = ImageSizes.parse("10x20-13x22")
+    sizes = [
+        _decode(url).size
+        for r in random_image_requests(40, (1, 1), (1, 1), ranged, seed=0)
+        for url in r.image_urls
+    ]
+    assert {w for w, _ in sizes} == {10, 11, 12, 13} and {h for _, h in sizes} == {20, 21, 22}
+
+
+def test_image_sizes_read_one_size_or_a_range():
+    assert ImageSizes.parse("336x336") == ImageSizes((336, 336), (336, 336))
+    assert ImageSizes.parse("224x160-672x480") == ImageSizes((224, 160), (672, 480))
+    assert str(ImageSizes.parse("336x336")) == "336x336"
+    assert str(ImageSizes.parse("224x160-672x480")) == "224x160-672x480"
 
 
 def _conversation(prompt: str, reply: str) -> dict:
@@ -84,6 +131,19 @@ def test_sharegpt_says_what_is_wrong_with_a_bad_file(tmp_path):
         (["--num-prefixes", "0"], "argument --num-prefixes: must be at least 1"),
         (["--request-rate", "nan"], "rates are positive numbers"),
         (["--vocab-size", "17"], "--vocab-size (17) must be above --min-token-id (17)"),
+        (["--image-size", "336"], "argument --image-size: not WxH or WxH-WxH"),
+        (["--image-size", "336x336-"], "argument --image-size: not WxH or WxH-WxH"),
+        (["--image-size", "0x336"], "argument --image-size: image sides are 1 to 8192"),
+        (["--image-size", "336x99999"], "argument --image-size: image sides are 1 to 8192"),
+        (
+            ["--image-size", "672x672-224x224"],
+            "argument --image-size: the first size is larger than the second",
+        ),
+        (["--images-per-request", "0"], "argument --images-per-request: must be at least 1"),
+        (
+            ["--dataset", "random-image", "--min-prompt", "9", "--max-prompt", "8"],
+            "--min-prompt (9) must be at least 1 and at most --max-prompt (8)",
+        ),
     ],
 )
 def test_a_bad_setting_is_a_usage_error(capsys, flags, named):
