@@ -15,15 +15,12 @@ once per image, not per token.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 from torch import nn
 
 from serve.models.arch_config import ArchConfig
 from serve.models.layers.activation import get_activation
-from serve.models.vision_language import VisionLanguageModel, text_architecture, text_model
+from serve.models.vision_language import COMPOSITE_RENAMES, VisionLanguageModel
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -38,27 +35,13 @@ class LlavaMultiModalProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
-    own_prefixes = ("vision_tower.", "multi_modal_projector.")
-    # Checkpoint prefixes as transformers 5 (`model.language_model.`) and the hub's llava-hf
-    # checkpoints (`language_model.model.`, `vision_tower.vision_model.`) write them.
-    renames = (
-        ("model.language_model.", "language_model.model."),
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-        ("lm_head.", "language_model.lm_head."),
-        ("vision_tower.vision_model.", "vision_tower."),
-    )
-
-    @classmethod
-    def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
-        """The language model's shape (what the engine sizes the KV cache and the context
-        by), named for LLaVA, with LLaVA's whole config."""
-        _, text = text_model(hf, text_architecture(hf.text_config))
-        return dataclasses.replace(text, architecture=architecture, hf=hf)
+    # transformers 5's prefixes, and the hub's llava-hf checkpoints' tower
+    # (`vision_tower.vision_model.`; their `language_model.model.` is ours already).
+    renames = (*COMPOSITE_RENAMES, ("vision_tower.vision_model.", "vision_tower."))
 
     def __init__(self, config: ArchConfig) -> None:
         hf = config.hf
-        super().__init__(hf, text_architecture(hf.text_config))
+        super().__init__(hf)
         from transformers import AutoModel
 
         self.vision_tower = AutoModel.from_config(hf.vision_config, attn_implementation="sdpa")
@@ -68,8 +51,16 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
             hf.projector_hidden_act,
             bool(getattr(hf, "multimodal_projector_bias", True)),
         )
-        self.feature_layer = int(hf.vision_feature_layer)
         self.drop_first = hf.vision_feature_select_strategy == "default"
+        # Only the tower's layers up to the one its features come from run (LLaVA 1.5's
+        # last of 24 is never read): the rest are dropped, their weights skipped.
+        layers = self.vision_tower.encoder.layers
+        layer = int(hf.vision_feature_layer)
+        needed = layer if layer >= 0 else len(layers) + 1 + layer
+        self.unused_prefixes = tuple(
+            f"vision_tower.encoder.layers.{i}." for i in range(needed, len(layers))
+        )
+        del layers[needed:]
 
     @torch.inference_mode()
     def embed_images(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -78,7 +69,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         dtype = self.multi_modal_projector.linear_1.weight.dtype
         pixels = torch.stack([image["pixel_values"] for image in images]).to(dtype)
         out = self.vision_tower(pixels, output_hidden_states=True)
-        features = out.hidden_states[self.feature_layer]
+        features = out.hidden_states[-1]  # the last layer kept: the feature layer's output
         if self.drop_first:
             features = features[:, 1:]
         return list(self.multi_modal_projector(features))

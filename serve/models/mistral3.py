@@ -9,32 +9,16 @@ tokens take the image's embeddings (`MultiModalInput.is_embed`).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import torch
 
 from serve.models.arch_config import ArchConfig
-from serve.models.vision_language import VisionLanguageModel, text_architecture, text_model
+from serve.models.vision_language import VisionLanguageModel
 
 
 class Mistral3ForConditionalGeneration(VisionLanguageModel):
-    own_prefixes = ("vision_tower.", "multi_modal_projector.")
-    renames = (
-        ("model.language_model.", "language_model.model."),
-        ("model.vision_tower.", "vision_tower."),
-        ("model.multi_modal_projector.", "multi_modal_projector."),
-        ("lm_head.", "language_model.lm_head."),
-    )
-
-    @classmethod
-    def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
-        _, text = text_model(hf, text_architecture(hf.text_config))
-        return dataclasses.replace(text, architecture=architecture, hf=hf)
-
     def __init__(self, config: ArchConfig) -> None:
         hf = config.hf
-        super().__init__(hf, text_architecture(hf.text_config))
+        super().__init__(hf)
         from transformers import AutoModel
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
 

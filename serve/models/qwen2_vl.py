@@ -14,14 +14,13 @@ for prompt chunks and decodes alike. The rotation itself is
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
 import torch
 
 from serve.models.arch_config import ArchConfig
-from serve.models.vision_language import VisionLanguageModel, text_model
+from serve.models.vision_language import VisionLanguageModel
 from serve.multimodal_inputs import MultiModalInput
 
 _TOWERS = {
@@ -76,13 +75,12 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     )
 
     @classmethod
-    def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
-        _, text = text_model(hf, "Qwen2ForCausalLM")
-        return dataclasses.replace(text, architecture=architecture, hf=hf)
+    def text_architecture(cls, hf: Any) -> str:
+        return "Qwen2ForCausalLM"  # its text_config names its own (M-RoPE) class
 
     def __init__(self, config: ArchConfig) -> None:
         hf = config.hf
-        super().__init__(hf, "Qwen2ForCausalLM")
+        super().__init__(hf)
         tower = _tower_class(hf.model_type)
         self.visual = tower._from_config(hf.vision_config, attn_implementation="sdpa")
         self.merge_size = int(hf.vision_config.spatial_merge_size)

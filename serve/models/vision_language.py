@@ -10,6 +10,7 @@ prefixes, and writes `embed_images`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,17 +56,41 @@ def text_model(hf: Any, architecture: str) -> tuple[type[nn.Module], ArchConfig]
     return model_class, get_arch_config(text_hf, "native")
 
 
+# Checkpoint prefixes as transformers 5 writes a tower, a projector and a language model
+# (`model.language_model.`, `model.vision_tower.`, ...) -> ours.
+COMPOSITE_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
 class VisionLanguageModel(nn.Module):
     """A language model (`self.language_model`) that takes image embeddings in place of
     its placeholder tokens'. Subclasses set `own_prefixes` (their tower's and projector's
     module names) and `renames` (checkpoint prefix -> ours), and build those modules."""
 
-    own_prefixes: tuple[str, ...] = ()
-    renames: tuple[tuple[str, str], ...] = ()
+    own_prefixes: tuple[str, ...] = ("vision_tower.", "multi_modal_projector.")
+    renames: tuple[tuple[str, str], ...] = COMPOSITE_RENAMES
+    # Checkpoint tensors of modules the model dropped (tower layers past its feature layer).
+    unused_prefixes: tuple[str, ...] = ()
 
-    def __init__(self, hf: Any, architecture: str) -> None:
+    @classmethod
+    def text_architecture(cls, hf: Any) -> str:
+        """The language model's class name: the one transformers runs `text_config` with."""
+        return text_architecture(hf.text_config)
+
+    @classmethod
+    def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
+        """The language model's shape (what the engine sizes the KV cache and the context
+        by), named for the whole model, with its whole config."""
+        _, text = text_model(hf, cls.text_architecture(hf))
+        return dataclasses.replace(text, architecture=architecture, hf=hf)
+
+    def __init__(self, hf: Any) -> None:
         super().__init__()
-        text_class, self.text_arch = text_model(hf, architecture)
+        text_class, self.text_arch = text_model(hf, self.text_architecture(hf))
         self.language_model = text_class(self.text_arch)
         self.text_spec: WeightSpec = self.language_model.weight_spec
         self.weight_spec = self.text_spec  # what LoRA would read (refused for these models)
@@ -121,8 +146,8 @@ class VisionLanguageModel(nn.Module):
                 if name.startswith("language_model."):
                     yield name[len("language_model.") :], tensor
                     continue
-                if name in buffers:
-                    continue  # one the module makes itself (CLIP's position ids)
+                if name in buffers or name.startswith(self.unused_prefixes):
+                    continue  # one the module makes itself (CLIP's position ids), or unused
                 if name not in own:
                     raise ValueError(
                         f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
