@@ -298,17 +298,19 @@ class MultiModalProcessor:
         """vLLM's `min_pixels` / `max_pixels` (Qwen2-VL's) as the `size` transformers 5
         takes them in (its bounds on an image's pixels, named `shortest_edge` and
         `longest_edge`); other arguments as given."""
-        size = getattr(self.image_processor, "size", None)
         bounds = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}
-        if not (set(bounds) & set(kwargs)) or not isinstance(size, dict) or "size" in kwargs:
+        if not (set(bounds) & set(kwargs)) or "size" in kwargs:
             return kwargs
-        if not set(bounds.values()) <= set(size):
-            return kwargs
-        kwargs, size = dict(kwargs), dict(size)
+        size = getattr(self.image_processor, "size", None)  # a dict, or transformers' SizeDict
+        read = size.get if isinstance(size, dict) else lambda key: getattr(size, key, None)
+        current = {key: read(key) for key in bounds.values()}
+        if None in current.values():
+            return kwargs  # a processor that bounds sizes otherwise takes them as given
+        kwargs = dict(kwargs)
         for name, key in bounds.items():
             if name in kwargs:
-                size[key] = kwargs.pop(name)
-        return kwargs | {"size": size}
+                current[key] = kwargs.pop(name)
+        return kwargs | {"size": current}
 
     def _processed(
         self, images: list[Any], processor_kwargs: dict[str, Any]

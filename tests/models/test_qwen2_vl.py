@@ -161,3 +161,24 @@ def test_mm_processor_kwargs_bound_an_images_tokens(tiny_qwen2_vl):
     with pytest.raises(ValueError, match="refused mm_processor_kwargs"):
         bad = {"prompt": prompt, "multi_modal_data": {"image": image}}
         llm.generate([bad | {"mm_processor_kwargs": {"no_such_argument": 1}}], GREEDY)
+
+
+def test_pixel_bounds_reach_transformers_as_its_size(tiny_qwen2_vl):
+    """vLLM's min_pixels / max_pixels become the processor's `size` bounds (transformers 5
+    deprecates them as call arguments), keeping the bound not given."""
+    import warnings
+
+    processor = MultiModalProcessor.from_model(
+        tiny_qwen2_vl, load_hf_config(tiny_qwen2_vl), build_qwen_vl_tokenizer()
+    )
+    assert processor._call_kwargs({"max_pixels": 4000, "do_resize": True}) == {
+        "do_resize": True,
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 4000},
+    }
+    token_id = processor.layout.placeholder_token_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no deprecation on the way
+        _, (item,) = processor.process(
+            [5, token_id, 6], [random_image(7, 200, 150)], {"max_pixels": 56 * 56}
+        )
+    assert item.length == 2
