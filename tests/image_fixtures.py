@@ -1,6 +1,7 @@
 """What the image tests share: images as PNG bytes and data URLs, a tiny HTTP server on
-127.0.0.1 that serves them (and misbehaves on purpose: nothing leaves the machine), and
-a LLaVA prompt as HF renders and widens it, for the oracle."""
+127.0.0.1 that serves them (and misbehaves on purpose: nothing leaves the machine), a
+LLaVA prompt as HF renders and widens it, for the oracle, and processed prompts run
+through an engine in the same steps."""
 
 from __future__ import annotations
 
@@ -41,6 +42,19 @@ def hf_chat_prompt(tokenizer, content) -> list[int]:
     messages = [{"role": "user", "content": content}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return widened(tokenizer, tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def run_in_steps(llm, prompts, params) -> list:
+    """The finished outputs of `prompts` ((token ids, images) as
+    `MultiModalProcessor.process` makes them), all added before the first step, in order."""
+    for i, (token_ids, mm_inputs) in enumerate(prompts):
+        llm.add_request(f"r{i}", token_ids, params, mm_inputs=mm_inputs)
+    finished = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[f"r{i}"] for i in range(len(prompts))]
 
 
 def closed_port() -> int:

@@ -9,6 +9,7 @@ Prompts go in as the front end makes them (`MultiModalProcessor.process`), throu
 from __future__ import annotations
 
 import pytest
+from image_fixtures import run_in_steps
 from tiny_models import (
     LLAVA_TOKENS_PER_IMAGE,
     build_llava_tokenizer,
@@ -47,14 +48,7 @@ def _prompts(model_dir, cases=CASES):
 
 
 def _run(llm: LLM, prompts, params=GREEDY) -> list:
-    for i, (token_ids, mm_inputs) in enumerate(prompts):
-        llm.add_request(f"r{i}", token_ids, params, mm_inputs=mm_inputs)
-    finished = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                finished[out.request_id] = out
-    return [finished[f"r{i}"] for i in range(len(prompts))]
+    return run_in_steps(llm, prompts, params)
 
 
 def _tokens(outputs) -> list[list[int]]:

@@ -6,6 +6,7 @@ output equals transformers' token for token, whole and with chunks cut anywhere 
 from __future__ import annotations
 
 import pytest
+from image_fixtures import run_in_steps
 from tiny_models import MISTRAL3_TOKENS, hf_vl_greedy, make_tiny_mistral3, random_image
 
 from serve import LLM, SamplingParams
@@ -52,18 +53,12 @@ def test_mistral3_matches_hf(model_dir, budget):
     prompts = _prompts(model_dir)
     extra = {} if budget is None else {"max_num_batched_tokens": budget, "block_size": 4}
     llm = LLM(str(model_dir), kv_cache_memory="16MiB", **extra)
-    for i, (token_ids, mm_inputs) in enumerate(prompts):
-        llm.add_request(f"r{i}", token_ids, GREEDY, mm_inputs=mm_inputs)
-    finished = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                finished[out.request_id] = list(out.outputs[0].token_ids)
+    got = [list(out.outputs[0].token_ids) for out in run_in_steps(llm, prompts, GREEDY)]
     expected = [
         hf_vl_greedy(model_dir, token_ids, ims, MAX_TOKENS)
         for (token_ids, _), (_, ims) in zip(prompts, CASES)
     ]
-    assert [finished[f"r{i}"] for i in range(len(CASES))] == expected
+    assert got == expected
     assert expected[0] != expected[1]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from image_fixtures import run_in_steps
 from tiny_models import build_qwen_vl_tokenizer, hf_vl_greedy, make_tiny_qwen2_vl, random_image
 
 from serve import LLM, SamplingParams
@@ -34,17 +35,10 @@ def _run(model_dir, **engine_args) -> tuple[list[list[int]], list[list[int]]]:
     assert processor is not None
     prompts = [processor.process(tokenizer(text)["input_ids"], ims) for text, ims in CASES]
     llm = LLM(str(model_dir), kv_cache_memory="16MiB", **engine_args)
-    finished = {}
     try:
-        for i, (token_ids, mm_inputs) in enumerate(prompts):
-            llm.add_request(f"r{i}", token_ids, GREEDY, mm_inputs=mm_inputs)
-        while llm.has_unfinished_requests():
-            for out in llm.step():
-                if out.finished:
-                    finished[out.request_id] = list(out.outputs[0].token_ids)
+        got = [list(out.outputs[0].token_ids) for out in run_in_steps(llm, prompts, GREEDY)]
     finally:
         llm.shutdown()
-    got = [finished[f"r{i}"] for i in range(len(CASES))]
     expected = [
         hf_vl_greedy(model_dir, token_ids, ims, MAX_TOKENS)
         for (token_ids, _), (_, ims) in zip(prompts, CASES)
