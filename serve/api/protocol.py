@@ -847,6 +847,7 @@ class TokenizeRequest(OpenAIModel):
     # Shapes the prompt too: under --exclude-tools-when-tool-choice-none, "none" leaves
     # the tools out, as chat would (checked by chat's rules).
     tool_choice: Any = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # as chat's, for its images' runs
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -865,6 +866,7 @@ class TokenizeRequest(OpenAIModel):
             "chat_template_kwargs",
             "tools",
             "tool_choice",
+            "mm_processor_kwargs",
         )
         return {name: getattr(self, name) for name in names if name in self.model_fields_set}
 

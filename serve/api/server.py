@@ -345,15 +345,16 @@ def build_app(
         served.resolve(body.model)  # the tokenizer is the base model's for every adapter
         if body.prompt is not None:  # tokenizing megabytes holds up every prompt behind it
             prompt_chars.check(body.prompt, "prompt")
-        ids = await off_the_loop(_tokenize, body)
+        if body.messages is not None:
+            ids = await chat.prompt_token_ids(body.chat_fields())
+        else:
+            ids = await off_the_loop(_tokenize, body)
         reply = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
         if body.return_token_strs:  # vLLM's: each id's token as the vocabulary writes it
             reply["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
         return reply
 
     def _tokenize(body: TokenizeRequest) -> list[int]:
-        if body.messages is not None:
-            return chat.prompt_token_ids(body.chat_fields())
         return engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
 
     @app.post("/detokenize")

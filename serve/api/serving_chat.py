@@ -215,10 +215,22 @@ class ChatHandler:
             text, prompt_ids, max_tokens, output_parser, lora, reasoning, start, mm_inputs
         )
 
-    def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
+    async def prompt_token_ids(self, fields: dict[str, Any]) -> list[int]:
         """The prompt of a chat request made of `fields` (/tokenize's messages form): the
-        same checks and rendering as chat's, a 400 for what chat refuses."""
-        return self.render(chat_request_from(fields))[1]
+        same checks, rendering and images as chat's (each image's run of tokens, as the
+        engine would run it), a 400 for what chat refuses."""
+        return await self.widened_prompt_ids(chat_request_from(fields))
+
+    async def widened_prompt_ids(self, request: ChatCompletionRequest) -> list[int]:
+        """A request's prompt as the engine would run it, its images read and widened (for
+        the token counts of /tokenize and /v1/messages/count_tokens)."""
+        images = await load_images(self.images, request)
+
+        def render_and_widen() -> list[int]:
+            ids = self.render(request)[1]
+            return widen_prompt(self.images, request, ids, images)[0]
+
+        return await off_the_loop(render_and_widen)
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The prompt's text and token ids: the conversation and its tools through the

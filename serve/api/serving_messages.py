@@ -28,7 +28,6 @@ from serve.api.errors import APIError
 from serve.api.protocol import ChatCompletionRequest
 from serve.api.protocol_anthropic import MessagesInput, MessagesRequest, ToolChoiceAuto
 from serve.api.request_checks import check_structured_output
-from serve.api.serving_base import off_the_loop
 from serve.api.serving_chat import ChatHandler, ChatPrompt, chat_request_from
 from serve.api.sse import sse
 from serve.api.streaming import (
@@ -292,8 +291,7 @@ class MessagesHandler:
         """The prompt's tokens, as /v1/messages would count them in `usage.input_tokens`."""
         self.chat.models.resolve(request.model)
         chat = self.chat_request(request, generates=False)
-        _, prompt_ids = await off_the_loop(self.chat.render, chat)
-        return {"input_tokens": len(prompt_ids)}
+        return {"input_tokens": len(await self.chat.widened_prompt_ids(chat))}
 
     def _message(
         self,

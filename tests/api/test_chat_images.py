@@ -14,7 +14,7 @@ import httpx
 import pytest
 from api.openai_errors import assert_openai_error
 from image_fixtures import closed_port, data_url, hf_chat_prompt, image_server, png_bytes
-from tiny_models import build_llava_tokenizer, hf_vl_greedy, random_image
+from tiny_models import LLAVA_TOKENS_PER_IMAGE, build_llava_tokenizer, hf_vl_greedy, random_image
 
 MAX_TOKENS = 8
 QUESTION = "What is this?"
@@ -289,3 +289,31 @@ def test_a_requests_mm_processor_kwargs_reach_the_image_processor(llava, tokeniz
     bad = chat(llava, content, mm_processor_kwargs={"no_such_argument": 1})
     error = assert_openai_error(post(llava, bad), 400, "messages")
     assert "no_such_argument" in error["message"]
+
+
+def test_token_counts_hold_each_images_run(llava, tokenizer):
+    """/tokenize's messages form and Anthropic's count_tokens read the images and count
+    their runs, as the engine runs the prompt (vLLM's /tokenize does too)."""
+    content = [image_part(data_url(IMAGES[0])), {"type": "text", "text": QUESTION}]
+    reply = httpx.post(
+        f"{llava.url}/tokenize",
+        json={"model": llava.model, "messages": [{"role": "user", "content": content}]},
+    ).json()
+    assert reply["tokens"] == hf_chat_prompt(tokenizer, HF_ONE_IMAGE)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png"}}
+    image["source"]["data"] = data_url(IMAGES[0]).split(",", 1)[1]
+    counted = httpx.post(
+        f"{llava.url}/v1/messages/count_tokens",
+        json={"model": llava.model, "messages": [{"role": "user", "content": [image]}]},
+    ).json()
+    text_only = httpx.post(
+        f"{llava.url}/v1/messages/count_tokens",
+        json={"model": llava.model, "messages": [{"role": "user", "content": ""}]},
+    ).json()
+    assert counted["input_tokens"] == text_only["input_tokens"] + LLAVA_TOKENS_PER_IMAGE
+    bad = [image_part("data:image/png;base64,!!!")]
+    error = httpx.post(
+        f"{llava.url}/tokenize",
+        json={"model": llava.model, "messages": [{"role": "user", "content": bad}]},
+    )
+    assert error.status_code == 400 and "base64" in error.json()["error"]["message"]
