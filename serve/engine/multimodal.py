@@ -28,19 +28,20 @@ from serve.multimodal_inputs import ArrayData, MultiModalInput, content_hash
 
 @dataclass(frozen=True)
 class ImageLayout:
-    """How a model's prompt holds an image: a run of `tokens_per_image` placeholders, the
-    image its processor's `pixel_values[i]` (LLaVA)."""
+    """How a model's prompt holds an image: the processor's output split per image, and
+    the run of tokens each image's placeholder is widened into. By default the image is
+    its processor's `pixel_values[i]` and its run the placeholder repeated `num_tokens`
+    times (one per embedding); a family says otherwise by overriding."""
 
     placeholder_token_id: int  # the token a prompt holds once per image
-    tokens_per_image: int  # the run it is widened into: the encoder's embeddings per image
 
     def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """The image processor's output for a list of images, one dict per image."""
         return [{"pixel_values": pixels} for pixels in processed["pixel_values"]]
 
     def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
-        """The run one image takes."""
-        return self.tokens_per_image
+        """The embeddings one image takes."""
+        raise NotImplementedError
 
     def run_tokens(self, tensors: dict[str, np.ndarray]) -> list[int]:
         """The run's token ids: the placeholder, once per embedding the image takes, for
@@ -49,12 +50,22 @@ class ImageLayout:
 
 
 @dataclass(frozen=True)
+class FixedImageLayout(ImageLayout):
+    """LLaVA's: every image (resized and cropped) takes the same run."""
+
+    tokens_per_image: int  # the encoder's embeddings per image
+
+    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
+        return self.tokens_per_image
+
+
+@dataclass(frozen=True)
 class GridImageLayout(ImageLayout):
     """Qwen2-VL's: an image is its patches (`pixel_values` rows, every image's laid end to
     end) on a grid (`image_grid_thw`: frames, rows, columns of patches), and takes one token
     per `merge_size` x `merge_size` patches, so a bigger image takes more."""
 
-    merge_size: int = 2
+    merge_size: int
 
     def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         items, start = [], 0
@@ -81,9 +92,9 @@ class AnyResImageLayout(ImageLayout):
     tiles' tokens laid out as one picture, the padding the resize added cut off, with a
     newline token after each row: so it grows with the image's size and aspect."""
 
-    image_size: int = 336  # pixels a side of the base view and of each tile
-    patch_size: int = 14
-    grid_pinpoints: tuple[tuple[int, int], ...] = ()
+    image_size: int  # pixels a side of the base view and of each tile
+    patch_size: int
+    grid_pinpoints: tuple[tuple[int, int], ...]
 
     def _grid(self, image_size: Any) -> tuple[int, int]:
         """(rows, columns) of tiles for an image of `image_size` (height, width)."""
@@ -127,9 +138,9 @@ class RowsImageLayout(ImageLayout):
     `downsample` pixels, each row of them ended by a break token, the last by an end
     token. The breaks and the end are text tokens inside the run."""
 
-    downsample: int = 28  # pixels a token covers: the patch size times the merge size
-    break_token_id: int = -1
-    end_token_id: int = -1
+    downsample: int  # pixels a token covers: the patch size times the merge size
+    break_token_id: int
+    end_token_id: int
 
     def split(self, processed: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         return [
@@ -147,9 +158,6 @@ class RowsImageLayout(ImageLayout):
         run[-1] = self.end_token_id
         return run
 
-    def num_tokens(self, tensors: dict[str, np.ndarray]) -> int:
-        return len(self.run_tokens(tensors))
-
 
 def _mistral3_layout(hf: Any, tokenizer: Any) -> ImageLayout:
     if tokenizer is None:
@@ -158,7 +166,7 @@ def _mistral3_layout(hf: Any, tokenizer: Any) -> ImageLayout:
     if break_id is None or end_id is None or break_id == tokenizer.unk_token_id:
         raise ValueError("Mistral 3's tokenizer lacks [IMG_BREAK] or [IMG_END].")
     downsample = int(hf.vision_config.patch_size) * int(hf.spatial_merge_size)
-    return RowsImageLayout(_placeholder_id(hf), 0, downsample, break_id, end_id)
+    return RowsImageLayout(_placeholder_id(hf), downsample, break_id, end_id)
 
 
 def _placeholder_id(hf: Any) -> int:
@@ -174,7 +182,7 @@ def _llava_next_layout(hf: Any, tokenizer: Any) -> ImageLayout:
         )
     pinpoints = tuple(tuple(int(n) for n in p) for p in hf.image_grid_pinpoints)
     return AnyResImageLayout(
-        _placeholder_id(hf), 0, int(vision.image_size), int(vision.patch_size), pinpoints
+        _placeholder_id(hf), int(vision.image_size), int(vision.patch_size), pinpoints
     )
 
 
@@ -195,11 +203,11 @@ def _llava_layout(hf: Any, tokenizer: Any) -> ImageLayout:
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not supported.")
     # "default" drops the first of the tower's outputs (CLIP's class token), "full" keeps all.
     tokens = patches + int(has_cls) - int(strategy == "default")
-    return ImageLayout(_placeholder_id(hf), tokens)
+    return FixedImageLayout(_placeholder_id(hf), tokens)
 
 
 def _qwen2_vl_layout(hf: Any, tokenizer: Any) -> ImageLayout:
-    return GridImageLayout(int(hf.image_token_id), 0, int(hf.vision_config.spatial_merge_size))
+    return GridImageLayout(int(hf.image_token_id), int(hf.vision_config.spatial_merge_size))
 
 
 # HF model_type -> its layout, for the families serve runs with images.

@@ -24,7 +24,7 @@ from serve.models.lazy_tensor import LazyTensor, as_lazy
 from serve.models.weights import WeightSpec, load_checkpoint
 
 
-def text_architecture(text_config: Any) -> str:
+def causal_lm_architecture(text_config: Any) -> str:
     """The causal LM class transformers would run `text_config` with."""
     names = getattr(text_config, "architectures", None)
     if names:
@@ -79,7 +79,7 @@ class VisionLanguageModel(nn.Module):
     @classmethod
     def text_architecture(cls, hf: Any) -> str:
         """The language model's class name: the one transformers runs `text_config` with."""
-        return text_architecture(hf.text_config)
+        return causal_lm_architecture(hf.text_config)
 
     @classmethod
     def arch_config(cls, hf: Any, architecture: str) -> ArchConfig:
