@@ -17,6 +17,7 @@ from serve.engine.image_inputs import ImageInputs
 from serve.engine.messages import AbortRequest, StopSequence
 from serve.engine.offline_inputs import (
     Prompt,
+    check_untruncated,
     conversation_images,
     lora_list,
     prompt_list,
@@ -318,11 +319,7 @@ class LLM:
         mm_inputs: tuple[MultiModalInput, ...] = (),
     ) -> None:
         self._check_special_token_spacing(params)
-        if mm_inputs and params.truncate_prompt_tokens is not None:
-            raise ValueError(
-                "truncate_prompt_tokens cannot cut a prompt with images (their placeholder "
-                "tokens would be cut apart); leave it unset for such prompts."
-            )
+        check_untruncated(mm_inputs, params.truncate_prompt_tokens)
         prompt_token_ids = self._truncated(prompt_token_ids, params.truncate_prompt_tokens, params)
         self.engine.add_request(
             request_id,

@@ -89,12 +89,17 @@ def with_images(
         raise ValueError(f"mm_processor_kwargs is a dict; got {type(kwargs).__name__}.")
     loaded = [images.load(image) for image in given]
     token_ids, mm_inputs = images.process(token_ids, loaded, kwargs)
+    check_untruncated(mm_inputs, keep)
+    return token_ids, mm_inputs
+
+
+def check_untruncated(mm_inputs: tuple[MultiModalInput, ...], keep: int | None) -> None:
+    """A truncation (`keep`, its last tokens) cannot apply to a prompt with images."""
     if mm_inputs and keep is not None:
         raise ValueError(
             "truncate_prompt_tokens cannot cut a prompt with images (an image's tokens would "
             "be cut apart); leave it unset for such prompts."
         )
-    return token_ids, mm_inputs
 
 
 def conversation_images(images: ImageInputs, conversation: list[dict[str, Any]]) -> list[Any]:
