@@ -96,6 +96,9 @@ MAX_BLOCK_SIZE = 256  # the CPU attention kernel's bound on a block's rows (kMax
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
 MODEL_IMPLS = ("auto", "native", "transformers")
+# Quantized checkpoints serve reads (serve.models.quantization), with vLLM's names for its
+# faster kernels over the same GPTQ and AWQ checkpoints.
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "gptq_marlin", "awq_marlin")
 GENERATION_CONFIG_WORDS = ("auto", "vllm")  # --generation-config's; anything else is a folder
 # The generation config keys serve applies, by generation_config.json's names (vLLM's,
 # less presence_penalty and frequency_penalty).
@@ -169,6 +172,12 @@ class ModelConfig:
         "serve's paged attention (one rank); auto: native where serve has the architecture, "
         "else transformers",
         choices=MODEL_IMPLS,
+    )
+    quantization: str | None = setting(
+        None,
+        "the checkpoint's quantization method, as config.json's quantization_config names "
+        "it (default: read from there; a float checkpoint is served as it is)",
+        choices=QUANTIZATION_METHODS,
     )
     # vLLM's pooler config (`pooling_type`, `normalize`) for POST /v1/embeddings and
     # LLM.embed; None: the model's sentence-transformers config decides, else last + L2.

@@ -228,12 +228,6 @@ VLLM_ARGUMENTS = (
         _only("structured_outputs_config.backend", _XGRAMMAR_BACKENDS, _XGRAMMAR_ONLY),
     ),
     VllmArgument(
-        "quantization",
-        str,
-        "accepted when unset: serve runs unquantized weights (a GGUF file is dequantized)",
-        _only("quantization", (None,), "is not supported: serve runs unquantized weights"),
-    ),
-    VllmArgument(
         "runner",
         str,
         "auto, generate or pooling: serve generates and embeds with any model",

@@ -29,6 +29,7 @@ EXAMPLES = {
     "max_logprobs": Example(("--max-logprobs", "5"), 5),
     "allow_pickle_weights": Example(("--allow-pickle-weights",), True),
     "model_impl": Example(("--model-impl", "transformers"), "transformers"),
+    "quantization": Example(("--quantization", "gptq"), "gptq"),
     "pooling_type": Example(("--pooling-type", "mean"), "mean"),
     "pooling_normalize": Example(("--no-pooling-normalize",), False),
     "block_size": Example(("--block-size", "32"), 32),

@@ -73,7 +73,7 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
         EngineConfig.create("m")
     )
     for kwargs, refused in [
-        ({"quantization": "awq"}, "quantization is not supported"),
+        ({"quantization": "bitsandbytes"}, "quantization must be one of gptq, awq, fp8"),
         ({"revision": "main"}, "revision cannot be chosen"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be auto"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),

@@ -12,6 +12,7 @@ import torch
 
 from serve.kernels.backend import ops_for
 from serve.kernels.metadata import AttentionMetadata
+from serve.kernels.packed_weight import PackedWeight
 
 __all__ = [
     "AttentionMetadata",
@@ -20,6 +21,7 @@ __all__ = [
     "linear",
     "moe_experts",
     "paged_attention",
+    "quantized_linear",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",
@@ -39,6 +41,14 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
     return ops_for(x.device).linear(x, weight, bias)
+
+
+def quantized_linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: PackedWeight,  # a quantized checkpoint's weight, packed_weight.py's layout
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    return ops_for(x.device).quantized_linear(x, weight, bias)
 
 
 def reshape_and_cache(

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from serve.kernels.cache_dtypes import as_bytes, narrowed
 from serve.kernels.metadata import AttentionMetadata
+from serve.kernels.packed_weight import PackedWeight, codes_as_float, group_of_inputs
 
 
 def reshape_and_cache(
@@ -358,6 +359,26 @@ def linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
     return F.linear(x, weight, bias)
+
+
+def dequantize(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as `dtype` [out, in]: `(code - zero) * scale` in float32, then rounded
+    (packed_weight.py's contract)."""
+    groups = group_of_inputs(weight)  # [in]
+    values = codes_as_float(weight)  # [out, in]
+    if weight.zeros is not None:
+        values = values - weight.zeros[:, groups]
+    return (values * weight.scales[:, groups]).to(dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: PackedWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    """x @ w.T + bias with w dequantized whole for this call (the weight stays packed
+    between calls: that is the memory a quantized checkpoint saves)."""
+    return F.linear(x, dequantize(weight, x.dtype), bias)
 
 
 def rms_norm(

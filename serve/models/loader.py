@@ -25,6 +25,13 @@ from serve.distributed.parallel_state import get_tp_group
 from serve.models.arch_config import ArchConfig
 from serve.models.lazy_tensor import InMemoryTensor, LazyTensor, SafetensorsTensor
 from serve.models.partition import check_tensor_parallel
+from serve.models.quantization import (
+    FORMATS,
+    checkpoint_format,
+    finish_quantized,
+    quantize_layers,
+    without_dropped,
+)
 from serve.models.registry import get_arch_config, get_model_class, supported_architectures
 from serve.models.weights import load_checkpoint
 
@@ -88,10 +95,12 @@ def load_hf_config(path: Path) -> Any:
     quantization = data.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(
-            f"{path} is a quantized checkpoint ({method or 'quantization_config'}); serve runs "
-            "unquantized weights: serve the model's unquantized (or GGUF) release instead."
-        )
+        if str(method).lower() not in FORMATS:
+            raise ValueError(
+                f"{path} is a quantized checkpoint ({method or 'quantization_config'}); serve "
+                f"reads {', '.join(FORMATS)} checkpoints: serve one of those, or the model's "
+                "unquantized (or GGUF) release."
+            )
     model_type = data.get("model_type")
     if model_type is None or model_type in CONFIG_MAPPING:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -328,9 +337,29 @@ def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.de
     with _default_dtype(dtype), torch.device(device):
         model = model_class(arch)
     weights = iterate_checkpoint(path, config.load_format, allow_pickle=config.allow_pickle_weights)
+    fmt = checkpoint_format(hf_config, config.quantization)
     load_weights = getattr(model, "load_weights", None)  # a model of parts (LLaVA)
+    if fmt is not None:
+        if load_weights is not None or not hasattr(model, "weight_spec"):
+            raise ValueError(
+                f"{type(model).__name__} does not read quantized checkpoints yet ({fmt.describe()}); "
+                "serve reads them for the natively built language models"
+            )
+        names = checkpoint_names(path, config.load_format, config.allow_pickle_weights)
+        layers = quantize_layers(model, fmt, names, model.weight_spec)
+        logger.info("%s: %d linear layers quantized, kept packed", fmt.describe(), len(layers))
+        weights = without_dropped(weights, fmt)
     if load_weights is not None:
         load_weights(weights)
     else:
         load_checkpoint(model, weights, model.weight_spec)
+    finish_quantized(model)
     return model.eval()
+
+
+def checkpoint_names(path: Path, load_format: str, allow_pickle: bool) -> list[str]:
+    """Every checkpoint tensor's name, from the safetensors headers (nothing read)."""
+    files, is_safetensors = _weight_files(path, load_format, allow_pickle)
+    if not is_safetensors:
+        return [name for name, _ in iterate_checkpoint(path, load_format, allow_pickle=True)]
+    return [name for file in files for name in safetensors_header(file) if name != "__metadata__"]

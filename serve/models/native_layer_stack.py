@@ -143,6 +143,8 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         )
         if any(type(lin) is not kind for lin, kind in zip(linears, kinds, strict=True)):
             return None
+        if any(lin.packed_weight is not None for lin in linears):  # a quantized checkpoint
+            return None
         for norm, linear_pair in zip(norms, (linears[:2], linears[2:]), strict=True):
             weights.append(norm.weight)
             for lin in linear_pair:

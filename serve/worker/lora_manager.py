@@ -33,7 +33,7 @@ class LoRAManager:
         self.layers: dict[str, LoRASlots] = {}
         for name, module in model.named_modules():
             if is_lora_layer(module):
-                in_features = module.weight.shape[1]
+                in_features = module.num_local_inputs
                 slots = LoRASlots(
                     module.lora_shards(),
                     in_features,

@@ -152,8 +152,9 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
         # Flags in full only: the image's health check reads --port as written.
         (["--por", "8001"], "unrecognized arguments: --por 8001"),
         (
-            ["--quantization", "awq"],
-            "argument --quantization: is not supported: serve runs unquantized weights; got 'awq'.",
+            ["--quantization", "bitsandbytes"],
+            "argument --quantization: invalid choice: 'bitsandbytes' (choose from 'gptq', "
+            "'awq', 'fp8', 'gptq_marlin', 'awq_marlin')",
         ),
         (
             ["--kv-cache-memory", "lots"],

@@ -220,15 +220,17 @@ def test_a_tokenizer_is_never_downloaded_and_a_missing_one_is_named(tmp_path):
         load_tokenizer(tmp_path)
 
 
-def test_a_quantized_checkpoint_is_refused_by_its_method(tiny_llama, tmp_path):
+def test_a_checkpoint_quantized_by_a_method_serve_does_not_read_is_refused_by_it(
+    tiny_llama, tmp_path
+):
     """Its tensors (weight_scale, qweight) used to be refused one name at a time, after the
     log had called the checkpoint float32."""
-    quantized = tmp_path / "fp8"
+    quantized = tmp_path / "bnb"
     shutil.copytree(tiny_llama, quantized)
     config = json.loads((quantized / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"is a quantized checkpoint \(fp8\); serve runs"):
+    with pytest.raises(ValueError, match=r"quantized checkpoint \(bitsandbytes\); serve reads"):
         load_hf_config(quantized)
 
 

@@ -17,7 +17,7 @@ from serve.kernels import reference
 from serve.kernels.cache_dtypes import cache_fits
 from serve.kernels.cpu import native
 from serve.kernels.metadata import AttentionMetadata
-from serve.kernels.reference import copy_blocks, moe_experts, swap_blocks
+from serve.kernels.reference import copy_blocks, moe_experts, quantized_linear, swap_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +27,7 @@ __all__ = [
     "linear",
     "moe_experts",
     "paged_attention",
+    "quantized_linear",
     "reshape_and_cache",
     "rms_norm",
     "rotary_embedding",

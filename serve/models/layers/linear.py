@@ -21,6 +21,7 @@ from torch import nn
 
 from serve import kernels
 from serve.distributed.parallel_state import get_tp_group
+from serve.kernels.packed_weight import PackedWeight
 from serve.models.layers.lora import LoRAShard, LoRASlots, current_lora_batch
 from serve.models.lazy_tensor import LazyTensor, as_lazy
 from serve.models.partition import first_kv_head, num_kv_heads_per_rank, split_evenly
@@ -28,6 +29,35 @@ from serve.models.partition import first_kv_head, num_kv_heads_per_rank, split_e
 
 def _parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+@dataclass(frozen=True)
+class LinearSharding:
+    """Which part of the checkpoint's weights this rank's layer holds: for each output
+    shard, the rows (`OutputShard`) and where they sit in the layer (`offset`); and the
+    input columns [input_start, input_start + num_local_inputs) of `in_features`. A
+    quantized layer reads its packed tensors by it."""
+
+    outputs: dict[str | None, tuple[int, OutputShard]]  # shard name -> (offset, rows)
+    in_features: int
+    input_start: int
+    num_local_inputs: int
+
+    @property
+    def num_local_outputs(self) -> int:
+        return sum(shard.num_local_rows for _, shard in self.outputs.values())
+
+
+def _matmul(
+    layer: ReplicatedLinear | _ColumnShardedLinear | RowParallelLinear,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x W^T (+ bias) by the layer's weight: its float `weight`, or the packed weight a
+    quantized checkpoint gave it (`serve.models.quantization`)."""
+    if layer.packed_weight is None:
+        return kernels.linear(x, layer.weight, bias)
+    return kernels.quantized_linear(x, layer.packed_weight, bias)
 
 
 def _with_lora(
@@ -83,14 +113,24 @@ class ReplicatedLinear(nn.Module):
         self.bias = _parameter(out_features) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
+        self.in_features, self.out_features = in_features, out_features
+        self.packed_weight: PackedWeight | None = None  # set by a quantized checkpoint
         self.lora: LoRASlots | None = None  # the worker's LoRA manager attaches them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        out = kernels.linear(x, self.weight, self.bias)
+        out = _matmul(self, x, self.bias)
         return out if self.lora is None else _with_lora(self, x, out)
 
+    @property
+    def num_local_inputs(self) -> int:
+        return self.in_features
+
+    def sharding(self) -> LinearSharding:
+        whole = OutputShard(None, self.out_features, 0, self.out_features)
+        return LinearSharding({None: (0, whole)}, self.in_features, 0, self.in_features)
+
     def lora_shards(self) -> list[LoRAShard]:
-        return [LoRAShard(None, 0, self.weight.shape[0])]
+        return [LoRAShard(None, 0, self.out_features)]
 
     def lora_slices(
         self, shard: str | None, a: torch.Tensor, b: torch.Tensor
@@ -98,7 +138,7 @@ class ReplicatedLinear(nn.Module):
         """An adapter's A [r, in] and B [out, r] for this layer: the parts this rank holds."""
         if shard is not None:
             raise ValueError(f"a replicated layer has no shard {shard!r}")
-        _check_lora_shapes(a, b, self.weight.shape[1], self.weight.shape[0])
+        _check_lora_shapes(a, b, self.in_features, self.out_features)
         return a, b
 
 
@@ -138,11 +178,19 @@ class _ColumnShardedLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
+        self.packed_weight: PackedWeight | None = None  # set by a quantized checkpoint
         self.lora: LoRASlots | None = None  # the worker's LoRA manager attaches them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum(output_sizes)]
-        out = kernels.linear(x, self.weight, self.bias)
+        out = _matmul(self, x, self.bias)
         return out if self.lora is None else _with_lora(self, x, out)
+
+    @property
+    def num_local_inputs(self) -> int:
+        return self.in_features
+
+    def sharding(self) -> LinearSharding:
+        return LinearSharding(dict(self._shards), self.in_features, 0, self.in_features)
 
     def lora_shards(self) -> list[LoRAShard]:
         return [
@@ -260,17 +308,24 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = default_weight_loader
 
+        self.packed_weight: PackedWeight | None = None  # set by a quantized checkpoint
         self.lora: LoRASlots | None = None  # the worker's LoRA manager attaches them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / tp] -> [T, out]
         if self.tp.world_size == 1 or not self.reduce_results:
-            out = kernels.linear(x, self.weight, self.bias)
+            out = _matmul(self, x, self.bias)
             return out if self.lora is None else _with_lora(self, x, out)
-        out = kernels.linear(x, self.weight)
+        out = _matmul(self, x, None)
         if self.lora is not None:  # this rank's partial update, reduced with the rest
             out = _with_lora(self, x, out)
         out = self.tp.all_reduce(out)  # [T, out], summed
         return out if self.bias is None else out + self.bias
+
+    def sharding(self) -> LinearSharding:
+        whole = OutputShard(None, self.out_features, 0, self.out_features)
+        return LinearSharding(
+            {None: (0, whole)}, self.in_features, self.input_start, self.num_local_inputs
+        )
 
     def lora_shards(self) -> list[LoRAShard]:
         return [LoRAShard(None, 0, self.out_features)]

@@ -1,0 +1,201 @@
+"""Quantized checkpoints (GPTQ, AWQ, FP8) served as they are.
+
+The oracle: transformers on the checkpoint's dequantized float twin (quantized_models.py
+packs the tiny Llama as each quantizer writes it), greedy token for token in float32, with
+prompts chunked and batched together; for block-scaled FP8, transformers reading the FP8
+checkpoint itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from quantized_models import AUTOAWQ_PACK_ORDER, quantize_checkpoint
+from tiny_models import hf_greedy, random_prompts
+
+from serve import LLM, SamplingParams
+from serve.config import EngineConfig
+from serve.models.loader import load_hf_config, load_model
+from serve.models.quantization import checkpoint_format
+from serve.models.quantization.awq import unpack_outputs
+from serve.models.quantization.base import unpack_int32
+
+MAX_TOKENS = 12
+ENGINE = {"block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 64}
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+VARIANTS = {
+    "gptq-4bit": ("gptq", {}),
+    "gptq-8bit-sym": ("gptq", {"bits": 8, "sym": True}),
+    "gptq-act-order": ("gptq", {"act_order": True}),
+    "gptq-v2": ("gptq", {"gptq_v2": True}),
+    "awq": ("awq", {}),
+    "fp8-blocks": ("fp8", {"block": (16, 16)}),
+    "fp8-per-tensor": ("fp8", {"block": None}),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_llama, tmp_path_factory):
+    """variant -> (quantized checkpoint, dequantized twin), made once each."""
+    made: dict[str, tuple] = {}
+
+    def make(variant: str):
+        if variant not in made:
+            method, options = VARIANTS[variant]
+            out = tmp_path_factory.mktemp(variant)
+            made[variant] = quantize_checkpoint(tiny_llama, out, method, **options)
+        return made[variant]
+
+    return make
+
+
+def _prompts() -> list[list[int]]:
+    return random_prompts(512, 4, 3, 30, seed=3)
+
+
+def _serve_greedy(model_dir, prompts, **engine) -> list[list[int]]:
+    llm = LLM(model=str(model_dir), **{**ENGINE, **engine})
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_matches_transformers_on_the_dequantized_weights(quantized, tiny_llama, variant):
+    checkpoint, twin = quantized(variant)
+    prompts = _prompts()
+    got = _serve_greedy(checkpoint, prompts)
+    expected = [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+    assert got == expected
+    if variant.startswith(("gptq-4bit", "awq")):  # the rounding shows: not the float model
+        unquantized = [hf_greedy(tiny_llama, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+        assert got != unquantized
+
+
+def test_block_fp8_is_what_transformers_reads_from_the_checkpoint(quantized):
+    """transformers dequantizes a block-scaled FP8 checkpoint on a CPU; serve keeps it FP8
+    and gives the same tokens."""
+    checkpoint, _ = quantized("fp8-blocks")
+    prompts = _prompts()
+    assert _serve_greedy(checkpoint, prompts) == [
+        hf_greedy(checkpoint, p, MAX_TOKENS, ignore_eos=True) for p in prompts
+    ]
+
+
+@pytest.mark.parametrize("variant", ["gptq-act-order", "awq"])
+def test_two_ranks_read_their_slices(quantized, variant):
+    """Each rank reads its rows of q/k/v and gate/up and its inputs of o/down (their groups,
+    or all of act order's), and the tokens stay the twin's."""
+    checkpoint, twin = quantized(variant)
+    prompts = _prompts()[:2]
+    with LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    got = [out.outputs[0].token_ids for out in outputs]
+    assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+
+
+def _load(model_dir, **settings):
+    config = EngineConfig.create(str(model_dir), **settings).model
+    return load_model(config, model_dir, load_hf_config(model_dir), torch.device("cpu"))
+
+
+def test_packed_weights_stay_packed(quantized, tiny_llama):
+    """A 4-bit layer holds a quarter byte a weight plus its groups' scales: what the format
+    saves is saved in memory too, and the unquantized LM head and norms stay float."""
+    float_model = _load(tiny_llama)
+    model = _load(quantized("gptq-4bit")[0])
+    layer = model.model.layers[0].mlp.gate_up_proj
+    assert not hasattr(layer, "weight") and layer.qweight.dtype == torch.uint8
+    assert layer.qweight.nbytes == float_model.model.layers[0].mlp.gate_up_proj.weight.numel() // 2
+    assert model.lm_head.weight.dtype == torch.float32
+    linears = [n for n, _ in model.named_modules() if n.endswith(("_proj", "qkv_proj"))]
+    assert all(model.get_submodule(n).packed_weight is not None for n in linears)
+
+
+def test_unpacking_reads_the_fields_lowest_first():
+    word = sum(v << (4 * k) for k, v in enumerate([1, 2, 3, 4, 5, 6, 7, 15]))
+    words = torch.tensor([[word - 2**32 if word >= 2**31 else word]], dtype=torch.int32)
+    assert unpack_int32(words, 4, dim=1).tolist() == [[1, 2, 3, 4, 5, 6, 7, 15]]
+    assert unpack_int32(words, 8, dim=0).flatten().tolist() == [0x21, 0x43, 0x65, 0xF7]
+
+
+def test_awq_words_hold_outputs_in_autoawqs_order():
+    """AutoAWQ packs output 8j + ORDER[k] into field k; reading puts them back in order."""
+    outputs = [10, 11, 12, 13, 14, 15, 0, 9]  # values of outputs 0..7, each < 16
+    word = sum(outputs[source] << (4 * field) for field, source in enumerate(AUTOAWQ_PACK_ORDER))
+    words = torch.tensor([[word - 2**32 if word >= 2**31 else word]], dtype=torch.int32)
+    assert unpack_outputs(words).tolist() == [outputs]
+
+
+def _with_quantization_config(model_dir, tmp_path, config):
+    target = tmp_path / "checkpoint"
+    shutil.copytree(model_dir, target)
+    data = json.loads((target / "config.json").read_text())
+    data["quantization_config"] = config
+    (target / "config.json").write_text(json.dumps(data))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"quant_method": "bitsandbytes"}, r"\(bitsandbytes\); serve reads gptq, awq, fp8"),
+        ({"quant_method": "gptq", "bits": 3}, "GPTQ with 3 bits: serve runs 4- and 8-bit"),
+        ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "'marlin': serve reads 'gptq'"),
+        ({"quant_method": "awq", "version": "gemv"}, "version 'gemv'"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "serve reads float8 e4m3 weights"),
+    ],
+)
+def test_formats_serve_does_not_read_are_refused_by_name(tiny_llama, tmp_path, config, message):
+    model_dir = _with_quantization_config(tiny_llama, tmp_path, config)
+    with pytest.raises(ValueError, match=message):
+        checkpoint_format(load_hf_config(model_dir))
+
+
+def test_a_config_that_says_quantized_over_float_tensors_is_refused(tiny_llama, tmp_path):
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+    model_dir = _with_quantization_config(tiny_llama, tmp_path, config)
+    with pytest.raises(
+        ValueError, match=r"but no tensor of it is \(none ends in .weight_scale_inv"
+    ):
+        _load(model_dir)
+
+
+def test_the_flag_must_name_the_checkpoints_method(quantized, tiny_llama):
+    gptq = load_hf_config(quantized("gptq-4bit")[0])
+    assert checkpoint_format(gptq, "gptq_marlin").describe() == "GPTQ 4-bit, groups of 16"
+    with pytest.raises(ValueError, match="quantized with 'gptq'; leave the flag out or pass gptq"):
+        checkpoint_format(gptq, "awq")
+    with pytest.raises(ValueError, match="the checkpoint is not quantized"):
+        checkpoint_format(load_hf_config(tiny_llama), "fp8")
+
+
+def test_a_quantized_lm_head_is_refused_naming_it(quantized, tmp_path):
+    """GPTQ's `lm_head: true` quantizes the head, which serve's vocabulary-parallel head
+    cannot hold packed: refused at load, naming the module."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = tmp_path / "gptq"
+    shutil.copytree(quantized("gptq-4bit")[0], checkpoint)
+    state = load_file(str(checkpoint / "model.safetensors"))
+    layer = {k.split(".")[-1]: v for k, v in state.items() if ".0.mlp.up_proj." in k}
+    state.update({f"lm_head.{name}": t.clone() for name, t in layer.items()})
+    save_file(state, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds lm_head quantized .* a ParallelLMHead"):
+        _load(checkpoint)
+
+
+def test_a_rank_split_off_the_groups_is_refused(quantized):
+    """Groups of 48 inputs cannot split 64 inputs over two ranks on whole groups."""
+    from serve.models.layers.linear import LinearSharding, OutputShard
+    from serve.models.quantization.base import groups_for
+
+    whole = OutputShard(None, 64, 0, 64)
+    sharding = LinearSharding({None: (0, whole)}, 64, 32, 32)
+    with pytest.raises(ValueError, match="does not fall on whole units of 48"):
+        groups_for(sharding, 48, keep_all=False)
+    assert groups_for(sharding, 16, keep_all=False).first == 2
+    assert groups_for(sharding, 48, keep_all=True).count == 2  # act order keeps all
