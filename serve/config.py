@@ -98,7 +98,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "pt")
 MODEL_IMPLS = ("auto", "native", "transformers")
 # Quantized checkpoints serve reads (serve.models.quantization), with vLLM's names for its
 # faster kernels over the same GPTQ and AWQ checkpoints.
-QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "gptq_marlin", "awq_marlin")
+QUANTIZATION_METHODS = ("gptq", "awq", "fp8", "compressed-tensors", "gptq_marlin", "awq_marlin")
 GENERATION_CONFIG_WORDS = ("auto", "vllm")  # --generation-config's; anything else is a folder
 # The generation config keys serve applies, by generation_config.json's names (vLLM's,
 # less presence_penalty and frequency_penalty).
@@ -176,7 +176,8 @@ class ModelConfig:
     quantization: str | None = setting(
         None,
         "the checkpoint's quantization method, as config.json's quantization_config names "
-        "it (default: read from there; a float checkpoint is served as it is)",
+        "it (default: read from there); fp8 over a float checkpoint rounds its linear "
+        "layers' weights to FP8 while loading",
         choices=QUANTIZATION_METHODS,
     )
     # vLLM's pooler config (`pooling_type`, `normalize`) for POST /v1/embeddings and

@@ -196,3 +196,17 @@ def quantize_checkpoint(
     }[method]
     (quantized / "config.json").write_text(json.dumps(config, indent=2))
     return quantized, twin
+
+
+def fp8_rows_twin(model_dir: Path, out_dir: Path) -> Path:
+    """`model_dir`'s model with each decoder linear rounded through FP8 by rows (one scale a
+    row: its largest magnitude over 448), saved as float: what `--quantization fp8` serves."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    state = load_file(str(model_dir / "model.safetensors"))
+    for name, w in state.items():
+        if _is_linear(name):
+            scale = (w.abs().max(dim=1, keepdim=True).values / 448.0).clamp(min=1e-12)
+            state[name] = (w / scale).to(torch.float8_e4m3fn).float() * scale
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir

@@ -32,6 +32,7 @@ from serve.models.quantization import (
     quantize_layers,
     without_dropped,
 )
+from serve.models.quantization.online import quantize_to_fp8
 from serve.models.registry import get_arch_config, get_model_class, supported_architectures
 from serve.models.weights import load_checkpoint
 
@@ -214,8 +215,9 @@ def _weight_files(path: Path, load_format: str, allow_pickle: bool) -> tuple[lis
     return pickles, False
 
 
-# safetensors' names for floating-point tensors, which load as the model's dtype.
-_FLOAT_CODES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+# safetensors' names for floating-point tensors, which load as the model's dtype. FP8
+# tensors are an FP8 checkpoint's weights, which stay FP8 (quantization/fp8.py).
+_FLOAT_CODES = {"F64", "F32", "F16", "BF16"}
 
 
 def weights_bytes(path: Path, load_format: str, dtype: torch.dtype) -> int | None:
@@ -354,6 +356,9 @@ def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.de
     else:
         load_checkpoint(model, weights, model.weight_spec)
     finish_quantized(model)
+    if fmt is None and config.quantization == "fp8":
+        count = quantize_to_fp8(model)
+        logger.info("--quantization fp8: %d linear layers rounded to FP8 while loading", count)
     return model.eval()
 
 

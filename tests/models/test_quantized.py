@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 import torch
-from quantized_models import AUTOAWQ_PACK_ORDER, quantize_checkpoint
+from quantized_models import AUTOAWQ_PACK_ORDER, fp8_rows_twin, quantize_checkpoint
 from tiny_models import hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
@@ -97,6 +97,18 @@ def test_two_ranks_read_their_slices(quantized, variant):
     assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
 
 
+def test_fp8_over_a_float_checkpoint_rounds_each_row_as_it_loads(tiny_llama, tmp_path):
+    """`--quantization fp8` on a float checkpoint: the linears are FP8 in memory, the
+    head is not, and the tokens are transformers' on the weights rounded by rows."""
+    twin = fp8_rows_twin(tiny_llama, tmp_path / "twin")
+    model = _load(tiny_llama, quantization="fp8")
+    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.lm_head.weight.dtype == torch.float32
+    prompts = _prompts()
+    got = _serve_greedy(tiny_llama, prompts, quantization="fp8")
+    assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+
+
 def _load(model_dir, **settings):
     config = EngineConfig.create(str(model_dir), **settings).model
     return load_model(config, model_dir, load_hf_config(model_dir), torch.device("cpu"))
@@ -169,8 +181,9 @@ def test_the_flag_must_name_the_checkpoints_method(quantized, tiny_llama):
     assert checkpoint_format(gptq, "gptq_marlin").describe() == "GPTQ 4-bit, groups of 16"
     with pytest.raises(ValueError, match="quantized with 'gptq'; leave the flag out or pass gptq"):
         checkpoint_format(gptq, "awq")
-    with pytest.raises(ValueError, match="the checkpoint is not quantized"):
-        checkpoint_format(load_hf_config(tiny_llama), "fp8")
+    with pytest.raises(ValueError, match="the checkpoint is not quantized .* to fp8 only"):
+        checkpoint_format(load_hf_config(tiny_llama), "awq")
+    assert checkpoint_format(load_hf_config(tiny_llama), "fp8") is None  # rounded as it loads
 
 
 def test_a_quantized_lm_head_is_refused_naming_it(quantized, tmp_path):

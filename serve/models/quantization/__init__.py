@@ -8,6 +8,7 @@ router, whatever the quantizer's ignore list named). Before the weights load,
 `quantize_layers` swaps each quantized layer's float weight for the format's parameters;
 after, `finish_quantized` gives each its `PackedWeight`, which `kernels.quantized_linear`
 multiplies by. The packed weights stay packed in memory: that is what the format saves.
+`--quantization fp8` over a float checkpoint rounds its linears as they load (online.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from serve.models.layers.linear import (
 )
 from serve.models.quantization.awq import AWQFormat
 from serve.models.quantization.base import QuantFormat
+from serve.models.quantization.compressed_tensors import CompressedTensorsFormat
 from serve.models.quantization.fp8 import FP8Format
 from serve.models.quantization.gptq import GPTQFormat
 from serve.models.weights import WeightSpec
@@ -33,6 +35,7 @@ FORMATS: dict[str, type[QuantFormat]] = {
     "gptq": GPTQFormat,
     "awq": AWQFormat,
     "fp8": FP8Format,
+    "compressed-tensors": CompressedTensorsFormat,
 }
 # vLLM's names for its faster kernels over the same checkpoints: one format here.
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
@@ -56,13 +59,13 @@ def checkpoint_format(hf_config: Any, requested: str | None = None) -> QuantForm
     method = None if config is None else str(config.get("quant_method", "")).lower()
     wanted = ALIASES.get(requested or "", requested)
     if method is None:
-        if wanted is not None:
+        if wanted not in (None, "fp8"):
             raise ValueError(
                 f"--quantization {requested}: the checkpoint is not quantized (its config.json "
-                "has no quantization_config), and serve does not quantize weights while "
-                "loading: serve a checkpoint quantized with that method"
+                "has no quantization_config); serve quantizes float weights while loading to "
+                "fp8 only (--quantization fp8): serve a checkpoint quantized with that method"
             )
-        return None
+        return None  # float weights; with --quantization fp8, rounded as they load
     if method not in FORMATS:
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which serve does not read; "
