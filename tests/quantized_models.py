@@ -142,8 +142,10 @@ def quantize_checkpoint(
     gptq_v2: bool = False,
     block: tuple[int, int] | None = (16, 16),
     seed: int = 0,
+    only: str = "",
 ) -> tuple[Path, Path]:
-    """(the quantized checkpoint, its dequantized float twin) of `model_dir`'s model."""
+    """(the quantized checkpoint, its dequantized float twin) of `model_dir`'s model;
+    `only`: quantize just the linears whose names hold it (a VLM's `language_model.`)."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     quantized, twin = out_dir / method, out_dir / f"{method}-dequantized"
     for directory in (quantized, twin):
@@ -153,7 +155,7 @@ def quantize_checkpoint(
     state = load_file(str(model_dir / "model.safetensors"))
     packed, dequantized = {}, {}
     for name, tensor in state.items():
-        if not _is_linear(name):
+        if not _is_linear(name) or only not in name:
             packed[name] = dequantized[name] = tensor
             continue
         module = name.removesuffix(".weight")

@@ -342,13 +342,16 @@ def load_model(config: ModelConfig, path: Path, hf_config: Any, device: torch.de
     fmt = checkpoint_format(hf_config, config.quantization)
     load_weights = getattr(model, "load_weights", None)  # a model of parts (LLaVA)
     if fmt is not None:
-        if load_weights is not None or not hasattr(model, "weight_spec"):
-            raise ValueError(
-                f"{type(model).__name__} does not read quantized checkpoints yet ({fmt.describe()}); "
-                "serve reads them for the natively built language models"
-            )
         names = checkpoint_names(path, config.load_format, config.allow_pickle_weights)
-        layers = quantize_layers(model, fmt, names, model.weight_spec)
+        if hasattr(model, "quantize_layers"):  # a model of parts quantizes its own
+            layers = model.quantize_layers(fmt, names)
+        elif hasattr(model, "weight_spec") and load_weights is None:
+            layers = quantize_layers(model, fmt, names, model.weight_spec)
+        else:
+            raise ValueError(
+                f"{type(model).__name__} does not read quantized checkpoints "
+                f"({fmt.describe()}); serve reads them for its natively built models"
+            )
         logger.info("%s: %d linear layers quantized, kept packed", fmt.describe(), len(layers))
         weights = without_dropped(weights, fmt)
     if load_weights is not None:

@@ -21,6 +21,7 @@ from serve.models.arch_config import ArchConfig, hf_with
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from serve.models.layers.linear import default_weight_loader
 from serve.models.lazy_tensor import LazyTensor, as_lazy
+from serve.models.quantization import QuantFormat, quantize_layers
 from serve.models.weights import WeightSpec, load_checkpoint
 
 
@@ -126,6 +127,34 @@ class VisionLanguageModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.language_model.compute_logits(hidden)
 
+    def _renamed(self, name: str) -> str:
+        for old, new in self.renames:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def language_model_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name in the language model, or None for the tower's."""
+        name = self._renamed(name)
+        return name[len("language_model.") :] if name.startswith("language_model.") else None
+
+    def quantize_layers(self, fmt: QuantFormat, names: Iterable[str]) -> list[str]:
+        """A quantized checkpoint's language model layers made packed, as alone; a tower
+        or projector the checkpoint holds quantized is refused (serve runs them by
+        transformers' modules, with float weights)."""
+        text_names = []
+        for name in names:
+            text_name = self.language_model_name(name)
+            if text_name is not None:
+                text_names.append(text_name)
+            elif name.rpartition(".")[2] == fmt.marker:
+                raise ValueError(
+                    f"the checkpoint holds {name.rpartition('.')[0]} quantized "
+                    f"({fmt.describe()}); serve reads quantized language models, with the "
+                    "vision tower and projector in float"
+                )
+        return quantize_layers(self.language_model, fmt, text_names, self.text_spec)
+
     def load_weights(self, weights: Iterable[tuple[str, LazyTensor | torch.Tensor]]) -> None:
         """The language model's tensors (`language_model.` once renamed) by its spec; every
         other tensor whole into this model's own modules."""
@@ -139,13 +168,11 @@ class VisionLanguageModel(nn.Module):
 
         def text_weights() -> Iterable[tuple[str, LazyTensor | torch.Tensor]]:
             for name, tensor in weights:
-                for old, new in self.renames:
-                    if name.startswith(old):
-                        name = new + name[len(old) :]
-                        break
-                if name.startswith("language_model."):
-                    yield name[len("language_model.") :], tensor
+                text_name = self.language_model_name(name)
+                if text_name is not None:
+                    yield text_name, tensor
                     continue
+                name = self._renamed(name)
                 if name in buffers or name.startswith(self.unused_prefixes):
                     continue  # one the module makes itself (CLIP's position ids), or unused
                 if name not in own:

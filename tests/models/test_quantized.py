@@ -109,6 +109,37 @@ def test_fp8_over_a_float_checkpoint_rounds_each_row_as_it_loads(tiny_llama, tmp
     assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
 
 
+def test_a_vision_language_models_quantized_language_model(tiny_llava, tmp_path):
+    """AWQ's and GPTQ's LLaVA and Qwen2.5-VL checkpoints quantize the language model and
+    keep the tower float: serve packs the language model's layers and runs the tower as
+    before, greedy equal to transformers' on the dequantized twin, with images."""
+    from image_fixtures import run_in_steps
+    from tiny_models import build_llava_tokenizer, hf_vl_greedy, random_image
+
+    from serve.engine.multimodal import MultiModalProcessor
+
+    checkpoint, twin = quantize_checkpoint(
+        tiny_llava, tmp_path, "gptq", act_order=True, only="language_model."
+    )
+    tokenizer = build_llava_tokenizer()
+    processor = MultiModalProcessor.from_model(checkpoint, load_hf_config(checkpoint), tokenizer)
+    cases = [("hello <image> what is this?", [random_image(1)]), ("no image here", [])]
+    prompts = [processor.process(tokenizer(text)["input_ids"], images) for text, images in cases]
+    llm = LLM(model=str(checkpoint), **ENGINE | {"max_model_len": 128})
+    got = [list(o.outputs[0].token_ids) for o in run_in_steps(llm, prompts, PARAMS)]
+    expected = [
+        hf_vl_greedy(twin, token_ids, images, MAX_TOKENS)
+        for (token_ids, _), (_, images) in zip(prompts, cases)
+    ]
+    assert got == expected
+
+
+def test_a_quantized_vision_tower_is_refused_naming_it(tiny_llava, tmp_path):
+    checkpoint, _ = quantize_checkpoint(tiny_llava, tmp_path, "awq", only="vision_tower.")
+    with pytest.raises(ValueError, match="holds .*vision_tower.* quantized .* with the vision"):
+        _load(checkpoint)
+
+
 def _load(model_dir, **settings):
     config = EngineConfig.create(str(model_dir), **settings).model
     return load_model(config, model_dir, load_hf_config(model_dir), torch.device("cpu"))
