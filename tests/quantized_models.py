@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS += ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up
 AUTOAWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field k of a word holds column ORDER[k]
 
 
@@ -70,6 +71,7 @@ def _input_of(module: str) -> str:
     for shared, names in (
         ("qkv", ("q_proj", "k_proj", "v_proj")),
         ("gate_up", ("gate_proj", "up_proj")),
+        ("w13", ("w1", "w3")),
     ):
         for name in names:
             if module.endswith(name):

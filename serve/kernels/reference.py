@@ -9,7 +9,7 @@ sequence's blocks is already each head's `[context, head_dim]` matrix, ready for
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -447,13 +447,29 @@ def moe_experts(
     product with the routing weights promotes as in transformers (float32 weights make a
     float32 product) and is rounded to the hidden dtype where it is added.
     """
+
+    def mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        return linear(silu_and_mul(linear(rows, w13[expert])), w2[expert])
+
+    return routed_experts(hidden, topk_weights, topk_ids, w13.shape[0], mlp)
+
+
+def routed_experts(
+    hidden: torch.Tensor,  # [num_tokens, hidden]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k]
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int, distinct experts per token
+    num_experts: int,
+    mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (expert, its rows) -> [rows, hidden]
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """`moe_experts`' order of operations with each expert's MLP as `mlp` (a quantized
+    checkpoint's experts are packed linears, not stacked float weights)."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros_like(hidden)
     if num_tokens == 0:
         return out
     flat_ids = topk_ids.flatten()  # [num_tokens * top_k]: pair p is token p // top_k
     order = flat_ids.argsort(stable=True)  # the pairs, grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     tokens = order // top_k
     weights = topk_weights.flatten()[order]
     start = 0
@@ -461,8 +477,7 @@ def moe_experts(
         if count == 0:
             continue
         rows = tokens[start : start + count]
-        gate_up = linear(hidden[rows], w13[expert])  # [count, 2 * inter]
-        down = linear(silu_and_mul(gate_up), w2[expert])  # [count, hidden]
+        down = mlp(expert, hidden[rows])  # [count, hidden]
         weighted = down * weights[start : start + count, None]
         out.index_add_(0, rows, weighted.to(out.dtype))
         start += count

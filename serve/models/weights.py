@@ -19,7 +19,7 @@ reads only the rows it keeps.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +118,20 @@ class ExpertTensors:
         prefix = match.group(1) or ""
         return f"{prefix}{self.module}.{param}", ExpertShard(int(match.group(2)), shard)
 
+    def packed_target(self, name: str) -> tuple[str, str | None] | None:
+        """Where a quantized checkpoint's expert tensor goes, `{module}.{e}.{name}.{suffix}`:
+        expert e's own packed layer (`FusedMoE.quantize`), `w13` (shards gate and up) or
+        `w2`; the shard name its loader takes."""
+        match = re.fullmatch(rf"(.*\.)?{re.escape(self.module)}\.(\d+)\.(\w+)\.(\w+)", name)
+        if match is None or match.group(3) not in self.names:
+            return None
+        param, shard = self.names[match.group(3)]
+        layer = param.removesuffix("_weight")
+        prefix, expert, suffix = match.group(1) or "", match.group(2), match.group(4)
+        return f"{prefix}{self.module}.{expert}.{layer}.{suffix}", (
+            shard if layer == "w13" else None
+        )
+
 
 @dataclass(frozen=True)
 class WeightSpec:
@@ -143,12 +157,19 @@ def _has_module(name: str, module: str) -> bool:
 
 
 def checkpoint_targets(
-    name: str, tensor: LazyTensor, spec: WeightSpec
+    name: str,
+    tensor: LazyTensor,
+    spec: WeightSpec,
+    exists: Callable[[str], bool] = lambda name: False,
 ) -> Iterable[tuple[str, LazyTensor, str | ExpertShard | None]]:
     """(our parameter name, tensor, shard) for one checkpoint tensor, its name renamed
-    first (`spec.renames`)."""
+    first (`spec.renames`). `exists`: whether the model has a parameter of that name
+    (an expert's own packed layer, where a quantized checkpoint made one)."""
     for old, new in spec.renames:
         name = name.replace(old, new)
+    packed_expert = spec.experts.packed_target(name) if spec.experts is not None else None
+    if packed_expert is not None and exists(packed_expert[0]):
+        return [(packed_expert[0], tensor, packed_expert[1])]
     expert = spec.experts.target(name) if spec.experts is not None else None
     if expert is not None:
         return [(expert[0], tensor, expert[1])]
@@ -177,7 +198,8 @@ def load_checkpoint(
     for checkpoint_name, tensor in weights:
         if any(p.search(checkpoint_name) for p in ignored):
             continue
-        for target, part, shard in checkpoint_targets(checkpoint_name, as_lazy(tensor), spec):
+        targets = checkpoint_targets(checkpoint_name, as_lazy(tensor), spec, params.__contains__)
+        for target, part, shard in targets:
             if target not in params:
                 if target in all_names:
                     continue  # the checkpoint's copy of a tied parameter

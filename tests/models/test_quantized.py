@@ -140,6 +140,28 @@ def test_a_quantized_vision_tower_is_refused_naming_it(tiny_llava, tmp_path):
         _load(checkpoint)
 
 
+MOE_VARIANTS = {
+    "qwen3-moe-gptq-act-order": ("qwen3-moe", "gptq", {"act_order": True}),
+    "qwen2-moe-awq": ("qwen2-moe", "awq", {}),  # with its shared expert
+    "mixtral-fp8-blocks": ("mixtral", "fp8", {"block": (16, 16)}),
+}
+
+
+@pytest.mark.parametrize("variant", MOE_VARIANTS)
+def test_mixture_of_experts_quantized_expert_by_expert(tiny_model_factory, tmp_path, variant):
+    """Each expert's gate, up and down are packed like any linear's (GPTQ's, AWQ's and FP8
+    releases of Qwen-MoE and Mixtral quantize them per expert), routed tokens run through
+    their experts' packed layers, and the tokens are the dequantized twin's."""
+    family, method, options = MOE_VARIANTS[variant]
+    checkpoint, twin = quantize_checkpoint(tiny_model_factory(family), tmp_path, method, **options)
+    prompts = _prompts()
+    tp = {"tensor_parallel_size": 2} if variant.startswith("mixtral") else {}
+    with LLM(model=str(checkpoint), **ENGINE, **tp) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    got = [out.outputs[0].token_ids for out in outputs]
+    assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+
+
 def _load(model_dir, **settings):
     config = EngineConfig.create(str(model_dir), **settings).model
     return load_model(config, model_dir, load_hf_config(model_dir), torch.device("cpu"))

@@ -21,14 +21,20 @@ expert) pairs. Routing follows transformers' order of operations exactly (`route
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from serve import kernels
 from serve.distributed.parallel_state import get_tp_group
-from serve.models.layers.linear import ReplicatedLinear, check_checkpoint_shape
+from serve.kernels.reference import routed_experts
+from serve.models.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    check_checkpoint_shape,
+)
 from serve.models.lazy_tensor import LazyTensor, as_lazy
 from serve.models.partition import split_evenly
 
@@ -81,13 +87,37 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
+        self.quantized = False
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         topk_weights: torch.Tensor,  # [T, top_k]
         topk_ids: torch.Tensor,  # [T, top_k]
     ) -> torch.Tensor:  # [T, hidden], this rank's partial sums
+        if self.quantized:
+            return routed_experts(x, topk_weights, topk_ids, self.num_experts, self._packed_mlp)
         return kernels.moe_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def _packed_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        layers = self.get_submodule(str(expert))
+        return layers.w2(kernels.silu_and_mul(layers.w13(rows)))
+
+    def quantize(self, fmt: Any, suffixes: set[str]) -> None:
+        """A quantized checkpoint's experts: each expert its own packed layers, `{e}.w13`
+        (gate and up, this rank's columns of each) and `{e}.w2` (down, this rank's inputs),
+        in place of the stacked float weights; they run one routed expert at a time."""
+        inter, hidden = self.intermediate_size, self.hidden_size
+        for expert in range(self.num_experts):
+            layers = nn.Module()
+            layers.w13 = MergedColumnParallelLinear(hidden, [inter, inter], ["gate", "up"])
+            layers.w2 = RowParallelLinear(inter, hidden, reduce_results=False)
+            for layer in (layers.w13, layers.w2):
+                fmt.register(layer, layer.sharding(), suffixes)
+                layer.quant_format = fmt
+            self.add_module(str(expert), layers)
+        del self.w13_weight, self.w2_weight
+        self.quantized = True
 
     def weight_loader(
         self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard: ExpertShard | None

@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from serve.models.layers.fused_moe import FusedMoE
 from serve.models.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
@@ -84,11 +85,10 @@ def _module_name(checkpoint_module: str, spec: WeightSpec) -> str:
     name = checkpoint_module + "."
     for old, new in spec.renames:
         name = name.replace(old, new)
-    if spec.experts is not None and re.search(rf"\.{spec.experts.module}\.\d+\.", "." + name):
-        raise ValueError(
-            f"{checkpoint_module}: quantized mixture-of-experts weights are not read yet "
-            "(serve's expert layers take float weights)"
-        )
+    if spec.experts is not None:  # an expert's projection: the layer of all the experts
+        match = re.match(rf"(.*\.)?{re.escape(spec.experts.module)}\.\d+\.", name)
+        if match is not None:
+            return (match.group(1) or "") + spec.experts.module
     for module in (*spec.fused, *spec.transposed):
         if f".{module}." in f".{name}":
             raise ValueError(
@@ -118,6 +118,9 @@ def quantize_layers(
     modules = dict(model.named_modules())
     for name, names in sorted(layers.items()):
         layer = modules.get(name)
+        if isinstance(layer, FusedMoE):
+            layer.quantize(fmt, names)
+            continue
         if not isinstance(layer, _LINEAR_LAYERS):
             what = "nothing" if layer is None else f"a {type(layer).__name__}"
             raise ValueError(
