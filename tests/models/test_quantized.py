@@ -162,6 +162,31 @@ def test_mixture_of_experts_quantized_expert_by_expert(tiny_model_factory, tmp_p
     assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
 
 
+def test_lora_adapters_over_a_quantized_model(quantized, tmp_path):
+    """QLoRA's serving: an adapter trained on a quantized base adds its update to the
+    packed layer's output; the tokens are the dequantized twin's with the adapter merged."""
+    from tiny_models import make_tiny_lora, merge_tiny_lora
+
+    from serve.lora_request import LoRARequest
+
+    checkpoint, twin = quantized("awq")
+    folder = make_tiny_lora(
+        twin, tmp_path / "adapter", targets=("q_proj", "gate_proj", "down_proj")
+    )
+    oracle = merge_tiny_lora(twin, folder, tmp_path / "merged")
+    prompts = _prompts()[:2]
+    llm = LLM(model=str(checkpoint), enable_lora=True, **ENGINE)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        PARAMS,
+        lora_request=[LoRARequest("a", 1, str(folder)), None],
+    )
+    got = [out.outputs[0].token_ids for out in outputs]
+    assert got[0] == hf_greedy(oracle, prompts[0], MAX_TOKENS, ignore_eos=True)
+    assert got[1] == hf_greedy(twin, prompts[1], MAX_TOKENS, ignore_eos=True)
+    assert got[0] != hf_greedy(twin, prompts[0], MAX_TOKENS, ignore_eos=True)
+
+
 def _load(model_dir, **settings):
     config = EngineConfig.create(str(model_dir), **settings).model
     return load_model(config, model_dir, load_hf_config(model_dir), torch.device("cpu"))
