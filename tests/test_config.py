@@ -73,7 +73,10 @@ def test_vllms_engine_arguments_are_taken_as_vllm_means_them():
         EngineConfig.create("m")
     )
     for kwargs, refused in [
-        ({"quantization": "bitsandbytes"}, "quantization must be one of gptq, awq, fp8"),
+        (
+            {"quantization": "bitsandbytes"},
+            "quantization must be one of gptq, awq, fp8, compressed-tensors, gptq_marlin, awq_marlin",
+        ),
         ({"revision": "main"}, "revision cannot be chosen"),
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be auto"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),

@@ -154,7 +154,7 @@ def test_host_defaults_to_serve_host_and_the_flag_wins(monkeypatch):
         (
             ["--quantization", "bitsandbytes"],
             "argument --quantization: invalid choice: 'bitsandbytes' (choose from 'gptq', "
-            "'awq', 'fp8', 'gptq_marlin', 'awq_marlin')",
+            "'awq', 'fp8', 'compressed-tensors', 'gptq_marlin', 'awq_marlin')",
         ),
         (
             ["--kv-cache-memory", "lots"],
