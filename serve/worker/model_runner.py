@@ -37,6 +37,9 @@ from serve.models.loader import (
     resolve_dtype,
     weights_bytes,
 )
+from serve.models.quantization import (
+    quantization_config,
+)
 from serve.models.registry import get_arch_config
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
@@ -93,7 +96,9 @@ def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_c
     cache_bytes = 0  # a block count forced by hand: its bytes are known only once loaded
     if cache.num_gpu_blocks_override is None:
         cache_bytes = cache.cpu_kv_cache_bytes
-    _check_memory_for(weights, cache_bytes, dtype, weights_packed(dtype))
+    # oneDNN's packed copies are of float linears: a quantized checkpoint's stay packed.
+    float_linears = quantization_config(hf_config) is None
+    _check_memory_for(weights, cache_bytes, dtype, weights_packed(dtype) and float_linears)
 
 
 def _check_memory_for(
