@@ -37,9 +37,7 @@ from serve.models.loader import (
     resolve_dtype,
     weights_bytes,
 )
-from serve.models.quantization import (
-    quantization_config,
-)
+from serve.models.quantization import quantization_config
 from serve.models.registry import get_arch_config
 from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
