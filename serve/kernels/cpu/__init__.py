@@ -17,7 +17,8 @@ from serve.kernels import reference
 from serve.kernels.cache_dtypes import cache_fits
 from serve.kernels.cpu import native
 from serve.kernels.metadata import AttentionMetadata
-from serve.kernels.reference import copy_blocks, moe_experts, quantized_linear, swap_blocks
+from serve.kernels.packed_weight import PackedWeight
+from serve.kernels.reference import copy_blocks, moe_experts, swap_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -241,3 +242,49 @@ def linear(
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+# Each kind's codes as the native kernel reads them (packed_weight.py's table).
+_CODE_DTYPES = {"uint4": torch.uint8, "uint8": torch.uint8, "fp8": torch.float8_e4m3fn}
+
+
+def quantized_linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: PackedWeight,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, out_features]
+    """The native kernel reads the codes in place: up to four rows streamed once (decode,
+    where uint4 reads an eighth of float32's bytes), more rows against tiles of the weight
+    dequantized once per call (csrc/quantized_linear.cpp). The reference, which
+    dequantizes the whole weight every call, where the native kernel does not apply."""
+    fits = (
+        x.dim() >= 2
+        and x.shape[-1] == weight.in_features
+        and x.dtype in _NATIVE_DTYPES
+        and x.device.type == "cpu"
+        and weight.codes.dtype == _CODE_DTYPES.get(weight.kind)
+        and weight.codes.device.type == "cpu"
+        and weight.scales.dtype == torch.float32
+        and (weight.zeros is None or weight.zeros.dtype == torch.float32)
+        and (weight.g_idx is None or weight.g_idx.dtype == torch.int64)
+        and weight.group_size >= 1
+        and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
+        and native.available()
+    )
+    if not fits:
+        return reference.quantized_linear(x, weight, bias)
+    rows = x.reshape(-1, weight.in_features).contiguous()
+    out = x.new_empty(rows.shape[0], weight.out_features)
+    # contiguous() copies only what is not already: the packed parameters are.
+    torch.ops.serve_cpu.quantized_linear(
+        out,
+        rows,
+        weight.codes.contiguous(),
+        weight.scales.contiguous(),
+        None if weight.zeros is None else weight.zeros.contiguous(),
+        None if weight.g_idx is None else weight.g_idx.contiguous(),
+        weight.kind,
+        weight.group_size,
+        None if bias is None else bias.contiguous(),
+    )
+    return out.view(*x.shape[:-1], weight.out_features)

@@ -31,7 +31,14 @@ ENV_VAR = "SERVE_CPU_KERNELS"
 MARCH_ENV_VAR = "SERVE_CPU_KERNELS_MARCH"
 NAME = "serve_cpu_kernels"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "linear.cpp", "elementwise.cpp", "decoder.cpp", "sampling.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "linear.cpp",
+    "quantized_linear.cpp",
+    "elementwise.cpp",
+    "decoder.cpp",
+    "sampling.cpp",
+)
 # What a portable target needs of the CPU it runs on (`-march=native` needs nothing).
 MARCH_FEATURES = {
     "x86-64-v3": {"avx2", "fma", "f16c", "bmi2"},

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string_view>
 
 namespace serve_cpu::ops {
 
@@ -20,6 +21,13 @@ void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tens
 
 void linear_few_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
+
+// codes: uint8 (kind "uint4": [N, ceil(K / 2)], "uint8": [N, K]) or float8_e4m3fn ("fp8":
+// [N, K]); scales and zeros float32 [N, G]; g_idx int64 [K] (serve/kernels/packed_weight.py).
+void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,
+                      const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                      const std::optional<at::Tensor>& g_idx, std::string_view kind,
+                      int64_t group_size, const std::optional<at::Tensor>& bias);
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping);

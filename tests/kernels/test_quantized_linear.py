@@ -1,0 +1,203 @@
+"""The native CPU quantized linear (serve/kernels/cpu/csrc/quantized_linear.cpp) against
+`reference.quantized_linear`, on fresh random packed weights.
+
+Codes span every value of their kind (fp8: every byte but the two NaNs, so subnormals and
+both zeros too); scales are signed, 0.01 to 0.1 in size, and zero points random, per
+(output, group). Odd in_features leave garbage in the last byte's padding nibble, which
+must not be read as an input. Outputs start as NaN, so an output the kernel skips shows.
+
+The kernel has two paths, chosen by the number of rows: up to four rows stream the codes,
+more multiply tiles of the dequantized weight (6 and 37 rows: register tiles of four rows
+and the rows left over; bfloat16 tiles where the CPU has AVX512_BF16). Within each, groups
+of a multiple of 32 inputs decode runs of 32 codes, and act order or other group sizes
+look each input's group up; all are covered, with the last group short.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from kernel_cases import TOLERANCE, rel_err
+
+from serve.kernels import cpu, reference
+from serve.kernels.cpu import native
+from serve.kernels.packed_weight import PackedWeight, pack_uint4
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain to build with")
+
+
+def seeded(*parts) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
+
+
+def make_weight(
+    kind: str,
+    out_features: int,
+    in_features: int,
+    group_size: int | None,  # None: one group over all inputs
+    gen: torch.Generator,
+    *,
+    g_idx: bool = False,
+    zeros: bool = True,
+) -> PackedWeight:
+    shape = (out_features, in_features)
+    if kind == "uint4":
+        codes = pack_uint4(torch.randint(0, 16, shape, generator=gen))
+        if in_features % 2:
+            codes[:, -1] |= 0xA0  # the padding nibble: read as an input, it shows
+        max_code = 15
+    elif kind == "uint8":
+        codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        max_code = 255
+    else:
+        bits = torch.randint(0, 254, shape, generator=gen, dtype=torch.uint8)
+        codes = (bits + (bits >= 0x7F).to(torch.uint8)).view(torch.float8_e4m3fn)  # no NaN
+        max_code = 0
+    if group_size is None:
+        group_size = in_features
+    num_groups = -(-in_features // group_size)
+    groups_shape = (out_features, num_groups)
+    signs = torch.randint(0, 2, groups_shape, generator=gen) * 2.0 - 1.0
+    scales = (0.01 + 0.09 * torch.rand(groups_shape, generator=gen)) * signs
+    zero_points = None
+    if zeros and max_code:
+        zero_points = torch.rand(groups_shape, generator=gen) * max_code
+    groups = None
+    if g_idx:  # GPTQ's act order: each group's inputs scattered over the row
+        perm = torch.randperm(in_features, generator=gen)
+        groups = (torch.arange(in_features) // group_size)[perm]
+    return PackedWeight(kind, codes, scales, zero_points, group_size, in_features, groups)
+
+
+def native_op(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    out = torch.full((x.shape[0], weight.out_features), float("nan"), dtype=x.dtype)
+    torch.ops.serve_cpu.quantized_linear(
+        out,
+        x,
+        weight.codes,
+        weight.scales,
+        weight.zeros,
+        weight.g_idx,
+        weight.kind,
+        weight.group_size,
+        bias,
+    )
+    return out
+
+
+def check(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor
+) -> None:
+    """Against the float32 reference (bfloat16 x and bias are exact in float32): float32
+    agrees but for the order of the sums; bfloat16 is rounded once at the end, and its
+    tiles' weights too where the CPU has AVX512_BF16, as the reference rounds them."""
+    expected = reference.quantized_linear(x.float(), weight, None if bias is None else bias.float())
+    assert out.dtype == x.dtype
+    err = rel_err(out, expected)
+    assert err < TOLERANCE[x.dtype], err
+
+
+# name: (group_size, g_idx, zero points), for 131 inputs (odd; 4 groups of 32 and 3 more)
+GROUPINGS = {
+    "group32": (32, False, True),  # decoded in runs of 32, one run per group
+    "group64": (64, False, True),  # two runs per group; the last group 3 inputs
+    "group12": (12, False, True),  # not a multiple of 32: each input looks its group up
+    "group6": (6, False, True),  # 22 groups: more than one register of scales to look up
+    "g_idx": (32, True, True),
+    "per-channel-symmetric": (None, False, False),
+}
+# (rows, bias)
+ROWS = {
+    "rows1-bias": (1, True),
+    "rows2": (2, False),
+    "rows3": (3, False),
+    "rows4-bias": (4, True),
+    "rows6-bias": (6, True),
+    "rows37": (37, False),
+}
+KINDS = ["uint4", "uint8", "fp8"]
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("rows", ROWS.values(), ids=ROWS.keys())
+@pytest.mark.parametrize("grouping", GROUPINGS.values(), ids=GROUPINGS.keys())
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_reference(kind, grouping, rows, dtype):
+    """45 outputs: blocks of four outputs and one left over, on both paths."""
+    group_size, g_idx, zeros = grouping
+    num_rows, with_bias = rows
+    gen = seeded("small", kind, grouping, rows, str(dtype))
+    weight = make_weight(kind, 45, 131, group_size, gen, g_idx=g_idx, zeros=zeros)
+    x = torch.randn(num_rows, 131, generator=gen).to(dtype)
+    bias = torch.randn(45, generator=gen).to(dtype) if with_bias else None
+    check(x, weight, bias, native_op(x, weight, bias))
+
+
+@pytest.mark.parametrize("g_idx", [False, True], ids=["groups", "g_idx"])
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_rows_on_two_threads(kind, rows, g_idx):
+    """4201 inputs: three blocks of the tiles' inputs (2048, 2048, 105), the last group of
+    128 short, 33 groups (act order fetches their scales by gathers); 100 outputs, split
+    between two threads on both paths."""
+    gen = seeded("long", kind, rows, g_idx)
+    weight = make_weight(kind, 100, 4201, 128, gen, g_idx=g_idx)
+    x = torch.randn(rows, 4201, generator=gen)
+    bias = torch.randn(100, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = native_op(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    check(x, weight, bias, out)
+
+
+@pytest.mark.parametrize("rows", [16, 48])
+def test_every_fp8_code(rows):
+    """All 256 float8_e4m3fn bytes with unit scales and x made of identities, so y is w.T
+    exactly. The NaN bytes (0x7F, 0xFF) share output 15, whose column is all NaN."""
+    bits = torch.arange(256, dtype=torch.int32)
+    bits[0x7F], bits[0xF0] = 0xF0, 0x7F
+    codes = bits.to(torch.uint8).view(16, 16).view(torch.float8_e4m3fn)
+    weight = PackedWeight("fp8", codes, torch.ones(16, 1), None, 16, 16)
+    out = native_op(torch.eye(16).repeat(rows // 16, 1), weight)
+    expected = codes.float().T.repeat(rows // 16, 1)
+    assert out[:, 15].isnan().all()
+    assert torch.equal(out[:, :15], expected[:, :15])
+
+
+def test_cpu_op_runs_native_where_it_fits(monkeypatch):
+    """`cpu.quantized_linear` takes the native kernel for float32 and bfloat16 x of any
+    leading shape, and the reference for the rest (float16 x here)."""
+    gen = seeded("dispatch")
+    weight = make_weight("uint4", 24, 40, 16, gen)
+    x = torch.randn(2, 3, 40, generator=gen)
+    bias = torch.randn(24, generator=gen)
+    expected = reference.quantized_linear(x, weight, bias)
+    calls = []
+    run_reference = reference.quantized_linear
+
+    def counted(*args):
+        calls.append(args)
+        return run_reference(*args)
+
+    monkeypatch.setattr(cpu.reference, "quantized_linear", counted)
+    out = cpu.quantized_linear(x, weight, bias)
+    assert out.shape == (2, 3, 24) and not calls
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+    assert cpu.quantized_linear(torch.empty(0, 40), weight).shape == (0, 24) and not calls
+    half = cpu.quantized_linear(x.half(), weight, bias.half())
+    assert len(calls) == 1 and half.dtype == torch.float16
+
+
+def test_rejects_codes_of_the_wrong_shape():
+    gen = seeded("shape")
+    weight = make_weight("uint4", 8, 40, 8, gen)
+    with pytest.raises(RuntimeError, match="codes"):
+        native_op(torch.randn(1, 41), weight)  # 41 inputs need 21 bytes a row, not 20
