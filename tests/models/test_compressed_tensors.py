@@ -41,7 +41,13 @@ from serve.models.quantization import checkpoint_format
 from serve.models.quantization.base import QuantFormat
 
 MAX_TOKENS = 12
-ENGINE = {"block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 64}
+# A small cache: a test module holds several engines at once.
+ENGINE = {
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "max_model_len": 64,
+    "kv_cache_memory": "16MiB",
+}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 INT4 = {"num_bits": 4, "type": "int"}

@@ -24,7 +24,13 @@ from serve.models.quantization.awq import unpack_outputs
 from serve.models.quantization.base import unpack_int32
 
 MAX_TOKENS = 12
-ENGINE = {"block_size": 4, "max_num_batched_tokens": 16, "max_model_len": 64}
+# A small cache: a test module holds several engines at once.
+ENGINE = {
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "max_model_len": 64,
+    "kv_cache_memory": "16MiB",
+}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 VARIANTS = {
@@ -58,8 +64,8 @@ def _prompts() -> list[list[int]]:
 
 
 def _serve_greedy(model_dir, prompts, **engine) -> list[list[int]]:
-    llm = LLM(model=str(model_dir), **{**ENGINE, **engine})
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    with LLM(model=str(model_dir), **{**ENGINE, **engine}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     return [out.outputs[0].token_ids for out in outputs]
 
 
@@ -125,8 +131,8 @@ def test_a_vision_language_models_quantized_language_model(tiny_llava, tmp_path)
     processor = MultiModalProcessor.from_model(checkpoint, load_hf_config(checkpoint), tokenizer)
     cases = [("hello <image> what is this?", [random_image(1)]), ("no image here", [])]
     prompts = [processor.process(tokenizer(text)["input_ids"], images) for text, images in cases]
-    llm = LLM(model=str(checkpoint), **ENGINE | {"max_model_len": 128})
-    got = [list(o.outputs[0].token_ids) for o in run_in_steps(llm, prompts, PARAMS)]
+    with LLM(model=str(checkpoint), **ENGINE | {"max_model_len": 128}) as llm:
+        got = [list(o.outputs[0].token_ids) for o in run_in_steps(llm, prompts, PARAMS)]
     expected = [
         hf_vl_greedy(twin, token_ids, images, MAX_TOKENS)
         for (token_ids, _), (_, images) in zip(prompts, cases)
@@ -175,12 +181,12 @@ def test_lora_adapters_over_a_quantized_model(quantized, tmp_path):
     )
     oracle = merge_tiny_lora(twin, folder, tmp_path / "merged")
     prompts = _prompts()[:2]
-    llm = LLM(model=str(checkpoint), enable_lora=True, **ENGINE)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        PARAMS,
-        lora_request=[LoRARequest("a", 1, str(folder)), None],
-    )
+    with LLM(model=str(checkpoint), enable_lora=True, **ENGINE) as llm:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            PARAMS,
+            lora_request=[LoRARequest("a", 1, str(folder)), None],
+        )
     got = [out.outputs[0].token_ids for out in outputs]
     assert got[0] == hf_greedy(oracle, prompts[0], MAX_TOKENS, ignore_eos=True)
     assert got[1] == hf_greedy(twin, prompts[1], MAX_TOKENS, ignore_eos=True)
