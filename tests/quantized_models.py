@@ -17,6 +17,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+# How the quantized-model tests run an engine: prompts chunked, a small cache (a test
+# module holds several engines at once), greedy past EOS.
+MAX_TOKENS = 12
+ENGINE = {
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "max_model_len": 64,
+    "kv_cache_memory": "16MiB",
+}
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEARS += ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up
 AUTOAWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field k of a word holds column ORDER[k]

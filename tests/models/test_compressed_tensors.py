@@ -30,6 +30,7 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.utils import calculate_qparams
+from quantized_models import ENGINE, MAX_TOKENS
 from safetensors.torch import load_file, save_file
 from tiny_models import _generate, hf_greedy, random_prompts
 
@@ -40,14 +41,6 @@ from serve.models.loader import load_hf_config, load_model
 from serve.models.quantization import checkpoint_format
 from serve.models.quantization.base import QuantFormat
 
-MAX_TOKENS = 12
-# A small cache: a test module holds several engines at once.
-ENGINE = {
-    "block_size": 4,
-    "max_num_batched_tokens": 16,
-    "max_model_len": 64,
-    "kv_cache_memory": "16MiB",
-}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 INT4 = {"num_bits": 4, "type": "int"}

@@ -13,7 +13,13 @@ import shutil
 
 import pytest
 import torch
-from quantized_models import AUTOAWQ_PACK_ORDER, fp8_rows_twin, quantize_checkpoint
+from quantized_models import (
+    AUTOAWQ_PACK_ORDER,
+    ENGINE,
+    MAX_TOKENS,
+    fp8_rows_twin,
+    quantize_checkpoint,
+)
 from tiny_models import hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
@@ -23,14 +29,6 @@ from serve.models.quantization import checkpoint_format
 from serve.models.quantization.awq import unpack_outputs
 from serve.models.quantization.base import unpack_int32
 
-MAX_TOKENS = 12
-# A small cache: a test module holds several engines at once.
-ENGINE = {
-    "block_size": 4,
-    "max_num_batched_tokens": 16,
-    "max_model_len": 64,
-    "kv_cache_memory": "16MiB",
-}
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 VARIANTS = {
