@@ -164,3 +164,20 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     shape[dim + 1] = per_word
     values = (words.unsqueeze(dim + 1) >> shifts.view(shape)) & ((1 << bits) - 1)
     return values.flatten(dim, dim + 1)
+
+
+def input_groups(
+    layer: nn.Module, g_idx: torch.Tensor | None, groups: Groups, what: str
+) -> torch.Tensor | None:
+    """A layer's act-order group of each input (`g_idx`, local to the groups this rank
+    keeps), or None where the inputs are in order (each input's group `i // size`, which
+    the kernels take without a lookup); a ValueError for a group this rank does not hold."""
+    if g_idx is None:
+        return None
+    start = layer.sharding().input_start
+    in_order = (torch.arange(g_idx.shape[0], device=g_idx.device) + start) // groups.size
+    if start == groups.first * groups.size and torch.equal(g_idx, in_order - groups.first):
+        return None
+    if bool((g_idx < 0).any() or (g_idx >= groups.count).any()):
+        raise ValueError(f"{what} names groups outside [0, {groups.count}) at this rank")
+    return g_idx

@@ -52,6 +52,7 @@ from serve.models.quantization.base import (
     aligned,
     drop_float_weight,
     groups_for,
+    input_groups,
     quantized_parameter,
     replicated_parameter,
     unpack_int32,
@@ -347,15 +348,7 @@ class CompressedTensorsFormat(QuantFormat):
             zeros = torch.full_like(layer.weight_scale, float(1 << (scheme.bits - 1)))
         g_idx = getattr(layer, "weight_g_idx", None)
         if g_idx is not None:
-            start = layer.sharding().input_start
-            in_order = (torch.arange(n_in, device=g_idx.device) + start) // groups.size
-            if start == groups.first * groups.size and torch.equal(g_idx, in_order - groups.first):
-                g_idx = None  # in order: each input's group is i // group_size
-            elif bool((g_idx < 0).any() or (g_idx >= groups.count).any()):
-                raise ValueError(
-                    f"compressed-tensors weight_g_idx names groups outside [0, {groups.count}) "
-                    "at this rank"
-                )
+            g_idx = input_groups(layer, g_idx, groups, "compressed-tensors weight_g_idx")
         elif scheme.act_order:
             raise ValueError(
                 "a compressed-tensors checkpoint with actorder 'group' must hold weight_g_idx"

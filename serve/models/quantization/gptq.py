@@ -29,6 +29,7 @@ from serve.models.quantization.base import (
     aligned,
     drop_float_weight,
     groups_for,
+    input_groups,
     quantized_parameter,
     replicated_parameter,
     unpack_int32,
@@ -106,16 +107,9 @@ class GPTQFormat(QuantFormat):
 
     def packed(self, layer: nn.Module) -> PackedWeight:
         n_in, groups = layer.num_local_inputs, layer.quant_groups
-        start = layer.sharding().input_start
         g_idx = getattr(layer, "g_idx", None)
         if g_idx is not None:
-            in_order = (torch.arange(n_in, device=g_idx.device) + start) // groups.size
-            if start == groups.first * groups.size and torch.equal(g_idx, in_order - groups.first):
-                g_idx = None  # in order: each input's group is i // group_size
-            elif bool((g_idx < 0).any() or (g_idx >= groups.count).any()):
-                raise ValueError(
-                    f"GPTQ g_idx names groups outside [0, {groups.count}) at this rank"
-                )
+            g_idx = input_groups(layer, g_idx, groups, "GPTQ g_idx")
         elif self.act_order:
             raise ValueError("a GPTQ checkpoint with desc_act must hold g_idx")
         return PackedWeight(
