@@ -348,3 +348,7 @@ class RowParallelLinear(nn.Module):
         loaded = as_lazy(loaded)
         check_checkpoint_shape(loaded, (self.out_features, self.in_features), "weight")
         param.data.copy_(loaded.narrow(1, self.input_start, self.num_local_inputs))
+
+
+# Every layer here: what a quantized checkpoint can pack.
+LINEAR_LAYERS = (ReplicatedLinear, _ColumnShardedLinear, RowParallelLinear)

@@ -20,11 +20,7 @@ from typing import Any
 from torch import nn
 
 from serve.models.layers.fused_moe import FusedMoE
-from serve.models.layers.linear import (
-    ReplicatedLinear,
-    RowParallelLinear,
-    _ColumnShardedLinear,
-)
+from serve.models.layers.linear import LINEAR_LAYERS
 from serve.models.quantization.awq import AWQFormat
 from serve.models.quantization.base import QuantFormat
 from serve.models.quantization.compressed_tensors import CompressedTensorsFormat
@@ -41,8 +37,6 @@ FORMATS: dict[str, type[QuantFormat]] = {
 # vLLM's names for its faster kernels over the same checkpoints: one format here.
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 QUANTIZATION_METHODS = (*FORMATS, *ALIASES)
-
-_LINEAR_LAYERS = (ReplicatedLinear, _ColumnShardedLinear, RowParallelLinear)
 
 
 def quantization_config(hf_config: Any) -> dict[str, Any] | None:
@@ -121,7 +115,7 @@ def quantize_layers(
         if isinstance(layer, FusedMoE):
             layer.quantize(fmt, names)
             continue
-        if not isinstance(layer, _LINEAR_LAYERS):
+        if not isinstance(layer, LINEAR_LAYERS):
             what = "nothing" if layer is None else f"a {type(layer).__name__}"
             raise ValueError(
                 f"the checkpoint holds {name} quantized ({fmt.describe()}); in "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from serve.kernels.packed_weight import PackedWeight
-from serve.models.layers.linear import ReplicatedLinear, RowParallelLinear, _ColumnShardedLinear
+from serve.models.layers.linear import LINEAR_LAYERS
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
@@ -28,9 +28,7 @@ def quantize_to_fp8(model: nn.Module) -> int:
     """Round every loaded linear layer of `model` to FP8 in place; how many were."""
     count = 0
     for module in model.modules():
-        if not isinstance(module, (ReplicatedLinear, _ColumnShardedLinear, RowParallelLinear)):
-            continue
-        if module.packed_weight is not None:
+        if not isinstance(module, LINEAR_LAYERS) or module.packed_weight is not None:
             continue
         codes, scales = fp8_rows(module.weight.data)
         del module.weight
