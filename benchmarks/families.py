@@ -90,6 +90,10 @@ def _size_for(family) -> dict:
         size.pop("num_key_value_heads", None)
     if "head_dim" in family.config:  # a family testing its own head_dim keeps the ratio
         size["head_dim"] = SIZE["hidden_size"] // SIZE["num_attention_heads"]
+    if "kv_lora_rank" in family.config:  # DeepSeek's MLA, in V2-Lite's proportions to hidden
+        size.update(kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+        if family.config.get("q_lora_rank"):
+            size["q_lora_rank"] = 96
     rope = family.config.get("rope_parameters")
     if rope and "short_factor" in rope:  # LongRoPE: one factor per rotated pair of channels
         pairs = SIZE["hidden_size"] // SIZE["num_attention_heads"] // 2
@@ -119,6 +123,7 @@ class ServeRunner:
             attn[0].head_dim,
             torch.float32,
             torch.device("cpu"),
+            shared_kv=attn[0].shared_kv,
         )
         for layer, kv_cache in zip(attn, cache.kv_caches):
             layer.kv_cache = kv_cache

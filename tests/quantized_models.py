@@ -29,6 +29,7 @@ ENGINE = {
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEARS += ("w1", "w2", "w3")  # Mixtral's experts' gate, down, up
+LINEARS += ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's MLA
 AUTOAWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field k of a word holds column ORDER[k]
 
 

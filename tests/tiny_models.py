@@ -116,13 +116,17 @@ def make_tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
 
 def _perturb_(model: torch.nn.Module, std: float) -> None:
     """Re-initialise every parameter: norm weights 1 ± 0.1, everything else (norm biases
-    too) N(0, std)."""
+    too) N(0, std); and the checkpoint buffers a router reads (DeepSeek-V3's correction
+    bias), N(0, std)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and not name.endswith("bias"):
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, std)
 
 
 def _greedy_generation_config(model, max_new_tokens: int, ignore_eos: bool):

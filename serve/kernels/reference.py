@@ -45,7 +45,8 @@ def copy_blocks(
 ) -> None:
     """Copy-on-write: in every layer, block `dst[i]` becomes a copy of block `src[i]`."""
     for key_cache, value_cache in kv_caches:
-        for cache in map(as_bytes, (key_cache, value_cache)):
+        caches = (key_cache,) if value_cache is key_cache else (key_cache, value_cache)
+        for cache in map(as_bytes, caches):
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 

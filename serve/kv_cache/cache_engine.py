@@ -1,5 +1,8 @@
 """The KV cache tensors: one (key, value) pair per attention layer on the device, and the
-same in CPU memory as the swap space that preemption by swapping moves blocks into."""
+same in CPU memory as the swap space that preemption by swapping moves blocks into.
+
+A model whose keys are its values (`shared_kv`: DeepSeek's latent cache) gets one tensor
+per layer, held as both halves of the pair; its blocks cost half."""
 
 from __future__ import annotations
 
@@ -15,10 +18,16 @@ MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith
 
 
 def kv_bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    shared_kv: bool = False,
 ) -> int:
     element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+    tensors = 1 if shared_kv else 2
+    return tensors * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
 class CacheEngine:
@@ -32,13 +41,18 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         num_cpu_blocks: int = 0,
+        shared_kv: bool = False,
     ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_cpu_blocks = num_cpu_blocks
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
+        def pair(allocate):  # (key, value): one tensor twice where the keys are the values
+            key = allocate()
+            return (key, key) if shared_kv else (key, allocate())
+
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self._allocate(shape, dtype, device), self._allocate(shape, dtype, device))
-            for _ in range(num_layers)
+            pair(lambda: self._allocate(shape, dtype, device)) for _ in range(num_layers)
         ]
         # Uninitialised: a swapped-in block is always one that was swapped out. Pinned on
         # CUDA so the copies are asynchronous DMA.
@@ -49,7 +63,7 @@ class CacheEngine:
             else (lambda: unreserved_empty(cpu_shape, dtype))
         )
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (swap_tensor(), swap_tensor()) for _ in range(num_layers if num_cpu_blocks else 0)
+            pair(swap_tensor) for _ in range(num_layers if num_cpu_blocks else 0)
         ]
 
     @staticmethod

@@ -157,10 +157,15 @@ class LlamaDecoderLayer(nn.Module):
         qk_norm: bool,
         mult: Multipliers,
         mlp: nn.Module | None = None,  # None: the dense gated MLP
+        attention: nn.Module | None = None,  # None: LlamaAttention
     ) -> None:
         super().__init__()
         hf = config.hf
-        self.self_attn = LlamaAttention(config, layer, qkv_bias, qk_norm, mult.attention)
+        self.self_attn = (
+            attention
+            if attention is not None
+            else LlamaAttention(config, layer, qkv_bias, qk_norm, mult.attention)
+        )
         self.residual_multiplier = mult.residual
         self.mlp = (
             mlp
@@ -200,12 +205,13 @@ class LlamaModel(nn.Module):
         qk_norm: bool,
         mult: Multipliers,
         make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
+        make_attention: Callable[[int], nn.Module | None] = lambda layer: None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embedding_multiplier = mult.embedding
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, mult, make_mlp(i))
+            LlamaDecoderLayer(config, i, qkv_bias, qk_norm, mult, make_mlp(i), make_attention(i))
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.hf.rms_norm_eps)
@@ -248,7 +254,12 @@ class LlamaForCausalLM(nn.Module):
         mult = Multipliers.from_hf(hf) if self.has_multipliers else Multipliers()
         self.logits_divisor = mult.logits
         self.model = LlamaModel(
-            config, qkv_bias, self.qk_norm, mult, lambda i: self.make_mlp(config, i)
+            config,
+            qkv_bias,
+            self.qk_norm,
+            mult,
+            lambda i: self.make_mlp(config, i),
+            lambda i: self.make_attention(config, i),
         )
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config.hf, "tie_word_embeddings", False):
@@ -257,6 +268,11 @@ class LlamaForCausalLM(nn.Module):
     def make_mlp(self, config: ArchConfig, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP; None: the dense gated MLP. The MoE families (moe.py) return
         their sparse blocks here."""
+        return None
+
+    def make_attention(self, config: ArchConfig, layer: int) -> nn.Module | None:
+        """Layer `layer`'s attention block, `forward(positions, x) -> [T, hidden]` reduced;
+        None: LlamaAttention. DeepSeek's multi-head latent attention comes in here."""
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,13 @@ class Adapter:
 
 
 def is_lora_layer(module: nn.Module) -> bool:
-    """One of serve's linear layers, which take LoRA slots."""
-    return hasattr(module, "lora_slices") and hasattr(module, "lora")
+    """One of serve's linear layers, which take LoRA slots, unless the model never runs it
+    as a layer (`takes_lora` False: DeepSeek's kv_b_proj, read into other weights)."""
+    return (
+        hasattr(module, "lora_slices")
+        and hasattr(module, "lora")
+        and getattr(module, "takes_lora", True)
+    )
 
 
 def _fail(request: LoRARequest, why: str) -> ValueError:

@@ -38,6 +38,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("serve.models.moe", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("serve.models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("serve.models.moe", "Qwen3MoeForCausalLM"),
+    # Multi-head latent attention and DeepSeek's experts (deepseek.py).
+    "DeepseekV2ForCausalLM": ("serve.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("serve.models.deepseek", "DeepseekV3ForCausalLM"),
     # Families of their own shape.
     "Gemma2ForCausalLM": ("serve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("serve.models.gemma", "Gemma3ForCausalLM"),

@@ -20,6 +20,7 @@ class ModelKV:
     num_kv_heads: int  # this rank's
     head_dim: int
     dtype: torch.dtype
+    shared_kv: bool = False  # the keys are the values: one tensor a layer (attention.py)
 
     @classmethod
     def of(cls, model: torch.nn.Module, kv_cache_dtype: str = "auto") -> ModelKV:
@@ -37,11 +38,19 @@ class ModelKV:
                     "capability 8.9 or newer (Ada, Hopper); this one is "
                     f"{capability[0]}.{capability[1]}: use fp8_e5m2 or bfloat16."
                 )
-        return cls(len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype)
+        shared_kv = {layer.shared_kv for layer in attn}
+        if len(shared_kv) > 1:
+            raise ValueError("a model's attention layers either all share K/V tensors or none do")
+        return cls(len(attn), attn[0].num_kv_heads, attn[0].head_dim, dtype, shared_kv.pop())
 
     def bytes_per_block(self, block_size: int) -> int:
         return kv_bytes_per_block(
-            self.num_layers, block_size, self.num_kv_heads, self.head_dim, self.dtype
+            self.num_layers,
+            block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.shared_kv,
         )
 
     def attach_cache(
@@ -62,6 +71,7 @@ class ModelKV:
             self.dtype,
             device,
             num_cpu_blocks,
+            self.shared_kv,
         )
         for layer, kv_cache in zip(attention_layers(model), cache.kv_caches):
             layer.kv_cache = kv_cache

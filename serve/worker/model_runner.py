@@ -523,7 +523,10 @@ def _move_engine_blocks(engine: CacheEngine, out: SchedulerOutput, device: torch
         for src_kv, dst_kv in zip(src_caches, dst_caches):
             src_index = torch.tensor(src_ids, device=src_kv[0].device)
             dst_index = torch.tensor(dst_ids, device=dst_kv[0].device)
-            for src, dst in zip(src_kv, dst_kv):
+            moves = list(zip(src_kv, dst_kv))
+            if src_kv[0] is src_kv[1]:  # the keys are the values: one tensor, moved once
+                moves = moves[:1]
+            for src, dst in moves:
                 swap_blocks(src, dst, src_index, dst_index)
     if out.blocks_to_copy:
         src_ids, dst_ids = zip(*out.blocks_to_copy)

@@ -239,3 +239,10 @@ def test_invalid_beam_search_calls_raise(eos_llama):
         narrow.beam_search(_prompts()[:1], 4, MAX_TOKENS, use_tqdm=False)
     assert not narrow.engine.has_unfinished_requests()
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_beam_search_matches_hf_over_a_latent_cache(tiny_model_factory):
+    """DeepSeek's layers keep K and V in one tensor: a beam's fork copies each shared
+    block once, and the beams stay transformers'."""
+    model_dir, eos = _eos_twin(tiny_model_factory, "deepseek-v3")
+    _assert_beams_match_hf(model_dir, _llm(model_dir), eos, 4, 1.0, False)

@@ -225,6 +225,8 @@ def test_adapter_config_errors_name_the_problem(adapters, tmp_path):
         ("gpt2", ("c_attn", "c_fc")),  # Conv1D weights stored [in, out]; A and B are not
         ("mixtral", ("q_proj", "v_proj", "o_proj")),  # attention of a mixture of experts
         ("gemma2", ("q_proj", "down_proj")),
+        # multi-head latent attention's projections (kv_b_proj has none: below)
+        ("deepseek-v3", ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")),
     ],
 )
 def test_other_layouts_match_the_merged_model(tiny_model_factory, tmp_path, arch, targets):
@@ -314,3 +316,13 @@ def test_speculation_checks_proposals_with_the_adapter(adapters, method):
     )
     assert _generate(llm, prompts, chosen) == _expected(base, loras, prompts, chosen)
     assert llm.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_an_adapter_on_deepseeks_absorbed_projection_is_refused(tiny_model_factory, tmp_path):
+    """kv_b_proj is folded into DeepSeek's query and output at load, never run as a layer:
+    an adapter on it would be silently ignored, so it is refused, naming the module."""
+    base = tiny_model_factory("deepseek-v3")
+    llm = LLM(str(base), enable_lora=True, kv_cache_memory="4MiB")
+    lora = LoRARequest("kv", 1, _folder(tmp_path, base, "kv", targets=("kv_b_proj",)))
+    with pytest.raises(ValueError, match="kv_b_proj, which is not one of this model's"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=lora)

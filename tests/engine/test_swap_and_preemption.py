@@ -150,6 +150,18 @@ def test_forced_swap_preemption_matches_hf(tiny_llama, prompts, hf_outputs):
     _assert_idle(llm)
 
 
+def test_forced_swap_preemption_of_a_latent_cache_matches_hf(tiny_model_factory, prompts):
+    """DeepSeek's layers keep K and V in one tensor (half the blocks' bytes): each block
+    is swapped out and in once, and the outputs stay transformers'."""
+    model_dir = tiny_model_factory("deepseek-v2")
+    llm = _llm(model_dir, num_gpu_blocks_override=24, preemption_mode="swap")
+    got, steps = _run(llm, prompts, GREEDY)
+    assert got == [[hf_greedy(model_dir, p, 24, ignore_eos=True)] for p in prompts]
+    num_out, num_in = _num_swaps(steps)
+    assert num_out > 0 and num_in > 0
+    _assert_idle(llm)
+
+
 @pytest.fixture(scope="module")
 def group_prompts():
     return random_prompts(512, 4, 8, 14, seed=4)

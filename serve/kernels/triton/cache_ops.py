@@ -181,7 +181,8 @@ def copy_blocks(
     """Copy-on-write: in every layer, block `dst[i]` becomes a copy of block `src[i]`."""
     for key_cache, value_cache in kv_caches:
         copy_block_rows(key_cache, key_cache, src, dst)
-        copy_block_rows(value_cache, value_cache, src, dst)
+        if value_cache is not key_cache:  # one tensor where the keys are the values
+            copy_block_rows(value_cache, value_cache, src, dst)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ The options the model families need ride on the layer and go to the kernel with 
 call: ALiBi slopes (BLOOM, MPT, Falcon RW, Baichuan 13B), a sliding window (Mistral, Gemma's
 local layers), a logit soft-cap (Gemma 2) and a free scale (Gemma's `query_pre_attn_scalar`,
 Granite's multiplier).
+
+With `shared_kv` the keys are also the values (DeepSeek's multi-head latent attention: each
+token's compressed latent and its rotated key part, attended as one KV head whose output's
+latent channels the caller keeps): the layer's cache is one tensor, bound as both K and V.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class Attention(nn.Module):
         alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        shared_kv: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
@@ -41,15 +46,22 @@ class Attention(nn.Module):
         )
         self.sliding_window = sliding_window or None
         self.logit_softcap = logit_softcap or None
-        # Bound once by the model runner: ([num_blocks, block_size, num_kv_heads, head_dim],) * 2
+        self.shared_kv = shared_kv
+        # Bound once by the model runner: ([num_blocks, block_size, num_kv_heads, head_dim],) * 2,
+        # the same tensor twice where `shared_kv`.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]
+        # (v None where `shared_kv`: the keys are the values)
         if self.kv_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound.")
+        if (v is None) != self.shared_kv:
+            raise ValueError("values are given exactly when the layer's K/V are not shared")
         meta = get_forward_context()
         key_cache, value_cache = self.kv_cache
+        if v is None:
+            v = k
         kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = kernels.paged_attention(
             q,
