@@ -4,9 +4,13 @@ format."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from quantized_models import ENGINE, MAX_TOKENS, quantize_checkpoint
+from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy, make_tiny_config, random_prompts
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
@@ -81,3 +85,35 @@ def test_block_fp8_deepseek_v3_matches_its_dequantized_twin(tiny_model_factory, 
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     got = [out.outputs[0].token_ids for out in outputs]
     assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+
+
+def test_the_multi_token_prediction_layer_is_skipped(tiny_model_factory, tmp_path):
+    """DeepSeek-V3's releases carry `num_nextn_predict_layers` extra layers after the last
+    one (its MTP module: a decoder layer plus eh_proj, enorm, hnorm). They load as nothing
+    and change nothing; a tensor of any other unknown layer still fails the load."""
+    model_dir = tiny_model_factory("deepseek-v3")
+    with_mtp = tmp_path / "with-mtp"
+    shutil.copytree(model_dir, with_mtp)
+    state = load_file(str(model_dir / "model.safetensors"))
+    hidden = state["model.norm.weight"].shape[0]
+    extra = {
+        k.replace("layers.1.", "layers.2."): v.clone() for k, v in state.items() if "layers.1." in k
+    }
+    extra["model.layers.2.eh_proj.weight"] = torch.randn(hidden, 2 * hidden)
+    extra["model.layers.2.enorm.weight"] = torch.ones(hidden)
+    save_file({**state, **extra}, str(with_mtp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((with_mtp / "config.json").read_text())
+    (with_mtp / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+
+    prompts = random_prompts(512, 3, 3, 20, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(model=str(with_mtp), **ENGINE) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    got = [out.outputs[0].token_ids for out in outputs]
+    assert got == [hf_greedy(model_dir, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
+
+    # With none declared (transformers' config says 1 where config.json is silent), layer
+    # 2's tensors have no place.
+    (with_mtp / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="layers.2"):
+        LLM(model=str(with_mtp), **ENGINE)
