@@ -6,13 +6,17 @@ prepacked weight above) and the torch reference (the whole weight dequantized pe
     python benchmarks/quantized_linear.py                       # the table for RESULTS.md
     python benchmarks/quantized_linear.py --rows 1 4 --layers 7b-qkv
     python benchmarks/quantized_linear.py --dtype bfloat16 --no-reference
+    python benchmarks/quantized_linear.py --act-order --layers smollm2-qkv --rows 1 4 16
 
 Layers (out x in): the default model's (SmolLM2-135M: hidden 576, intermediate 1536; q/k/v
 fused, 576 + 192 + 192 = 960 outputs; gate/up fused, 2 x 1536) and a Llama-7B-sized
 layer's (4096 x 4096, 11008 x 4096). Weights: uint4 and uint8 in groups of 128 inputs with
 zero points (GPTQ's), fp8 with a scale per output (FP8 checkpoints'). Each call reads the
 next of enough copies of its weight to fill 128 MiB, more than the L3 holds, so the
-weights come from memory as a model's layers do, not from cache.
+weights come from memory as a model's layers do, not from cache. `--act-order` adds GPTQ
+act order's uint4 (each group's inputs scattered over the row) twice: as the checkpoint
+holds it (`uint4 g_idx`: each input's group looked up) and as serve loads it where its
+groups are whole (`uint4 sorted`: inputs sorted by group, x's columns gathered per call).
 
 For each layer and row count: the median time of each op, its calls interleaved (one call
 of each in turn), so a shared machine's drift falls on all of them alike; the reference's
@@ -27,6 +31,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -34,7 +39,7 @@ import torch
 
 from serve.kernels import cpu, reference
 from serve.kernels.cpu import native
-from serve.kernels.packed_weight import PackedWeight, pack_uint4
+from serve.kernels.packed_weight import PackedWeight, pack_uint4, sort_inputs_by_group
 
 LAYERS = {  # name: (out_features, in_features)
     "smollm2-qkv": (960, 576),
@@ -45,6 +50,7 @@ LAYERS = {  # name: (out_features, in_features)
     "7b-gate": (11008, 4096),
 }
 QUANTIZED = ("uint4", "uint8", "fp8")
+ACT_ORDER = ("uint4 g_idx", "uint4 sorted")  # --act-order's
 CYCLE_BYTES = 128 << 20
 
 
@@ -55,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference")
     p.add_argument("--seconds", type=float, default=1.0, help="time per (layer, rows)")
+    p.add_argument("--act-order", action="store_true", help="add act order's uint4, both ways")
     return p.parse_args()
 
 
@@ -63,6 +70,11 @@ def float_weight(out_features: int, in_features: int, dtype: torch.dtype) -> tor
 
 
 def packed_weight(kind: str, out_features: int, in_features: int) -> PackedWeight:
+    if kind in ACT_ORDER:
+        weight = packed_weight("uint4", out_features, in_features)
+        perm = torch.randperm(in_features)
+        weight = replace(weight, g_idx=(torch.arange(in_features) // 128)[perm])
+        return weight if kind == "uint4 g_idx" else sort_inputs_by_group(weight)
     shape = (out_features, in_features)
     if kind == "fp8":
         codes = (torch.randn(shape) * 64).to(torch.float8_e4m3fn)
@@ -134,8 +146,9 @@ def measure_layer(name: str, args: argparse.Namespace, dtype: torch.dtype) -> No
     """Prints the layer's row of the table for each row count."""
     out_features, in_features = LAYERS[name]
     floats = copies(partial(float_weight, out_features, in_features, dtype))
+    kinds = QUANTIZED + (ACT_ORDER if args.act_order else ())
     packed = {
-        kind: copies(partial(packed_weight, kind, out_features, in_features)) for kind in QUANTIZED
+        kind: copies(partial(packed_weight, kind, out_features, in_features)) for kind in kinds
     }
     num_copies = max(len(floats), *(len(w) for w in packed.values()))
     for rows in args.rows:
@@ -147,12 +160,12 @@ def measure_layer(name: str, args: argparse.Namespace, dtype: torch.dtype) -> No
         def run_packed(i: int, kind: str, x: torch.Tensor = x) -> torch.Tensor:
             return cpu.quantized_linear(x, packed[kind][i % len(packed[kind])])
 
-        ops = {"float": run_float} | {kind: partial(run_packed, kind=kind) for kind in QUANTIZED}
+        ops = {"float": run_float} | {kind: partial(run_packed, kind=kind) for kind in kinds}
         with torch.inference_mode():
             ms = interleaved_medians(ops, num_copies, args.seconds)
             ref = None if args.no_reference else reference_median(x, packed["uint4"][0])
         cells = [f"{name} ({out_features}x{in_features})", str(rows), f"{ms['float']:.3f}"]
-        cells += [f"{ms[kind]:.3f}" for kind in QUANTIZED]
+        cells += [f"{ms[kind]:.3f}" for kind in kinds]
         cells.append("-" if ref is None else f"{ref:.3f}")
         cells.append(f"{ms['float'] / ms['uint4']:.2f}x")
         print("| " + " | ".join(cells) + " |", flush=True)
@@ -168,6 +181,7 @@ def main() -> None:
         f"x {args.dtype}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
     header = ["layer (out x in)", "rows", f"{args.dtype} linear", *QUANTIZED]
+    header += ACT_ORDER if args.act_order else ()
     header += ["reference uint4", "uint4 speed-up"]
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")

@@ -8,7 +8,7 @@ one contract to meet:
 
     w[o, i] = (code(o, i) - zeros[o, g(i)]) * scales[o, g(i)]      (zeros None: 0)
     g(i)    = g_idx[i] if g_idx is not None else i // group_size
-    y       = x @ w.T + bias
+    y       = x[:, input_perm] @ w.T + bias                        (input_perm None: x)
 
 | kind     | codes                          | code(o, i)                                    |
 |----------|--------------------------------|-----------------------------------------------|
@@ -18,11 +18,19 @@ one contract to meet:
 
 Scales and zero points are float32 `[out, num_groups]`, output-major like the codes, so a
 fused layer (q/k/v, gate/up) is its parts' rows stacked, each part with its own groups.
+
+GPTQ's act order (`desc_act`) scatters each group's inputs over the row (`g_idx`), so a
+kernel would look every input's group up. Where every group is whole (`group_size`
+inputs, the last maybe fewer), `sort_inputs_by_group` stores the inputs sorted by group
+instead: the codes' input columns in `input_perm`'s order, groups contiguous (`g_idx`
+None), and the kernels gather x's columns into that order once per call (a copy of x,
+far cheaper than a lookup per weight). `input_perm[i]` is the checkpoint's input that
+stored input i multiplies; `reference.dequantize` returns w in the checkpoint's order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,6 +46,13 @@ class PackedWeight:
     group_size: int  # inputs per group where g_idx is None
     in_features: int
     g_idx: torch.Tensor | None = None  # [in] int64: each input's group (GPTQ's act order)
+    input_perm: torch.Tensor | None = None  # [in] int64: x's column each stored input reads
+
+    def __post_init__(self) -> None:
+        if self.g_idx is not None and self.input_perm is not None:
+            raise ValueError(
+                "a packed weight's inputs are reordered (input_perm) or looked up (g_idx), not both"
+            )
 
     @property
     def out_features(self) -> int:
@@ -77,3 +92,36 @@ def group_of_inputs(weight: PackedWeight) -> torch.Tensor:
     if weight.g_idx is not None:
         return weight.g_idx
     return torch.arange(weight.in_features, device=weight.scales.device) // weight.group_size
+
+
+def permute_inputs(weight: PackedWeight, perm: torch.Tensor) -> torch.Tensor:
+    """The codes with stored input i holding input perm[i]'s: [out, in] -> the same
+    layout (uint4 unpacked, gathered and packed again)."""
+    if weight.kind == "uint4":
+        return pack_uint4(unpack_uint4(weight.codes, weight.in_features)[:, perm])
+    return weight.codes[:, perm]
+
+
+def sort_inputs_by_group(weight: PackedWeight) -> PackedWeight:
+    """Act order's weight with its inputs sorted by group (the module docstring): new
+    codes, g_idx None, input_perm the stable sort. Unchanged where there is no g_idx, or
+    where the sorted groups are not whole `group_size` runs over all `num_groups` (a
+    tensor-parallel rank's slice of a row-parallel layer holds parts of groups): those
+    keep the lookup."""
+    if weight.g_idx is None:
+        return weight
+    perm = torch.argsort(weight.g_idx, stable=True)  # [in]
+    in_order = torch.arange(weight.in_features, device=perm.device) // weight.group_size
+    whole = -(-weight.in_features // weight.group_size) == weight.num_groups
+    if not whole or not torch.equal(weight.g_idx[perm], in_order):
+        return weight
+    codes = permute_inputs(weight, perm)
+    return replace(weight, codes=codes, g_idx=None, input_perm=perm)
+
+
+def inputs_in_stored_order(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """x [..., in] with its columns in the order the weight stores its inputs: x itself
+    unless the inputs were sorted by group (`input_perm`)."""
+    if weight.input_perm is None:
+        return x
+    return x.index_select(-1, weight.input_perm)

@@ -364,21 +364,26 @@ def linear(
 
 def dequantize(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     """The weight as `dtype` [out, in]: `(code - zero) * scale` in float32, then rounded
-    (packed_weight.py's contract)."""
+    (packed_weight.py's contract), its inputs in the checkpoint's order (stored input i
+    back at column `input_perm[i]` where they were sorted by group)."""
     groups = group_of_inputs(weight)  # [in]
-    values = codes_as_float(weight)  # [out, in]
+    values = codes_as_float(weight)  # [out, in], stored order
     if weight.zeros is not None:
         values = values - weight.zeros[:, groups]
-    return (values * weight.scales[:, groups]).to(dtype)
+    values = values * weight.scales[:, groups]
+    if weight.input_perm is not None:
+        values = torch.empty_like(values).index_copy_(1, weight.input_perm, values)
+    return values.to(dtype)
 
 
 def quantized_linear(
-    x: torch.Tensor,  # [num_tokens, in_features]
+    x: torch.Tensor,  # [num_tokens, in_features], the checkpoint's input order
     weight: PackedWeight,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """x @ w.T + bias with w dequantized whole for this call (the weight stays packed
-    between calls: that is the memory a quantized checkpoint saves)."""
+    between calls: that is the memory a quantized checkpoint saves), in x's input order:
+    no gather of x, so it checks the kernels' (`x[:, input_perm]` against stored w)."""
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
 

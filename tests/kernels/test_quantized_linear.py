@@ -10,12 +10,15 @@ The kernel has two paths, chosen by the number of rows: up to four rows stream t
 more multiply tiles of the dequantized weight (6 and 37 rows: register tiles of four rows
 and the rows left over; bfloat16 tiles where the CPU has AVX512_BF16). Within each, groups
 of a multiple of 32 inputs decode runs of 32 codes, and act order or other group sizes
-look each input's group up; all are covered, with the last group short.
+look each input's group up; all are covered, with the last group short. Act order's
+weights sorted by group at load (`input_perm`) run the grouped paths through
+`cpu.quantized_linear`, which gathers x's columns into the stored order.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +26,7 @@ from kernel_cases import TOLERANCE, rel_err
 
 from serve.kernels import cpu, reference
 from serve.kernels.cpu import native
-from serve.kernels.packed_weight import PackedWeight, pack_uint4
+from serve.kernels.packed_weight import PackedWeight, pack_uint4, sort_inputs_by_group
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain to build with")
 
@@ -156,6 +159,43 @@ def test_long_rows_on_two_threads(kind, rows, g_idx):
     finally:
         torch.set_num_threads(threads)
     check(x, weight, bias, out)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 37])
+@pytest.mark.parametrize("kind", KINDS)
+def test_act_order_sorted_by_group_matches_reference(monkeypatch, kind, rows):
+    """An act-order weight (groups of 32 over 131 inputs, the last short) with its inputs
+    sorted by group: stored in input_perm's order with no g_idx, it dequantizes to the same
+    weight, and the native kernel's grouped path (not the reference) on x gathered gives
+    the reference's y on the weight as the checkpoint holds it."""
+    gen = seeded("sorted", kind, rows)
+    act_order = make_weight(kind, 45, 131, 32, gen, g_idx=True)
+    weight = sort_inputs_by_group(act_order)
+    assert weight.g_idx is None
+    assert torch.equal(act_order.g_idx[weight.input_perm], torch.arange(131) // 32)
+    f32 = torch.float32
+    assert torch.equal(reference.dequantize(weight, f32), reference.dequantize(act_order, f32))
+    x = torch.randn(rows, 131, generator=gen)
+    bias = torch.randn(45, generator=gen)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu.reference, "quantized_linear", None)  # the native kernel only
+        out = cpu.quantized_linear(x, weight, bias)
+    check(x, act_order, bias, out)
+
+
+def test_uneven_groups_keep_their_lookup():
+    """A tensor-parallel rank's half of a row-parallel act-order layer holds part of each
+    group, and a weight whose scales name groups no input is in is not in order either:
+    both keep g_idx, unchanged."""
+    gen = seeded("uneven")
+    whole = make_weight("uint4", 8, 64, 16, gen, g_idx=True)  # 4 groups
+    half = replace(whole, codes=whole.codes[:, :16], in_features=32, g_idx=whole.g_idx[:32])
+    assert sort_inputs_by_group(half) is half
+    in_order = torch.arange(32) // 16  # groups 0 and 1 only, of the scales' 4
+    two_of_four = replace(half, g_idx=in_order[torch.randperm(32, generator=gen)])
+    assert sort_inputs_by_group(two_of_four) is two_of_four
+    with pytest.raises(ValueError, match="not both"):
+        replace(two_of_four, input_perm=torch.arange(32))
 
 
 @pytest.mark.parametrize("rows", [16, 48])

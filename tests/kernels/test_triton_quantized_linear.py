@@ -4,6 +4,9 @@ packed weights (Triton's interpreter on CPU; the `gpu` test at real shapes on CU
 Codes span every value of their kind (fp8: every byte but the two NaNs, so subnormals and
 both zeros too), scales and zero points are random per (output, group), and odd
 in_features leave garbage in the last byte's padding nibble, which must not be read.
+Act order's weights sorted by group at load (`input_perm`) run the grouped path on x
+gathered into their order, against the reference, which multiplies x as it is by the
+weight dequantized back in the checkpoint's order.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import torch
 from kernel_cases import TOLERANCE, rel_err
 
 from serve.kernels import reference
-from serve.kernels.packed_weight import PackedWeight, pack_uint4
+from serve.kernels.packed_weight import PackedWeight, pack_uint4, sort_inputs_by_group
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def make_packed_weight(
     group_size: int | None,  # None: one group (per-channel scales)
     gen: torch.Generator,
     *,
-    g_idx: bool = False,
+    g_idx: bool | str = False,  # "sorted": act order, its inputs sorted by group
     zeros: bool = True,
     device: torch.device | str = "cpu",
 ) -> PackedWeight:
@@ -65,6 +68,9 @@ def make_packed_weight(
         perm = torch.randperm(in_features, generator=gen)
         groups = (torch.arange(in_features) // group_size)[perm]
     weight = PackedWeight(kind, codes, scales, zero_points, group_size, in_features, groups)
+    if g_idx == "sorted":
+        weight = sort_inputs_by_group(weight)
+        assert weight.input_perm is not None  # its groups are whole
     return to_device(weight, device)
 
 
@@ -80,6 +86,7 @@ def to_device(weight: PackedWeight, device: torch.device | str) -> PackedWeight:
         weight.group_size,
         weight.in_features,
         move(weight.g_idx),
+        move(weight.input_perm),
     )
 
 
@@ -95,6 +102,7 @@ GROUPINGS = {
     "group16": (16, False, True),  # one group per K step: a scale per output
     "group12": (12, False, True),  # groups straddle K steps: a scale per code
     "g_idx": (16, True, True),
+    "act-order-sorted": (16, "sorted", True),  # one group per K step, x gathered
     "per-channel-symmetric": (None, False, False),
 }
 # (rows, in_features, bias)
@@ -212,6 +220,7 @@ GPU_SHAPES = [(1, 6144, 4096), (16, 6144, 4096), (300, 4096, 14336), (37, 700, 1
 GPU_WEIGHTS = {
     "uint4-g128": ("uint4", 128, False, True),
     "uint4-g128-act-order": ("uint4", 128, True, True),
+    "uint4-g128-act-order-sorted": ("uint4", 128, "sorted", True),
     "uint8-per-channel": ("uint8", None, False, False),
     "fp8-per-channel": ("fp8", None, False, False),
     "fp8-g128-bits": ("fp8", 128, False, False),  # the pre-sm_89 decoding path

@@ -222,7 +222,8 @@ def test_act_order_groups_are_read_from_weight_g_idx(checkpoints, decompressed, 
     writes) saved each input's group in weight_g_idx, a group's inputs scattered. The
     package's group checkpoint with each layer's inputs reordered, codes and groups alike
     (q/k/v in one order, gate/up in one: act order orders the inputs they share), reads as
-    the package's weights with their inputs reordered so."""
+    the package's weights with their inputs reordered so; its groups whole, each layer
+    stores its inputs sorted by group (input_perm), no g_idx left to look up."""
     source = checkpoints("w4a16-group")
     target = tmp_path / "act-order"
     shutil.copytree(source, target)
@@ -249,7 +250,10 @@ def test_act_order_groups_are_read_from_weight_g_idx(checkpoints, decompressed, 
     ours, theirs = _load(target), decompressed(source)
     assert "act order" in checkpoint_format(load_hf_config(target)).describe()
     for layer, modules in _layers(ours):
-        assert layer.packed_weight.g_idx is not None
+        weight = layer.packed_weight
+        in_order = torch.arange(weight.in_features) // 16
+        assert weight.g_idx is None
+        assert torch.equal((orders[modules[0]] // 16)[weight.input_perm], in_order)
         expected = torch.cat([theirs.get_submodule(m).weight[:, orders[m]] for m in modules])
         assert torch.equal(dequantize(layer.packed_weight, torch.float32), expected)
 

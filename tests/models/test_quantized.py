@@ -209,6 +209,69 @@ def test_packed_weights_stay_packed(quantized, tiny_llama):
     assert all(model.get_submodule(n).packed_weight is not None for n in linears)
 
 
+# our decoder linear: the checkpoint modules whose rows it stacks
+DECODER_LINEARS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def test_act_order_inputs_are_sorted_by_group_at_load(quantized):
+    """At one rank every act-order layer holds whole groups of 16: its inputs are stored
+    sorted by group (input_perm, the checkpoint's g_idx in order along it), no g_idx left
+    for the kernels to look up, and dequantized in the checkpoint's order it is the twin's
+    weight exactly."""
+    from safetensors.torch import load_file
+
+    from serve.kernels.reference import dequantize
+
+    checkpoint, twin = quantized("gptq-act-order")
+    model = _load(checkpoint)
+    packed = load_file(str(checkpoint / "model.safetensors"))
+    floats = load_file(str(twin / "model.safetensors"))
+    for i, block in enumerate(model.model.layers):
+        for ours, theirs in DECODER_LINEARS.items():
+            layer = block.get_submodule(ours)
+            weight = layer.packed_weight
+            assert weight.g_idx is None
+            assert weight.codes is layer.qweight  # sorted in place: one copy in memory
+            g_idx = packed[f"model.layers.{i}.{theirs[0]}.g_idx"].long()
+            in_order = torch.arange(weight.in_features) // 16
+            assert torch.equal(g_idx[weight.input_perm], in_order)
+            expected = torch.cat([floats[f"model.layers.{i}.{m}.weight"] for m in theirs])
+            assert torch.equal(dequantize(weight, torch.float32), expected)
+
+
+def row_parallel_act_order_on_rank(checkpoint, twin) -> int:
+    """At this rank of two, o_proj's and down_proj's inputs are half the checkpoint's, a
+    random half of each group: uneven groups, which keep the g_idx lookup, and the packed
+    weight is the twin's columns of this rank. The layers checked."""
+    from safetensors.torch import load_file
+
+    from serve.distributed.parallel_state import get_tp_group
+    from serve.kernels.reference import dequantize
+
+    model = _load(checkpoint)
+    floats = load_file(str(twin / "model.safetensors"))
+    rank, checked = get_tp_group().rank, 0
+    for i, block in enumerate(model.model.layers):
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            weight = block.get_submodule(name).packed_weight
+            assert weight.g_idx is not None and weight.input_perm is None
+            expected = floats[f"model.layers.{i}.{name}.weight"].chunk(2, dim=1)[rank]
+            assert torch.equal(dequantize(weight, torch.float32), expected)
+            checked += 1
+    return checked
+
+
+def test_act_order_row_parallel_slices_keep_their_lookup(quantized, tp2_ranks):
+    checkpoint, twin = quantized("gptq-act-order")
+    num_layers = len(_load(checkpoint).model.layers)
+    assert tp2_ranks.run(row_parallel_act_order_on_rank, checkpoint, twin) == [2 * num_layers] * 2
+
+
 def test_unpacking_reads_the_fields_lowest_first():
     word = sum(v << (4 * k) for k, v in enumerate([1, 2, 3, 4, 5, 6, 7, 15]))
     words = torch.tensor([[word - 2**32 if word >= 2**31 else word]], dtype=torch.int32)

@@ -17,7 +17,7 @@ from serve.kernels import reference
 from serve.kernels.cache_dtypes import cache_fits
 from serve.kernels.cpu import native
 from serve.kernels.metadata import AttentionMetadata
-from serve.kernels.packed_weight import PackedWeight
+from serve.kernels.packed_weight import PackedWeight, inputs_in_stored_order
 from serve.kernels.reference import copy_blocks, moe_experts, swap_blocks
 
 logger = logging.getLogger(__name__)
@@ -256,7 +256,9 @@ def quantized_linear(
     """The native kernel reads the codes in place: up to four rows streamed once (decode,
     where uint4 reads an eighth of float32's bytes), more rows against tiles of the weight
     dequantized once per call (csrc/quantized_linear.cpp). The reference, which
-    dequantizes the whole weight every call, where the native kernel does not apply."""
+    dequantizes the whole weight every call, where the native kernel does not apply. Act
+    order's inputs sorted by group (`input_perm`): x's columns gathered into that order
+    here, so the kernel runs its grouped path."""
     fits = (
         x.dim() >= 2
         and x.shape[-1] == weight.in_features
@@ -267,13 +269,14 @@ def quantized_linear(
         and weight.scales.dtype == torch.float32
         and (weight.zeros is None or weight.zeros.dtype == torch.float32)
         and (weight.g_idx is None or weight.g_idx.dtype == torch.int64)
+        and (weight.input_perm is None or weight.input_perm.dtype == torch.int64)
         and weight.group_size >= 1
         and (bias is None or (bias.dtype == x.dtype and bias.device.type == "cpu"))
         and native.available()
     )
     if not fits:
         return reference.quantized_linear(x, weight, bias)
-    rows = x.reshape(-1, weight.in_features).contiguous()
+    rows = inputs_in_stored_order(x.reshape(-1, weight.in_features), weight).contiguous()
     out = x.new_empty(rows.shape[0], weight.out_features)
     # contiguous() copies only what is not already: the packed parameters are.
     torch.ops.serve_cpu.quantized_linear(

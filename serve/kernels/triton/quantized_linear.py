@@ -11,7 +11,8 @@ BLOCK_K inputs:
 2. dequantizes in float32, `(code - zero) * scale` (packed_weight.py's contract), with
    each input's group from `g_idx` or `k // group_size`; when a block lies inside one
    group (no g_idx, BLOCK_K divides group_size) one scale per output serves the whole tile
-   instead of a gather per element;
+   instead of a gather per element (act order's weights sorted by group at load, with
+   `input_perm`, take this path: x's columns are gathered into their order first);
 3. rounds w to the dot's operand dtype (x's dtype on a GPU: the same rounding as the
    reference's `dequantize(weight, x.dtype)`) and accumulates `tl.dot` in float32.
 
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serve.kernels.packed_weight import KINDS, PackedWeight
+from serve.kernels.packed_weight import KINDS, PackedWeight, inputs_in_stored_order
 from serve.kernels.triton.runtime import dot_operands
 
 
@@ -219,6 +220,7 @@ def _check(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
         or tuple(weight.scales.shape) != groups
         or (weight.zeros is not None and tuple(weight.zeros.shape) != groups)
         or (weight.g_idx is not None and tuple(weight.g_idx.shape) != (in_features,))
+        or (weight.input_perm is not None and tuple(weight.input_perm.shape) != (in_features,))
         or (bias is not None and tuple(bias.shape) != (out_features,))
     ):
         raise ValueError(
@@ -226,7 +228,8 @@ def _check(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
             f"{out_features} x {in_features} with codes {tuple(weight.codes.shape)} "
             f"{weight.codes.dtype}, scales {tuple(weight.scales.shape)}, zeros "
             f"{None if weight.zeros is None else tuple(weight.zeros.shape)}, g_idx "
-            f"{None if weight.g_idx is None else tuple(weight.g_idx.shape)}, bias "
+            f"{None if weight.g_idx is None else tuple(weight.g_idx.shape)}, input_perm "
+            f"{None if weight.input_perm is None else tuple(weight.input_perm.shape)}, bias "
             f"{None if bias is None else tuple(bias.shape)}."
         )
 
@@ -245,7 +248,7 @@ def quantized_linear(
     dot_dtype, dot_precision = dot_operands(x.dtype)  # rejects dtypes the kernels lack
     out_features, in_features = weight.out_features, weight.in_features
     leading = x.shape[:-1]
-    x2 = x.reshape(-1, in_features)
+    x2 = inputs_in_stored_order(x.reshape(-1, in_features), weight)  # [rows, in]
     num_rows = x2.shape[0]
     out = torch.empty((num_rows, out_features), dtype=x.dtype, device=x.device)
     if num_rows == 0 or out_features == 0:

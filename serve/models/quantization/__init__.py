@@ -7,7 +7,9 @@ itself: a module whose tensors include the format's marker (GPTQ's `qweight`, FP
 router, whatever the quantizer's ignore list named). Before the weights load,
 `quantize_layers` swaps each quantized layer's float weight for the format's parameters;
 after, `finish_quantized` gives each its `PackedWeight`, which `kernels.quantized_linear`
-multiplies by. The packed weights stay packed in memory: that is what the format saves.
+multiplies by (act order's with its inputs sorted by group where the groups are whole, so
+the kernels run the grouped path on x's columns gathered). The packed weights stay packed
+in memory: that is what the format saves.
 `--quantization fp8` over a float checkpoint rounds its linears as they load (online.py).
 """
 
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
 
+from serve.kernels.packed_weight import PackedWeight, sort_inputs_by_group
 from serve.models.layers.fused_moe import FusedMoE
 from serve.models.layers.linear import LINEAR_LAYERS
 from serve.models.quantization.awq import AWQFormat
@@ -136,7 +140,20 @@ def finish_quantized(model: nn.Module) -> None:
     for module in model.modules():
         fmt = getattr(module, "quant_format", None)
         if fmt is not None:
-            module.packed_weight = fmt.packed(module)
+            module.packed_weight = _inputs_sorted_by_group(fmt.packed(module))
+
+
+def _inputs_sorted_by_group(weight: PackedWeight) -> PackedWeight:
+    """Act order's weight with its inputs sorted by group where its groups are whole
+    (packed_weight.sort_inputs_by_group: the kernels' grouped path, x gathered), else as
+    it is. The sorted codes are written over the layer's codes parameter, which the packed
+    weight reads, so memory holds one order of them (the layer's g_idx stays the
+    checkpoint's)."""
+    grouped = sort_inputs_by_group(weight)
+    if grouped is weight:
+        return weight
+    weight.codes.data.copy_(grouped.codes)
+    return replace(grouped, codes=weight.codes)
 
 
 def without_dropped(
