@@ -72,6 +72,7 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads
     sliding_window: int | None = None,  # keys at distance >= this are masked
     logit_softcap: float | None = None,  # scores become c * tanh(scores / c)
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: a valueless logit per head
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     return ops_for(query.device).paged_attention(
         query,
@@ -82,6 +83,7 @@ def paged_attention(
         alibi_slopes=alibi_slopes,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
+        sinks=sinks,
     )
 
 

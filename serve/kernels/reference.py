@@ -97,6 +97,7 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context.
 
@@ -107,8 +108,11 @@ def paged_attention(
     `s = scale * q.k`; with `logit_softcap` c, `s = c * tanh(s / c)`; with `alibi_slopes`,
     `s += slope[head] * (j - i)`; with `sliding_window` w, keys with `i - j >= w` are
     masked (the query sees itself and the w - 1 keys before it, as transformers masks).
+    With `sinks` (GPT-OSS), head h's sink logit joins the softmax's denominator as one more
+    score whose value vector is zero: `out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) +
+    e^(sink_h - m))`, `m` the largest of the scores and the sink.
     """
-    options = _Options(alibi_slopes, sliding_window, logit_softcap)
+    options = _Options(alibi_slopes, sliding_window, logit_softcap, sinks)
     out = torch.empty_like(query)
     k_cache, v_cache = _heads_first(key_cache), _heads_first(value_cache)
     num_decodes = meta.num_decode_seqs
@@ -129,6 +133,7 @@ def paged_attention(
         alibi_slopes=alibi_slopes,
         sliding_window=sliding_window,
         logit_softcap=logit_softcap,
+        sinks=sinks,
     )
     return out
 
@@ -145,11 +150,12 @@ def attend_chunks(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """`paged_attention` for the given sequences one at a time, as prompts and chunks run:
     each one's context gathered once, then attended by torch's fused attention in tiles of
     queries."""
-    options = _Options(alibi_slopes, sliding_window, logit_softcap)
+    options = _Options(alibi_slopes, sliding_window, logit_softcap, sinks)
     k_cache, v_cache = _heads_first(key_cache), _heads_first(value_cache)
     lens = meta.seq_lens_cpu
     starts = [0, *itertools.accumulate(meta.query_lens_cpu)]
@@ -183,6 +189,7 @@ class _Options:
     alibi_slopes: torch.Tensor | None
     sliding_window: int | None
     logit_softcap: float | None
+    sinks: torch.Tensor | None
 
     def apply(
         self,
@@ -204,11 +211,29 @@ class _Options:
             scores = scores.masked_fill(outside[None, :, None], -torch.inf)
         return scores
 
+    def softmax(
+        self,
+        scores: torch.Tensor,  # [num_kv_heads, n, heads_per_kv, q_len, num_keys], masked
+    ) -> torch.Tensor:  # the same shape
+        """The probabilities over the keys; with sinks, each head's sink is one more score
+        in the denominator, with no value (every row sees at least one key)."""
+        if self.sinks is None:
+            return scores.softmax(dim=-1)
+        num_kv_heads, _, heads_per_kv = scores.shape[:3]
+        sinks = self.sinks.to(scores.dtype).view(num_kv_heads, 1, heads_per_kv, 1, 1)
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)
+        weights = (scores - top).exp()
+        return weights / (weights.sum(dim=-1, keepdim=True) + (sinks - top).exp())
+
+    @property
+    def needs_scores(self) -> bool:
+        """A soft-cap bends each score and a sink joins the softmax: neither fits torch's
+        fused attention, so the scores are materialised."""
+        return self.logit_softcap is not None or self.sinks is not None
+
     @property
     def is_plain(self) -> bool:
-        return (
-            self.alibi_slopes is None and self.sliding_window is None and self.logit_softcap is None
-        )
+        return self.alibi_slopes is None and self.sliding_window is None and not self.needs_scores
 
 
 def _decode_group(
@@ -243,7 +268,7 @@ def _decode_group(
     v = _gather(v_cache, table).to(q.dtype)
     lens = meta.seq_lens[rows]
     past_end = k_pos.view(-1, k_pos.shape[-1]) >= lens[:, None]  # [g or 1 -> g, L]
-    if options.logit_softcap is None:
+    if not options.needs_scores:
         # torch's fused attention: one query per sequence, its keys masked to the context.
         k_pos = k_pos.view(-1, k_pos.shape[-1])  # [g or 1, L]
         visible = ~past_end
@@ -270,8 +295,8 @@ def _decode_group(
     scores = torch.bmm(qg, k.transpose(1, 2)) * scale  # [H*g, heads_per_kv, L]
     scores5 = scores.view(num_kv_heads, g, heads_per_kv, 1, -1)
     scores5 = options.apply(scores5, (lens - 1)[:, None], k_pos)
-    scores = scores5.masked_fill(past_end[None, :, None, None], -torch.inf).view_as(scores)
-    out = torch.bmm(scores.softmax(dim=-1), v)  # [H*g, heads_per_kv, D]
+    scores5 = scores5.masked_fill(past_end[None, :, None, None], -torch.inf)
+    out = torch.bmm(options.softmax(scores5).view_as(scores), v)  # [H*g, heads_per_kv, D]
     return (
         out.view(num_kv_heads, g, heads_per_kv, head_dim)
         .transpose(0, 1)
@@ -290,9 +315,8 @@ def _attend_causal(
     q_len, num_heads, head_dim = q.shape
     num_kv_heads, num_keys = k.shape[0], k.shape[1]
     context = key_start + num_keys
-    if options.logit_softcap is None:
+    if not options.needs_scores:
         return _attend_sdpa(q, k, v, scale, key_start, options)
-    # The soft-cap bends each score, so the scores are materialised here.
     heads_per_kv = num_heads // num_kv_heads
     # Query heads that share a KV head are stacked, so GQA is one matmul per KV head.
     qg = q.view(q_len, num_kv_heads, heads_per_kv, head_dim).permute(1, 2, 0, 3)
@@ -305,7 +329,8 @@ def _attend_causal(
     if q_len > 1:
         future = k_pos[None, :] > q_pos[:, None]  # [q_len, num_keys]
         scores.view(num_kv_heads, heads_per_kv, q_len, num_keys).masked_fill_(future, -torch.inf)
-    out = torch.matmul(scores.softmax(dim=-1), v)  # [kv_heads, heads_per_kv * q_len, head_dim]
+    probs = options.softmax(scores.view_as(scores5)).view_as(scores)
+    out = torch.matmul(probs, v)  # [kv_heads, heads_per_kv * q_len, head_dim]
     return out.view(num_kv_heads, heads_per_kv, q_len, head_dim).permute(2, 0, 1, 3).flatten(1, 2)
 
 
@@ -319,7 +344,7 @@ def _attend_sdpa(
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     """`_attend_causal` through torch's fused attention (its flash kernel on CPU), which
     never materialises the scores: ~3x faster on prompts. Causality, the window and ALiBi go
-    in as a mask; a soft-cap cannot, so capped models take the explicit path."""
+    in as a mask; a soft-cap or sinks cannot, so those models take the explicit path."""
     q_len, num_keys = q.shape[0], k.shape[1]
     context = key_start + num_keys
     mask, is_causal = None, False

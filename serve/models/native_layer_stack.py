@@ -9,9 +9,9 @@ same order from C++, so a step's output is the Python loop's bit for bit.
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
 Qwen2, Mistral, SmolLM, ...) with RMSNorm, a plain rotary embedding, SiLU-gated MLP, no
-q/k norms, no ALiBi, no soft-cap, no residual multiplier, one rank, float32 or bfloat16,
-and the native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0`
-turns it off (to compare, or to rule it out).
+q/k norms, no ALiBi, no soft-cap, no attention sinks, no residual multiplier, one rank,
+float32 or bfloat16, and the native kernels built. Everything else runs the loop.
+`SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
 """
 
 from __future__ import annotations
@@ -130,7 +130,11 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         if table.dtype != torch.float32 or not table.is_contiguous():
             return None
         inner = attn.attn
-        if inner.alibi_slopes is not None or inner.logit_softcap is not None:
+        if (
+            inner.alibi_slopes is not None
+            or inner.logit_softcap is not None
+            or inner.sinks is not None
+        ):
             return None
         if type(mlp.act) is not ActAndMul or mlp.act.name not in ("silu", "swish"):
             return None

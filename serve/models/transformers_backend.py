@@ -16,9 +16,11 @@ every family spells its own way: once, at build, a forward pass over a few token
 a recording function (`serve_probe`). It records each module's heads, head size, scale
 (`scaling`) and soft-cap (`softcap`); its mask function reads each layer's sliding window
 from transformers' own mask function, which is what transformers' sdpa and eager attention
-apply. What paged attention cannot do is refused there, by name: attention sinks, other
-attention inputs, non-causal or chunked attention, layers without attention (recurrent or
-convolutional state), different KV shapes per layer.
+apply. Attention sinks (`s_aux` or `sinks`, one learned logit per head: GPT-OSS) are the
+module's own parameter, passed to paged attention with every call. What paged attention
+cannot do is refused there, by name: other attention inputs (per-token sinks among them),
+non-causal or chunked attention, layers without attention (recurrent or convolutional
+state), different KV shapes per layer.
 
 Logits are the HF causal LM's own forward with its body swapped for a stand-in that hands
 back the hidden states: its LM head and whatever follows it (Gemma's final soft-cap,
@@ -46,7 +48,7 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import MoeModelOutputWithPast
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from serve.models.arch_config import ArchConfig
@@ -57,9 +59,12 @@ PAGED = "serve_paged"  # the attention function the model runs with
 PROBE = "serve_probe"  # the recording one, for the build-time forward pass
 
 # Attention-function arguments the probe reads (the window comes from the mask function,
-# which is what transformers' sdpa and eager attention apply), or that change nothing at
-# inference (dropout is 0 in eval; the rest is bookkeeping). Any other, set, is refused.
+# which is what transformers' sdpa and eager attention apply), that paged attention takes
+# at every call (the sinks), or that change nothing at inference (dropout is 0 in eval; the
+# rest is bookkeeping). Any other, set, is refused.
+_SINK_ARGUMENTS = ("s_aux", "sinks")  # [num_heads] sink logits, by the names models use
 _KNOWN_ARGUMENTS = {
+    *_SINK_ARGUMENTS,
     "scaling",
     "softcap",
     "is_causal",
@@ -170,10 +175,12 @@ def _ignored_checkpoint_names(causal_lm: PreTrainedModel, model: nn.Module) -> t
 
 class _HiddenStates(nn.Module):
     """The body's stand-in inside the HF causal LM: hands back the hidden states it is
-    given as `inputs_embeds`, so the causal LM's forward runs only its head on them."""
+    given as `inputs_embeds`, so the causal LM's forward runs only its head on them. The MoE
+    output's fields are the plain one's and `router_logits` (None), which an MoE causal LM
+    (GPT-OSS) reads from its body's output."""
 
     def forward(self, *args: Any, inputs_embeds: torch.Tensor, **kwargs: Any) -> Any:
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+        return MoeModelOutputWithPast(last_hidden_state=inputs_embeds)
 
 
 def _body_name(causal_lm: PreTrainedModel) -> str:
@@ -196,8 +203,16 @@ def _paged_attention(
 ) -> tuple[torch.Tensor, None]:  # [1, T, num_heads, head_dim], no weights
     attention: Attention = module.serve_attention
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
-    out = attention(q, k, v)  # [T, num_heads * head_dim]
+    out = attention(q, k, v, sinks=_sinks(kwargs))  # [T, num_heads * head_dim]
     return out.view(1, -1, attention.num_heads, attention.head_dim), None
+
+
+def _sinks(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The attention sinks a module passed its attention function ([num_heads]), if any."""
+    for name in _SINK_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
 
 
 # -- the build-time probe ---------------------------------------------------------------------
@@ -285,8 +300,15 @@ def _probe_attention(
         raise RuntimeError("serve_probe runs only inside the transformers backend's probe.")
     others = sorted(k for k, v in kwargs.items() if v is not None and k not in _KNOWN_ARGUMENTS)
     if others:
-        what = "attention sinks" if {"s_aux", "sinks"} & set(others) else "attention inputs"
-        raise ValueError(f"its attention takes {what} ({', '.join(others)}) paged attention lacks")
+        raise ValueError(
+            f"its attention takes attention inputs ({', '.join(others)}) paged attention lacks"
+        )
+    sinks = _sinks(kwargs)
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise ValueError(
+            f"its attention sinks have shape {tuple(sinks.shape)}, not one logit per query "
+            f"head ({query.shape[1]},) as paged attention takes them"
+        )
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
         raise ValueError("its attention is not causal")
     if key.shape[2] != query.shape[2]:

@@ -25,9 +25,10 @@ from kernel_cases import (
 from kernels.test_reference import (
     ATTENTION_CASES,
     ATTENTION_OPTIONS,
-    alibi_test_slopes,
     make_cos_sin_cache,
     naive_causal_attention,
+    option_kwargs,
+    sink_test_logits,
 )
 
 from serve.kernels import cpu, reference
@@ -54,6 +55,7 @@ def native_attention(inputs: AttentionInputs, scale: float, **options) -> torch.
         options.get("alibi_slopes"),
         options.get("sliding_window") or 0,
         options.get("logit_softcap") or 0.0,
+        options.get("sinks"),
     )
     return out
 
@@ -97,13 +99,22 @@ def test_head_sizes_with_and_without_a_tail_slice(head_dim, heads):
     assert_matches_dense(inputs, native_attention(inputs, scale), scale)
 
 
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 21}], ids=["causal", "window"])
+PROMPT_OPTIONS = {
+    "causal": {},
+    "window": {"sliding_window": 21},
+    "sinks": {"sinks": True},
+    "sinks-window": {"sinks": True, "sliding_window": 21},
+}
+
+
+@pytest.mark.parametrize("options", PROMPT_OPTIONS.values(), ids=PROMPT_OPTIONS.keys())
 @pytest.mark.parametrize("layout", ["heads_first", "contiguous"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prompt_tiles_of_the_common_head_sizes(head_dim, layout, options):
     """Prompts and chunks at head sizes 64 and 128, where key groups are read from the cache
     as they lie (heads-first float32 blocks of 16) or copied (the other layout; a context
-    ending mid-group, its slots past the end NaN); a window that starts mid-group."""
+    ending mid-group, its slots past the end NaN); a window that starts mid-group; sinks
+    folded into each lane's softmax."""
     inputs = make_attention_inputs(
         [(75, 75), (100, 37), (48, 48), (70, 12)],
         0,
@@ -115,21 +126,44 @@ def test_prompt_tiles_of_the_common_head_sizes(head_dim, layout, options):
         stale="nan",
     )
     scale = head_dim**-0.5
-    out = native_attention(inputs, scale, **options)
-    assert_matches_dense(inputs, out, scale, **options)
+    kwargs = option_kwargs(options, 6, seeded("prompt tiles", "options"))
+    out = native_attention(inputs, scale, **kwargs)
+    assert_matches_dense(inputs, out, scale, **kwargs)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
 @pytest.mark.parametrize("case", ["mixed", "extend", "many-decodes"])
 def test_native_options_match_dense(case, options, heads):
-    """ALiBi, sliding window and soft-cap, alone and together; windows shorter than the
-    context, so whole blocks and parts of blocks drop out."""
+    """ALiBi, sliding window, soft-cap and sinks, alone and together; windows shorter than
+    the context, so whole blocks and parts of blocks drop out."""
     inputs = case_inputs(case, heads, 16, 4, stale="nan")
-    kwargs = {k: v for k, v in options.items() if k != "alibi"}
-    if options.get("alibi"):
-        kwargs["alibi_slopes"] = alibi_test_slopes(heads[0], seeded(case, "alibi"))
+    kwargs = option_kwargs(options, heads[0], seeded(case, "options"))
     assert_matches_dense(inputs, native_attention(inputs, 0.3, **kwargs), 0.3, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 9], ids=["causal", "window"])
+@pytest.mark.parametrize("case", ["mixed", "extend", "many-decodes"])
+def test_sinks_match_the_reference(case, window, dtype):
+    """cpu.paged_attention with sinks against the torch reference (float32 on the same
+    rounded data): decode tiles and wide prompt tiles, GQA, with and without a window;
+    and the sinks change the output."""
+    inputs = case_inputs(case, (9, 3), 64, 16, dtype=dtype)
+    sinks = sink_test_logits(9, seeded(case, "sinks"))
+    options = {"sliding_window": window}
+    out = cpu.paged_attention(
+        inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.125,
+        sinks=sinks, **options,
+    )  # fmt: skip
+    expected = reference.paged_attention(
+        inputs.query.float(), inputs.key_cache.float(), inputs.value_cache.float(),
+        inputs.meta, 0.125, sinks=sinks, **options,
+    )  # fmt: skip
+    assert out.dtype == dtype
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    without = native_attention(inputs, 0.125, **options)
+    assert rel_err(without, expected) > 10 * TOLERANCE[dtype]
 
 
 # (query dtype, cache dtype): 16-bit queries over their own caches, and caches narrower
@@ -249,7 +283,8 @@ def test_one_call_mixes_both_tile_kinds():
         seeded("mix"),
         stale="nan",
     )
-    for options in ({}, {"sliding_window": 7, "logit_softcap": 5.0}):
+    sinks = sink_test_logits(9, seeded("mix", "sinks"))
+    for options in ({}, {"sliding_window": 7, "logit_softcap": 5.0, "sinks": sinks}):
         out = cpu.paged_attention(
             inputs.query, inputs.key_cache, inputs.value_cache, inputs.meta, 0.125, **options
         )

@@ -107,8 +107,10 @@ def naive_causal_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads]
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    """Dense attention in float64, the options written out as the papers define them."""
+    """Dense attention in float64, the options written out as the papers define them (the
+    sinks as transformers' GPT-OSS eager attention: a column of the softmax, then dropped)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -125,7 +127,11 @@ def naive_causal_attention(
     if sliding_window is not None:
         visible &= q_pos - k_pos < sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink_column = sinks.double()[:, None, None].expand(num_heads, q_len, 1)
+        probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v.double()).float()
 
 
@@ -224,7 +230,10 @@ ATTENTION_OPTIONS = {
     "window-1": {"sliding_window": 1},
     "window-5": {"sliding_window": 5},
     "softcap": {"logit_softcap": 2.0},
+    "sinks": {"sinks": True},
+    "sinks-window-5": {"sinks": True, "sliding_window": 5},
     "all": {"alibi": True, "sliding_window": 7, "logit_softcap": 3.0},
+    "all-sinks": {"alibi": True, "sliding_window": 7, "logit_softcap": 3.0, "sinks": True},
 }
 
 
@@ -249,12 +258,30 @@ def alibi_test_slopes(num_heads: int, gen: torch.Generator) -> torch.Tensor:
     return torch.rand(num_heads, generator=gen) * 0.9 + 0.05
 
 
+def sink_test_logits(num_heads: int, gen: torch.Generator) -> torch.Tensor:
+    """Sink logits ~ N(0, 2), of the scores' own size, and head 0's far above every score
+    (the sink, not a key, sets that row's max)."""
+    sinks = 2.0 * torch.randn(num_heads, generator=gen)
+    sinks[0] = 12.0
+    return sinks
+
+
+def option_kwargs(options: dict, num_heads: int, gen: torch.Generator) -> dict:
+    """An ATTENTION_OPTIONS entry as paged_attention's keyword arguments."""
+    kwargs = {k: v for k, v in options.items() if k not in ("alibi", "sinks")}
+    if options.get("alibi"):
+        kwargs["alibi_slopes"] = alibi_test_slopes(num_heads, gen)
+    if options.get("sinks"):
+        kwargs["sinks"] = sink_test_logits(num_heads, gen)
+    return kwargs
+
+
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa3", "mqa"])
 @pytest.mark.parametrize("options", ATTENTION_OPTIONS.values(), ids=ATTENTION_OPTIONS.keys())
 @pytest.mark.parametrize("case", ["mixed", "extend", "many-decodes"])
 def test_paged_attention_options_match_dense(case, options, heads):
-    """ALiBi, sliding window and soft-cap, alone and together, on decodes, prefills and
-    chunks over a cached prefix (windows shorter than the context, so keys drop out)."""
+    """ALiBi, sliding window, soft-cap and sinks, alone and together, on decodes, prefills
+    and chunks over a cached prefix (windows shorter than the context, so keys drop out)."""
     num_heads, num_kv_heads = heads
     block_size = 4
     gen = torch.Generator().manual_seed(zlib.crc32(f"{case}-{options}-{heads}".encode()))
@@ -263,9 +290,7 @@ def test_paged_attention_options_match_dense(case, options, heads):
     batch, key_cache, value_cache, keys, values, query = write_batch(
         seq_lens, query_lens, num_decode_seqs, block_size, num_heads, num_kv_heads, gen
     )
-    kwargs = {k: v for k, v in options.items() if k != "alibi"}
-    if options.get("alibi"):
-        kwargs["alibi_slopes"] = alibi_test_slopes(num_heads, gen)
+    kwargs = option_kwargs(options, num_heads, gen)
     out = paged_attention(query, key_cache, value_cache, batch.meta, 0.3, **kwargs)
     starts = batch.meta.query_start_loc.tolist()
     for b, (k, v) in enumerate(zip(keys, values)):
@@ -289,6 +314,29 @@ def test_sliding_window_changes_the_output_of_long_contexts():
     # 8 (row 9) would see 9 and loses key 0.
     assert torch.allclose(full[1:9], narrow[1:9])
     assert (full[9] - narrow[9]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_sinks_take_probability_from_the_keys(window):
+    """Each head's output shrinks by its share of the softmax the sink takes: changed by
+    ordinary sinks, all but unchanged by very negative ones, all but zero under huge ones;
+    decodes and chunks alike."""
+    gen = torch.Generator().manual_seed(5)
+    batch, key_cache, value_cache, _, _, query = write_batch([30, 12], [1, 9], 1, 4, 4, 2, gen)
+
+    def attend(sinks: torch.Tensor | None) -> torch.Tensor:
+        meta = batch.meta
+        return paged_attention(
+            query, key_cache, value_cache, meta, 0.3, sliding_window=window, sinks=sinks
+        )
+
+    plain = attend(None)
+    sunk = attend(torch.tensor([-1.0, 0.0, 1.0, 2.0]))
+    per_head = (plain - sunk).abs().amax(dim=(0, 2))  # [num_heads]
+    assert (per_head > 1e-2).all(), per_head
+    assert sunk.norm(dim=-1).lt(plain.norm(dim=-1)).all()  # a zero value pulls towards 0
+    torch.testing.assert_close(attend(torch.full((4,), -1e4)), plain, rtol=0, atol=1e-6)
+    assert attend(torch.full((4,), 60.0)).abs().max() < 1e-12
 
 
 def test_paged_attention_ignores_blocks_outside_the_tables():

@@ -26,8 +26,9 @@ from kernel_cases import (
 from kernels.test_reference import (
     ATTENTION_CASES,
     ATTENTION_OPTIONS,
-    alibi_test_slopes,
     naive_causal_attention,
+    option_kwargs,
+    sink_test_logits,
 )
 
 from serve.kernels import reference
@@ -47,7 +48,7 @@ def seeded(*parts) -> torch.Generator:
 
 
 def check_against_reference(ops, inputs: AttentionInputs, scale: float, **options) -> None:
-    """`options`: the attention options (alibi_slopes, sliding_window, logit_softcap)."""
+    """`options`: the attention options (alibi_slopes, sliding_window, logit_softcap, sinks)."""
     out = ops.paged_attention(
         inputs.query,
         inputs.key_cache,
@@ -146,24 +147,27 @@ def test_queries_over_a_narrower_cache(triton_ops, device, dtype, cache_dtype):
     check_against_reference(triton_ops, narrow, 64**-0.5)
 
 
-def test_unwritten_cache_slots_are_never_read(triton_ops, device):
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+def test_unwritten_cache_slots_are_never_read(triton_ops, device, with_sinks):
     """Every slot outside the contexts is NaN: one unmasked read of a block's tail or of a
     spare block makes the output NaN. The oracle is dense attention on the contexts."""
     gen = seeded("nan-stale")
     lens = [(5, 1), (16, 1), (17, 1), (1, 1), (23, 23), (40, 8), (9, 1)]
     inputs = make_attention_inputs(lens, 4, (8, 2), 32, 16, gen, device=device, stale="nan")
+    sinks = sink_test_logits(8, gen) if with_sinks else None
     out = triton_ops.paged_attention(
         inputs.query,
         inputs.key_cache,
         inputs.value_cache,
         inputs.meta,
         0.2,
+        sinks=None if sinks is None else sinks.to(device),
         out=poisoned_like(inputs.query),
     ).cpu()
     starts = inputs.meta.query_start_loc.tolist()
     for b, (k, v) in enumerate(zip(inputs.keys, inputs.values)):
         rows = slice(starts[b], starts[b + 1])
-        expected = naive_causal_attention(inputs.query[rows].cpu(), k, v, 0.2)
+        expected = naive_causal_attention(inputs.query[rows].cpu(), k, v, 0.2, sinks=sinks)
         assert rel_err(out[rows], expected) < TOLERANCE[torch.float32], b
 
 
@@ -282,11 +286,9 @@ def test_prefill_small_tiles(triton_ops, device, heads):
 
 
 def options_kwargs(options: dict, num_heads: int, gen: torch.Generator, device) -> dict:
-    """An ATTENTION_OPTIONS entry as paged_attention's keyword arguments."""
-    kwargs = {k: v for k, v in options.items() if k != "alibi"}
-    if options.get("alibi"):
-        kwargs["alibi_slopes"] = alibi_test_slopes(num_heads, gen).to(device)
-    return kwargs
+    """An ATTENTION_OPTIONS entry as paged_attention's keyword arguments, on `device`."""
+    kwargs = option_kwargs(options, num_heads, gen)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
 OPTION_HEADS = {"gqa3": (6, 2), "mqa": (4, 1)}
@@ -311,6 +313,7 @@ WINDOWED_OPTIONS = {
     "window-17": {"sliding_window": 17},
     "window-70": {"sliding_window": 70},
     "all-window-40": {"alibi": True, "sliding_window": 40, "logit_softcap": 5.0},
+    "sinks-window-17": {"sinks": True, "sliding_window": 17},
 }
 
 
@@ -342,6 +345,38 @@ def test_decode_options_with_splits(triton_ops, device, num_splits, options):
         inputs.query, inputs.key_cache, inputs.value_cache, meta, 0.25, **kwargs
     )
     assert rel_err(out, expected) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_decode_sinks_fold_in_once_across_splits(triton_ops, device, num_splits, dtype):
+    """A sink joins the whole context's softmax once: in the one split's program, or in the
+    merge, never once per split (8 splits of short contexts leave most of them empty).
+    Against the dense oracle; and the sinks change the output."""
+    from serve.kernels.triton.decode_attention import decode_attention
+
+    gen = seeded("decode-sinks", num_splits, dtype)
+    lens = [(3, 1), (300, 1), (129, 1), (64, 1), (1, 1), (200, 1)]
+    inputs = make_attention_inputs(lens, 6, (8, 2), 32, 16, gen, dtype=dtype, device=device)
+    sinks = sink_test_logits(8, gen)
+    meta = inputs.meta
+
+    def decode(sinks: torch.Tensor | None) -> torch.Tensor:
+        return decode_attention(
+            inputs.query, inputs.key_cache, inputs.value_cache, meta.block_tables,
+            meta.seq_lens, max(meta.seq_lens_cpu), 0.25, out=poisoned_like(inputs.query),
+            num_splits=num_splits, sinks=sinks,
+        ).cpu()  # fmt: skip
+
+    out = decode(sinks.to(device))
+    expected = torch.cat(
+        [
+            naive_causal_attention(q[None].float().cpu(), k.float(), v.float(), 0.25, sinks=sinks)
+            for q, k, v in zip(inputs.query, inputs.keys, inputs.values)
+        ]
+    )
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    assert rel_err(decode(None), expected) > 10 * TOLERANCE[dtype]
 
 
 def prefill_small_tiles(inputs: AttentionInputs, scale: float, **options) -> torch.Tensor:
@@ -428,12 +463,13 @@ def test_window_never_reads_keys_before_it(triton_ops, device, kernel):
     assert rel_err(out, expected) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("options", ["all", "all-sinks"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_options_half_precision(triton_ops, device, dtype):
+def test_options_half_precision(triton_ops, device, dtype, options):
     gen = seeded("options-dtype", dtype)
     lens = [(40, 1), (3, 1), (33, 33), (50, 9)]
     inputs = make_attention_inputs(lens, 2, (9, 3), 32, 16, gen, dtype=dtype, device=device)
-    kwargs = options_kwargs(ATTENTION_OPTIONS["all"], 9, gen, device)
+    kwargs = options_kwargs(ATTENTION_OPTIONS[options], 9, gen, device)
     check_against_reference(triton_ops, inputs, 32**-0.5, **kwargs)
 
 
@@ -485,6 +521,12 @@ def bad_option_cases(num_heads: int, device) -> dict[str, tuple[dict, str]]:
         "softcap-negative": ({"logit_softcap": -5.0}, "> 0"),
         "softcap-inf": ({"logit_softcap": float("inf")}, "finite"),
         "softcap-nan": ({"logit_softcap": float("nan")}, "> 0"),
+        "sinks-shape": ({"sinks": torch.rand(num_heads - 1).to(device)}, "shape"),
+        "sinks-dtype": (
+            {"sinks": torch.rand(num_heads, dtype=torch.bfloat16).to(device)},
+            "float32",
+        ),
+        "sinks-device": ({"sinks": slopes.to("meta")}, "device"),
     }
 
 

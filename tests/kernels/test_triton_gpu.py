@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import TOLERANCE, make_moe_inputs, poisoned_like, rel_err, to_device
-from kernels.test_reference import make_cos_sin_cache, make_paged_batch
+from kernels.test_reference import make_cos_sin_cache, make_paged_batch, sink_test_logits
 
 from serve.kernels import reference
 
@@ -43,7 +43,7 @@ def paged_inputs(lens, num_decode_seqs, heads, head_dim, block_size, dtype, seed
 
 
 def check_attention(ops, query, key_cache, value_cache, meta, scale, **options):
-    """`options`: the attention options (alibi_slopes, sliding_window, logit_softcap)."""
+    """`options`: the attention options (alibi_slopes, sliding_window, logit_softcap, sinks)."""
     out = ops.paged_attention(
         query, key_cache, value_cache, meta, scale, out=poisoned_like(query), **options
     )
@@ -101,23 +101,27 @@ def test_prefill_and_extend_realistic(triton_ops, heads, head_dim, dtype):
 
 
 # The options as the model families set them: BLOOM's ALiBi slopes, Mistral's 4096-token
-# window (and a shorter one, so more keys drop out), Gemma 2's soft-cap of 50, and all
-# three at once.
+# window (and a shorter one, so more keys drop out), Gemma 2's soft-cap of 50, all three
+# at once, and GPT-OSS's sinks (on its 128-token windowed layers and its full ones).
 GPU_OPTIONS = {
     "alibi": {"alibi": True},
     "window-4096": {"sliding_window": 4096},
     "window-1000": {"sliding_window": 1000},
     "softcap-50": {"logit_softcap": 50.0},
     "all": {"alibi": True, "sliding_window": 1500, "logit_softcap": 30.0},
+    "sinks": {"sinks": True},
+    "sinks-window-128": {"sinks": True, "sliding_window": 128},
 }
 
 
 def gpu_options(options: dict, num_heads: int) -> dict:
     from serve.models.layers.attention import alibi_slopes
 
-    kwargs = {k: v for k, v in options.items() if k != "alibi"}
+    kwargs = {k: v for k, v in options.items() if k not in ("alibi", "sinks")}
     if options.get("alibi"):
         kwargs["alibi_slopes"] = alibi_slopes(num_heads).to(CUDA)
+    if options.get("sinks"):
+        kwargs["sinks"] = sink_test_logits(num_heads, torch.Generator().manual_seed(0)).to(CUDA)
     return kwargs
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
@@ -123,3 +124,14 @@ def test_layers_off_the_cpu_get_no_stack(tiny_model_factory, monkeypatch):
     finally:
         monkeypatch.undo()
         ops_for.cache_clear()
+
+
+def test_layers_with_attention_sinks_get_no_stack(tiny_model_factory):
+    """A sink in one layer's softmax (GPT-OSS) is an option the native call lacks."""
+    with LLM(model=str(tiny_model_factory("llama")), **ENGINE) as llm:
+        layers = _model(llm).model.layers
+        assert build_layer_stack(layers) is not None
+        with_sinks = copy.deepcopy(layers)
+    attention = with_sinks[-1].self_attn.attn
+    attention.sinks = torch.nn.Parameter(torch.zeros(attention.num_heads), requires_grad=False)
+    assert build_layer_stack(with_sinks) is None

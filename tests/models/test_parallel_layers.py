@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from serve.config import ModelConfig
-from serve.distributed.parallel_state import get_tp_group
+from serve.distributed.parallel_state import TensorParallelGroup, get_tp_group
 from serve.kernels import AttentionMetadata
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.arch_config import ArchConfig
 from serve.models.forward_context import forward_context
-from serve.models.layers.attention import attention_layers
+from serve.models.layers.attention import Attention, attention_layers
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from serve.models.layers.linear import (
     ColumnParallelLinear,
@@ -177,6 +177,25 @@ def vocab_parallel_on_rank(seed: int, vocab_size: int) -> tuple[int, int]:
 )
 def test_vocab_parallel_embedding_and_lm_head_with_padding(tp2_ranks, vocab_size, shards):
     assert tp2_ranks.run(vocab_parallel_on_rank, 5, vocab_size) == shards
+
+
+# -- attention sinks ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_attention_sinks_load_this_rank_s_heads(rank):
+    """Rank r of 2 holds query heads [4r, 4r + 4) of the checkpoint's 8 sink logits, in
+    float32 whatever the checkpoint's dtype; another head count is refused."""
+    whole = torch.randn(8).to(torch.bfloat16)
+    group = TensorParallelGroup(rank=rank, world_size=2)
+    with mock.patch("serve.models.layers.attention.get_tp_group", return_value=group):
+        layer = Attention(4, 16, 2, 0.25, sinks=True)
+        layer.sinks.weight_loader(layer.sinks, whole)
+        assert layer.sinks.dtype == torch.float32
+        assert torch.equal(layer.sinks, whole[4 * rank : 4 * rank + 4].float())
+        with pytest.raises(ValueError, match="sinks: checkpoint shape"):
+            layer.sinks.weight_loader(layer.sinks, whole[:4])
+    assert Attention(4, 16, 2, 0.25).sinks is None
 
 
 # -- whole models ------------------------------------------------------------------------

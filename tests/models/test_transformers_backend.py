@@ -125,7 +125,6 @@ def test_the_backend_runs_at_one_rank(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "architecture", "config", "reason"),
     [
-        ("gpt_oss", "GptOssForCausalLM", {}, r"attention sinks \(s_aux\)"),
         ("llama4_text", "Llama4ForCausalLM", {"attention_chunk_size": 8}, "chunked"),
         ("bert", "BertLMHeadModel", {"is_decoder": False}, "not causal"),
         (

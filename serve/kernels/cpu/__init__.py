@@ -136,9 +136,13 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     options = dict(
-        alibi_slopes=alibi_slopes, sliding_window=sliding_window, logit_softcap=logit_softcap
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
     )
     if not native.available():
         return reference.paged_attention(query, key_cache, value_cache, meta, scale, **options)
@@ -155,6 +159,7 @@ def paged_attention(
         alibi_slopes,
         sliding_window or 0,
         logit_softcap or 0.0,
+        sinks,
     )
     return out
 

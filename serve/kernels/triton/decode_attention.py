@@ -11,7 +11,8 @@ normalised by its own softmax sum plus that sum's log; a second kernel merges th
 
 With a sliding window the splits share only the keys the query sees: the context from the
 window's first tile on; the tiles before it are never read (`attention_options.py` has the
-options' semantics).
+options' semantics). A head's attention sink joins its softmax once: at the end of the one
+split's loop, or in the merge, as one more log-sum with nothing to add to the output.
 
 Tile shapes:
 
@@ -63,6 +64,7 @@ def _decode_split_kernel(
     alibi_slopes_ptr,  # [num_heads] float32, read if HAS_ALIBI
     sliding_window,  # read if HAS_WINDOW
     softcap_log2,  # logit soft-cap * log2(e), read if HAS_SOFTCAP
+    sinks_ptr,  # [num_heads] float32, read if HAS_SINKS and NUM_SPLITS == 1 (else the merge's)
     qk_scale,  # softmax scale * log2(e)
     stride_q_seq,
     stride_q_head,
@@ -87,6 +89,7 @@ def _decode_split_kernel(
     HAS_ALIBI: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,6 +153,14 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if HAS_SINKS:
+        if NUM_SPLITS == 1:  # the sink: one more score, with a zero value vector
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0) * KERNEL_LOG2E
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
     has_keys = l_i > 0  # false only for an empty split (or a zero-length sequence)
     acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     out_mask = g_mask[:, None] & d_mask[None, :]
@@ -168,15 +179,18 @@ def _merge_splits_kernel(
     partial_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
     partial_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32
     out_ptr,  # [num_seqs, num_heads, head_dim]
+    sinks_ptr,  # [num_heads] float32, read if HAS_SINKS
     stride_o_seq,
     stride_o_head,
     stride_o_dim,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """out = sum_s w_s * partial_s, w_s = 2^lse_s / sum_t 2^lse_t: the softmax over the whole
-    context, from each split's softmax over its own part."""
+    context, from each split's softmax over its own part. A sink t adds 2^(t log2e) to the
+    denominator and nothing to the sum."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     row = seq * tl.num_programs(1) + head
@@ -185,9 +199,15 @@ def _merge_splits_kernel(
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + offs_s)  # [NUM_SPLITS], -inf if empty
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * KERNEL_LOG2E
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weights = tl.exp2(lse - lse_max)
-    weights = weights / tl.maximum(tl.sum(weights, 0), 1e-30)
+    denominator = tl.sum(weights, 0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - lse_max)
+    weights = weights / tl.maximum(denominator, 1e-30)
     partial = tl.load(
         partial_out_ptr + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
         mask=d_mask[None, :],
@@ -212,12 +232,13 @@ def decode_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its cached context `[0, seq_len)`.
 
     Precondition: the new token's K/V are already in the cache.
     """
-    options = AttentionOptions.checked(query, alibi_slopes, sliding_window, logit_softcap)
+    options = AttentionOptions.checked(query, alibi_slopes, sliding_window, logit_softcap, sinks)
     num_seqs, num_heads, head_dim = query.shape
     check_cache_pair(key_cache, value_cache)
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -279,10 +300,12 @@ def decode_attention(
             partial_out,
             partial_lse,
             out,
+            out if sinks is None else sinks,  # a placeholder where there are none
             *out.stride(),
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out

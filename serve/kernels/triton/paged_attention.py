@@ -20,10 +20,12 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's new tokens over its whole cached context, with
-    the reference's options (ALiBi, sliding window, soft-cap; see `reference.paged_attention`).
+    the reference's options (ALiBi, sliding window, soft-cap, attention sinks; see
+    `reference.paged_attention`).
 
     Precondition: this step's K/V are already in the cache (`reshape_and_cache`).
     """
@@ -31,6 +33,7 @@ def paged_attention(
         "alibi_slopes": alibi_slopes,
         "sliding_window": sliding_window,
         "logit_softcap": logit_softcap,
+        "sinks": sinks,
     }
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

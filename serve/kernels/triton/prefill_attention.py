@@ -21,7 +21,8 @@ in two, or with a sliding window w in four:
 Without a window w0 = f0 = 0. With one, a row can meet a masked tile that holds none of its
 keys before one that does; the online softmax leaves the row as it was (m stays -inf), and
 every row ends having seen at least itself. ALiBi and the soft-cap change scores, not which
-keys are read (`attention_options.py`).
+keys are read (`attention_options.py`); a head's attention sink joins each row's softmax
+after its last key tile.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def _prefill_kernel(
     alibi_slopes_ptr,  # [num_heads] float32, read if HAS_ALIBI
     sliding_window,  # read if HAS_WINDOW
     softcap_log2,  # logit soft-cap * log2(e), read if HAS_SOFTCAP
+    sinks_ptr,  # [num_heads] float32, read if HAS_SINKS
     qk_scale,  # softmax scale * log2(e)
     stride_q_token,
     stride_q_head,
@@ -167,6 +169,7 @@ def _prefill_kernel(
     HAS_ALIBI: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile_m = tl.program_id(1)
@@ -230,6 +233,12 @@ def _prefill_kernel(
             HAS_ALIBI, HAS_WINDOW, HAS_SOFTCAP, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
 
+    if HAS_SINKS:  # the head's sink: one more score, with a zero value vector
+        sink = tl.load(sinks_ptr + head) * KERNEL_LOG2E
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     # Every real row sees its own key, so l_i > 0; rows past the chunk are not stored.
     acc = acc / tl.where(m_mask, l_i, 1.0)[:, None]
     out_offset = (q_start + offs_m[:, None]) * stride_o_token + head * stride_o_head
@@ -256,12 +265,13 @@ def prefill_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] float32
 ) -> torch.Tensor:
     """Causal attention of sequences `[first_seq, num_seqs)`'s query chunks over their contexts.
 
     Precondition: the chunks' own K/V are already in the cache.
     """
-    options = AttentionOptions.checked(query, alibi_slopes, sliding_window, logit_softcap)
+    options = AttentionOptions.checked(query, alibi_slopes, sliding_window, logit_softcap, sinks)
     num_seqs = seq_lens.shape[0] - first_seq
     _, num_heads, head_dim = query.shape
     check_cache_pair(key_cache, value_cache)

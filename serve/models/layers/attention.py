@@ -2,8 +2,9 @@
 
 The options the model families need ride on the layer and go to the kernel with every
 call: ALiBi slopes (BLOOM, MPT, Falcon RW, Baichuan 13B), a sliding window (Mistral, Gemma's
-local layers), a logit soft-cap (Gemma 2) and a free scale (Gemma's `query_pre_attn_scalar`,
-Granite's multiplier).
+local layers), a logit soft-cap (Gemma 2), attention sinks (GPT-OSS: a learned logit per
+head that joins the softmax with no value; a checkpoint weight, so a parameter holding this
+rank's heads) and a free scale (Gemma's `query_pre_attn_scalar`, Granite's multiplier).
 
 With `shared_kv` the keys are also the values (DeepSeek's multi-head latent attention: each
 token's compressed latent and its rotated key part, attended as one KV head whose output's
@@ -18,7 +19,10 @@ import torch
 from torch import nn
 
 from serve import kernels
+from serve.distributed.parallel_state import get_tp_group
 from serve.models.forward_context import get_forward_context
+from serve.models.layers.linear import check_checkpoint_shape
+from serve.models.lazy_tensor import LazyTensor, as_lazy
 
 
 class Attention(nn.Module):
@@ -32,6 +36,7 @@ class Attention(nn.Module):
         alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32, this rank's heads
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: bool = False,
         shared_kv: bool = False,
     ) -> None:
         super().__init__()
@@ -46,18 +51,50 @@ class Attention(nn.Module):
         )
         self.sliding_window = sliding_window or None
         self.logit_softcap = logit_softcap or None
+        # [num_heads] float32: this rank's heads [rank * num_heads, (rank + 1) * num_heads)
+        # of the checkpoint's [total_num_heads] sink logits.
+        self.sinks: nn.Parameter | None = None
+        if sinks:
+            self.sinks = nn.Parameter(
+                torch.empty(num_heads, dtype=torch.float32), requires_grad=False
+            )
+            self.sinks.weight_loader = self._load_sinks
         self.shared_kv = shared_kv
         # Bound once by the model runner: ([num_blocks, block_size, num_kv_heads, head_dim],) * 2,
         # the same tensor twice where `shared_kv`.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+    def _load_sinks(
+        self, param: nn.Parameter, loaded: LazyTensor | torch.Tensor, shard_name: str | None = None
+    ) -> None:
+        if shard_name is not None:
+            raise ValueError(f"attention sinks have no shard {shard_name!r}")
+        tp = get_tp_group()
+        loaded = as_lazy(loaded)
+        check_checkpoint_shape(loaded, (self.num_heads * tp.world_size,), "sinks")
+        param.data.copy_(loaded.narrow(0, tp.rank * self.num_heads, self.num_heads))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads * head_dim]
-        # (v None where `shared_kv`: the keys are the values)
+        # (v None where `shared_kv`: the keys are the values). `sinks` [num_heads]: sink
+        # logits held by the caller rather than the layer (the transformers backend passes
+        # the HF module's own parameter), for a layer built without them.
         if self.kv_cache is None:
             raise RuntimeError("Attention layer has no KV cache bound.")
         if (v is None) != self.shared_kv:
             raise ValueError("values are given exactly when the layer's K/V are not shared")
+        if sinks is None:
+            sinks = self.sinks
+        elif self.sinks is not None:
+            raise ValueError("the layer holds its own attention sinks")
+        elif sinks.dtype != torch.float32:
+            sinks = sinks.float()
         meta = get_forward_context()
         key_cache, value_cache = self.kv_cache
         if v is None:
@@ -72,6 +109,7 @@ class Attention(nn.Module):
             alibi_slopes=self.alibi_slopes,
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
+            sinks=sinks,
         )
         return out.flatten(1)
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -35,6 +36,18 @@ constexpr int kKeyGroup = 8;
 // instead of NaN; its sum and accumulator are then scaled by exp(masked - max) = 0 as
 // soon as it meets a key it sees (every query sees itself), and nothing of them remains.
 constexpr float kMaskedScore = -1e30f;
+
+// What a row's accumulator is multiplied by at the end: 1 / its softmax sum (`sum` relative
+// to the running max `max`), with the head's attention sink, where `sinks` is given, folded
+// in as one more score whose value vector is zero: the max grows to take it in, and it adds
+// exp(sink - max) to the sum and nothing to the output.
+inline float output_scale(float max, float sum, const float* sinks, int64_t head) {
+  if (sinks == nullptr) return 1.0f / sum;
+  const float sink = sinks[head];
+  const float top = std::max(max, sink);
+  const float rescale = std::exp(max - top);
+  return rescale / (sum * rescale + std::exp(sink - top));
+}
 
 // tanh lane by lane: (1 - e) / (1 + e) with e = exp(-2|x|), its sign restored; below
 // |x| = 1/16, where 1 - e would lose digits, the series to x^5 (error < 1e-9).
@@ -217,9 +230,10 @@ void attend_tile_wide(
   for (int64_t j = 0; j < heads_per_kv; ++j) {
     const float* acc_t = head_acc(j);
     const float* sm = head_sum(j);
+    const float* mx = head_max(j);
     const int64_t head = kv_head * heads_per_kv + j;
     for (int64_t t = 0; t < tile_tokens; ++t) {
-      const float inv = 1.0f / sm[t];
+      const float inv = output_scale(mx[t], sm[t], opt.sinks, head);
       scalar_t* dst = out + (first_token + t) * out_stride_token + head * out_stride_head;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc_t[d * L + t] * inv);
     }

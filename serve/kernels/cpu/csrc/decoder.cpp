@@ -77,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor attended = at::empty_like(q_rot);
     ops::paged_attention(attended, q_rot, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, scales[layer], std::nullopt, sliding_windows[layer],
-                         0.0);
+                         0.0, std::nullopt);
     const at::Tensor o = linear(attended.view({tokens, q_size}), w(3), w(4));
 
     at::Tensor h2 = at::empty_like(o);

@@ -36,6 +36,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double logit_softcap);
+                     double logit_softcap, const std::optional<at::Tensor>& sinks);
 
 }  // namespace serve_cpu::ops

@@ -17,7 +17,8 @@
 // [num_tokens, num_heads, head_dim] with unit stride along head_dim; caches
 // [num_blocks, block_size, num_kv_heads, head_dim], any strides, unit along head_dim;
 // block_tables [num_seqs, max_blocks] int64; seq_lens and query_start_loc int64 on the
-// CPU. Options as the reference scores them: soft-cap, then ALiBi, then the window.
+// CPU. Options as the reference scores them: soft-cap, then ALiBi, then the window; a
+// head's attention sink (GPT-OSS) joins each row's softmax once, after its last key.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -206,6 +207,7 @@ struct Options {
   const float* alibi_slopes;  // [num_heads] or null
   int64_t window;             // keys with query_pos - key_pos >= window are masked; 0: none
   float softcap;              // 0: none
+  const float* sinks;         // [num_heads] sink logits or null: folded in by output_scale
 };
 
 struct CacheView {
@@ -371,10 +373,9 @@ void attend_tile(
 
   for (int64_t t = 0; t < tile_tokens; ++t) {
     for (int64_t j = 0; j < heads_per_kv; ++j) {
-      const int64_t row = t * heads_per_kv + j;
-      const float inv = 1.0f / row_sum[row];
-      scalar_t* dst = out + (first_token + t) * out_stride_token +
-                      (kv_head * heads_per_kv + j) * out_stride_head;
+      const int64_t row = t * heads_per_kv + j, head = kv_head * heads_per_kv + j;
+      const float inv = output_scale(row_max[row], row_sum[row], opt.sinks, head);
+      scalar_t* dst = out + (first_token + t) * out_stride_token + head * out_stride_head;
       const float* src = acc.data() + row * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
     }
@@ -394,7 +395,7 @@ void paged_attention(
     at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
     double scale, const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-    double logit_softcap) {
+    double logit_softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query [T, H, D], caches [N, B, Hkv, D]");
   TORCH_CHECK(query.stride(2) == 1 && key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
               "head_dim must be the innermost, unit-stride dimension");
@@ -415,8 +416,14 @@ void paged_attention(
     slopes = alibi_slopes->to(at::kFloat).contiguous();
     TORCH_CHECK(slopes.numel() == num_heads, "one ALiBi slope per query head");
   }
+  at::Tensor sink_logits;
+  if (sinks.has_value()) {
+    sink_logits = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink_logits.numel() == num_heads, "one attention sink per query head");
+  }
   const Options opt{static_cast<float>(scale), slopes.defined() ? slopes.data_ptr<float>() : nullptr,
-                    sliding_window, static_cast<float>(logit_softcap)};
+                    sliding_window, static_cast<float>(logit_softcap),
+                    sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr};
   const CacheView cache{key_cache.size(1), key_cache.stride(0), key_cache.stride(1),
                         key_cache.stride(2)};
 
@@ -590,7 +597,7 @@ TORCH_LIBRARY(serve_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "Tensor? alibi_slopes, int sliding_window, float logit_softcap) -> ()");
+      "Tensor? alibi_slopes, int sliding_window, float logit_softcap, Tensor? sinks=None) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
@@ -612,9 +619,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
                      const std::optional<at::Tensor>& alibi_slopes, int64_t sliding_window,
-                     double logit_softcap) {
+                     double logit_softcap, const std::optional<at::Tensor>& sinks) {
   serve_cpu::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                             query_start_loc, scale, alibi_slopes, sliding_window, logit_softcap);
+                             query_start_loc, scale, alibi_slopes, sliding_window, logit_softcap,
+                             sinks);
 }
 
 }  // namespace ops
