@@ -31,6 +31,35 @@ class Family:
 _MHA_ONLY = ("num_key_value_heads", "head_dim")
 _MHA_OWN_WIDTH = (*_MHA_ONLY, "intermediate_size")
 
+# Attention sinks (a learned logit per head in each softmax), sliding and full layers
+# alternating, top-2 of 4 experts with biases and a clamped SwiGLU, YaRN rotary.
+# Attention sinks (a learned logit per head in each softmax), sliding and full layers
+# alternating, top-2 of 4 experts with biases and a clamped SwiGLU, YaRN rotary. Native
+# (gpt_oss.py) and through the transformers backend.
+GPT_OSS = Family(
+    "gpt-oss",
+    "gpt_oss",
+    "GptOssForCausalLM",
+    {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "swiglu_limit": 1.0,  # under the tiny model's activations: the clamps bite
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,  # x 4: the tiny shape's 512
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+    },
+    window=8,
+)
+
 FAMILIES: list[Family] = [
     Family(
         "llama", "llama", "LlamaForCausalLM", {"rope_theta": 10000.0, "tie_word_embeddings": True}
@@ -161,6 +190,7 @@ FAMILIES: list[Family] = [
         },
         drop=_MHA_ONLY,
     ),
+    GPT_OSS,
     # The GPT-2 era (gpt2.py, gptj.py, gpt_neox.py, opt.py).
     Family("gpt2", "gpt2", "GPT2LMHeadModel", {"n_inner": 128}, drop=_MHA_OWN_WIDTH),
     Family(
@@ -446,31 +476,7 @@ BACKEND_FAMILIES: list[Family] = [
     Family("glm", "glm", "GlmForCausalLM", {"partial_rotary_factor": 0.5}, tp2=False),
     # NoPE on every fourth layer.
     Family("smollm3", "smollm3", "SmolLM3ForCausalLM", {"num_hidden_layers": 4}, tp2=False),
-    # Attention sinks (a learned logit per head in each softmax), sliding and full layers
-    # alternating, top-2 of 4 experts with biases and a clamped SwiGLU, YaRN rotary.
-    Family(
-        "gpt-oss",
-        "gpt_oss",
-        "GptOssForCausalLM",
-        {
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "intermediate_size": 32,
-            "layer_types": ["sliding_attention", "full_attention"],
-            "sliding_window": 8,
-            "rope_parameters": {
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,  # x 4: the tiny shape's 512
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-            },
-        },
-        tp2=False,
-        window=8,
-    ),
+    GPT_OSS,  # sinks through the backend's attention function too
 ]
 
 FAMILIES_BY_KEY = {f.key: f for f in FAMILIES + BACKEND_FAMILIES}

@@ -74,6 +74,7 @@ class LlamaAttention(nn.Module):
         qkv_bias: bool,
         qk_norm: bool = False,
         scale: float | None = None,
+        sinks: bool = False,  # GPT-OSS's learned per-head sink logits (layers/attention.py)
     ) -> None:
         super().__init__()
         hf = config.hf
@@ -111,6 +112,7 @@ class LlamaAttention(nn.Module):
             self.head_dim**-0.5 if scale is None else scale,
             alibi_slopes=slopes,
             sliding_window=config.sliding_windows[layer],
+            sinks=sinks,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

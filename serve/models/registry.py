@@ -41,6 +41,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     # Multi-head latent attention and DeepSeek's experts (deepseek.py).
     "DeepseekV2ForCausalLM": ("serve.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("serve.models.deepseek", "DeepseekV3ForCausalLM"),
+    # Attention sinks and biased, clamped-SwiGLU experts (gpt_oss.py).
+    "GptOssForCausalLM": ("serve.models.gpt_oss", "GptOssForCausalLM"),
     # Families of their own shape.
     "Gemma2ForCausalLM": ("serve.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("serve.models.gemma", "Gemma3ForCausalLM"),

@@ -120,7 +120,7 @@ class ExpertTensors:
 
     def packed_target(self, name: str) -> tuple[str, str | None] | None:
         """Where a quantized checkpoint's expert tensor goes, `{module}.{e}.{name}.{suffix}`:
-        expert e's own packed layer (`FusedMoE.quantize`), `w13` (shards gate and up) or
+        expert e's own packed layer (`FusedMoE.quantize_experts`), `w13` (shards gate and up) or
         `w2`; the shard name its loader takes."""
         match = re.fullmatch(rf"(.*\.)?{re.escape(self.module)}\.(\d+)\.(\w+)\.(\w+)", name)
         if match is None or match.group(3) not in self.names:

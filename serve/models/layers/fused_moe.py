@@ -103,7 +103,7 @@ class FusedMoE(nn.Module):
         layers = self.get_submodule(str(expert))
         return layers.w2(kernels.silu_and_mul(layers.w13(rows)))
 
-    def quantize(self, fmt: Any, suffixes: set[str]) -> None:
+    def quantize_experts(self, fmt: Any, suffixes: set[str]) -> None:
         """A quantized checkpoint's experts: each expert its own packed layers, `{e}.w13`
         (gate and up, this rank's columns of each) and `{e}.w2` (down, this rank's inputs),
         in place of the stacked float weights; they run one routed expert at a time."""

@@ -23,13 +23,13 @@ from typing import Any
 from torch import nn
 
 from serve.kernels.packed_weight import PackedWeight, sort_inputs_by_group
-from serve.models.layers.fused_moe import FusedMoE
 from serve.models.layers.linear import LINEAR_LAYERS
 from serve.models.quantization.awq import AWQFormat
 from serve.models.quantization.base import QuantFormat
 from serve.models.quantization.compressed_tensors import CompressedTensorsFormat
 from serve.models.quantization.fp8 import FP8Format
 from serve.models.quantization.gptq import GPTQFormat
+from serve.models.quantization.mxfp4 import MXFP4Format
 from serve.models.weights import WeightSpec
 
 FORMATS: dict[str, type[QuantFormat]] = {
@@ -37,6 +37,7 @@ FORMATS: dict[str, type[QuantFormat]] = {
     "awq": AWQFormat,
     "fp8": FP8Format,
     "compressed-tensors": CompressedTensorsFormat,
+    "mxfp4": MXFP4Format,
 }
 # vLLM's names for its faster kernels over the same checkpoints: one format here.
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
@@ -116,8 +117,8 @@ def quantize_layers(
     modules = dict(model.named_modules())
     for name, names in sorted(layers.items()):
         layer = modules.get(name)
-        if isinstance(layer, FusedMoE):
-            layer.quantize(fmt, names)
+        if hasattr(layer, "quantize_experts"):  # FusedMoE, GPT-OSS's experts: their own
+            layer.quantize_experts(fmt, names)
             continue
         if not isinstance(layer, LINEAR_LAYERS):
             what = "nothing" if layer is None else f"a {type(layer).__name__}"
