@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_PARSERS),
         help='how to read tool calls from the output for tool_choice "auto" (the default '
-        "when a request gives tools): hermes (Qwen, Hermes: <tool_call> blocks) or "
-        "llama3_json (Llama 3.x JSON calls); without it such requests get a 400",
+        "when a request gives tools): hermes (Qwen, Hermes: <tool_call> blocks), "
+        "llama3_json (Llama 3.x JSON calls) or openai (GPT-OSS's harmony calls, with "
+        "--reasoning-parser openai_gptoss); without it such requests get a 400",
     )
     model.add_argument(
         "--reasoning-parser",
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "output holds only the answer (after </think>) to its format. deepseek_r1 "
         "(DeepSeek-R1 and its distills, QwQ: the markers must be tokens of the model), "
         "deepseek_v3 (thinks when chat_template_kwargs say thinking), qwen3 (unless "
-        "enable_thinking is false)",
+        "enable_thinking is false), openai_gptoss (GPT-OSS's harmony channels: analysis "
+        "is the reasoning, final the answer; no grammar after the reasoning)",
     )
     model.add_argument(
         "--response-role",
@@ -731,7 +733,7 @@ def _load(args: argparse.Namespace):
     config = engine_config_from_args(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError(
-            "--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json): "
+            "--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json or openai): "
             'the parser is what reads tool calls out of tool_choice "auto" output.'
         )
     keys = api_keys(args.api_key, os.environ)

@@ -204,6 +204,11 @@ class ChatHandler:
         )
         reasoning = None
         if self.reasoning_parser is not None:
+            if self.reasoning_parser.keeps_special_tokens:
+                # Its markers are special tokens (GPT-OSS's harmony): the output is
+                # decoded with them, for the parser alone to read and drop. Set on the
+                # request, which the Responses and Messages routes also generate from.
+                request.skip_special_tokens = False
             variables = self.template_variables(request)
             reasoning = self.reasoning_parser.for_request(prompt_ids, variables)
             if not request.include_reasoning and request.structured_outputs_params() is not None:

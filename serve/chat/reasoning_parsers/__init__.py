@@ -16,11 +16,17 @@ from serve.chat.reasoning_parsers.deepseek import (
     DeepSeekR1ReasoningParser,
     DeepSeekV3ReasoningParser,
 )
+from serve.chat.reasoning_parsers.gpt_oss import GptOssReasoningParser
 from serve.chat.reasoning_parsers.qwen3 import Qwen3ReasoningParser
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     parser.name: parser
-    for parser in (DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, Qwen3ReasoningParser)
+    for parser in (
+        DeepSeekR1ReasoningParser,
+        DeepSeekV3ReasoningParser,
+        GptOssReasoningParser,
+        Qwen3ReasoningParser,
+    )
 }
 
 

@@ -1,5 +1,6 @@
 """Reasoning in model output: the thinking a reasoning model writes before its answer
-(DeepSeek-R1 and its distills, Qwen3, QwQ: `<think>…</think>`), read apart from it.
+(DeepSeek-R1 and its distills, Qwen3, QwQ: `<think>…</think>`; GPT-OSS: its harmony
+messages, gpt_oss.py), read apart from it.
 
 A `ReasoningParser`, chosen by `--reasoning-parser`, knows its family's markers and which
 tokens of the server's tokenizer they are. For each request it gives a `RequestReasoning`:
@@ -56,6 +57,9 @@ class ReasoningParser:
     # Refuse a tokenizer in which the start and end markers are not single tokens (vLLM
     # refuses it at start-up for these parsers; the others read the text alone).
     needs_marker_tokens: ClassVar[bool] = False
+    # The markers are special tokens, which decoded text leaves out: the chat handler
+    # decodes the output with special tokens kept for this parser (gpt_oss.py).
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, vocab: Mapping[str, int]) -> None:
         missing = [marker for marker in (self.start, self.end) if marker not in vocab]

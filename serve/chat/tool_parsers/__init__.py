@@ -14,11 +14,12 @@ from serve.chat.tool_parsers.base import (
 )
 from serve.chat.tool_parsers.first_call import FirstCallOnly
 from serve.chat.tool_parsers.forced import NamedFunctionParser, RequiredParser
+from serve.chat.tool_parsers.harmony import HarmonyToolParser
 from serve.chat.tool_parsers.hermes import HermesToolParser
 from serve.chat.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser)
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, HarmonyToolParser)
 }
 
 
