@@ -11,9 +11,10 @@ prepacked weight above) and the torch reference (the whole weight dequantized pe
 Layers (out x in): the default model's (SmolLM2-135M: hidden 576, intermediate 1536; q/k/v
 fused, 576 + 192 + 192 = 960 outputs; gate/up fused, 2 x 1536) and a Llama-7B-sized
 layer's (4096 x 4096, 11008 x 4096). Weights: uint4 and uint8 in groups of 128 inputs with
-zero points (GPTQ's), fp8 with a scale per output (FP8 checkpoints'). Each call reads the
-next of enough copies of its weight to fill 128 MiB, more than the L3 holds, so the
-weights come from memory as a model's layers do, not from cache. `--act-order` adds GPTQ
+zero points (GPTQ's), fp8 with a scale per output (FP8 checkpoints'), fp4 E2M1 in groups
+of 32 with power-of-two scales and no zero points (MXFP4, GPT-OSS's experts'). Each call
+reads the next of enough copies of its weight to fill 128 MiB, more than the L3 holds, so
+the weights come from memory as a model's layers do, not from cache. `--act-order` adds GPTQ
 act order's uint4 (each group's inputs scattered over the row) twice: as the checkpoint
 holds it (`uint4 g_idx`: each input's group looked up) and as serve loads it where its
 groups are whole (`uint4 sorted`: inputs sorted by group, x's columns gathered per call).
@@ -39,7 +40,7 @@ import torch
 
 from serve.kernels import cpu, reference
 from serve.kernels.cpu import native
-from serve.kernels.packed_weight import PackedWeight, pack_uint4, sort_inputs_by_group
+from serve.kernels.packed_weight import PackedWeight, mxfp4_weight, pack_uint4, sort_inputs_by_group
 
 LAYERS = {  # name: (out_features, in_features)
     "smollm2-qkv": (960, 576),
@@ -49,7 +50,7 @@ LAYERS = {  # name: (out_features, in_features)
     "7b-qkv": (4096, 4096),
     "7b-gate": (11008, 4096),
 }
-QUANTIZED = ("uint4", "uint8", "fp8")
+QUANTIZED = ("uint4", "uint8", "fp8", "fp4")
 ACT_ORDER = ("uint4 g_idx", "uint4 sorted")  # --act-order's
 CYCLE_BYTES = 128 << 20
 
@@ -76,6 +77,10 @@ def packed_weight(kind: str, out_features: int, in_features: int) -> PackedWeigh
         weight = replace(weight, g_idx=(torch.arange(in_features) // 128)[perm])
         return weight if kind == "uint4 g_idx" else sort_inputs_by_group(weight)
     shape = (out_features, in_features)
+    if kind == "fp4":
+        blocks = torch.randint(0, 256, (out_features, in_features // 2), dtype=torch.uint8)
+        scales = torch.randint(120, 131, (out_features, in_features // 32), dtype=torch.uint8)
+        return mxfp4_weight(blocks, scales)
     if kind == "fp8":
         codes = (torch.randn(shape) * 64).to(torch.float8_e4m3fn)
         scales = 0.01 + 0.09 * torch.rand(out_features, 1)

@@ -225,3 +225,60 @@ def fp8_rows_twin(model_dir: Path, out_dir: Path) -> Path:
             state[name] = (w / scale).to(torch.float8_e4m3fn).float() * scale
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+# OCP MXFP4's E2M1 values for codes 0..7 (8..15: the same, negative).
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., out, in] -> (blocks uint8 [..., out, in / 32, 16], scales uint8 [..., out,
+    in / 32], dequantized [..., out, in]): each 32 inputs share 2^e, the smallest power of
+    two their largest magnitude fits under 6 with, stored e + 127; each value rounds to the
+    nearest E2M1 value, two codes a byte with the even input in the low nibble."""
+    groups = w.float().unflatten(-1, (-1, 32))  # [..., out, in / 32, 32]
+    amax = groups.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = groups / torch.exp2(exponent)
+    grid = torch.tensor(E2M1)
+    magnitude = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)  # [..., 32]: 0..7
+    codes = magnitude + 8 * (scaled < 0).to(torch.int64) * (magnitude > 0).to(torch.int64)
+    values = grid[magnitude] * torch.where(codes >= 8, -1.0, 1.0)
+    dequantized = (values * torch.exp2(exponent)).flatten(-2)
+    pairs = codes.to(torch.uint8).unflatten(-1, (16, 2))
+    blocks = pairs[..., 0] | (pairs[..., 1] << 4)
+    scales = (exponent.squeeze(-1) + 127).to(torch.uint8)
+    return blocks, scales, dequantized
+
+
+def mxfp4_gpt_oss(model_dir: Path, out_dir: Path) -> tuple[Path, Path]:
+    """(GPT-OSS's `model_dir` with its experts in OpenAI's MXFP4 layout, the float twin of
+    the dequantized experts). transformers' float experts are [experts, in, out]; the
+    MXFP4 tensors are output-major, [experts, out, in / 32, 16] and [experts, out, in / 32],
+    gate/up's rows interleaved as the float columns were."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    quantized, twin = out_dir / "mxfp4", out_dir / "mxfp4-dequantized"
+    state = load_file(str(model_dir / "model.safetensors"))
+    packed, dequantized = {}, {}
+    for name, tensor in state.items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            packed[name] = dequantized[name] = tensor
+            continue
+        blocks, scales, values = _mxfp4(tensor.transpose(1, 2))
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        dequantized[name] = values.transpose(1, 2).to(tensor.dtype).contiguous()
+    for directory, tensors in ((quantized, packed), (twin, dequantized)):
+        shutil.copytree(model_dir, directory, dirs_exist_ok=True)
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (quantized / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized, twin

@@ -15,6 +15,11 @@ one contract to meet:
 | `uint4`  | uint8 [out, ceil(in / 2)]      | `(codes[o, i // 2] >> (4 * (i % 2))) & 0xF`   |
 | `uint8`  | uint8 [out, in]                | `codes[o, i]`                                 |
 | `fp8`    | float8_e4m3fn [out, in]        | `float(codes[o, i])`                          |
+| `fp4`    | uint8 [out, ceil(in / 2)]      | `FP4_VALUES[uint4's nibble]` (E2M1, signed)   |
+
+`fp4` is OCP microscaling FP4 (MXFP4, GPT-OSS's experts): E2M1 codes packed as uint4's,
+with no zero points and, in MXFP4, groups of 32 sharing a power-of-two scale, which
+`mxfp4_weight` turns from its E8M0 byte into float32 at load.
 
 Scales and zero points are float32 `[out, num_groups]`, output-major like the codes, so a
 fused layer (q/k/v, gate/up) is its parts' rows stacked, each part with its own groups.
@@ -34,7 +39,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-KINDS = ("uint4", "uint8", "fp8")
+KINDS = ("uint4", "uint8", "fp8", "fp4")
+# The kinds whose codes are nibbles, two a byte, the even input in the low one.
+NIBBLE_KINDS = ("uint4", "fp4")
+# FP4 E2M1's 16 codes: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0; exponent 0
+# is subnormal (mantissa * 0.5). No infinities or NaN.
+_FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = _FP4_MAGNITUDES + tuple(-v for v in _FP4_MAGNITUDES)  # codes 8..15: sign set
+# MXFP4's shared scale: an E8M0 byte e is 2^(e - 127), 255 NaN.
+MXFP4_GROUP_SIZE = 32
+E8M0_BIAS = 127
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,8 @@ class PackedWeight:
             raise ValueError(
                 "a packed weight's inputs are reordered (input_perm) or looked up (g_idx), not both"
             )
+        if self.kind == "fp4" and self.zeros is not None:
+            raise ValueError("fp4 codes are signed values: a packed fp4 weight has no zeros")
 
     @property
     def out_features(self) -> int:
@@ -82,9 +98,43 @@ def codes_as_float(weight: PackedWeight) -> torch.Tensor:
     """code(o, i) as float32 [out, in]."""
     if weight.kind == "uint4":
         return unpack_uint4(weight.codes, weight.in_features).float()
+    if weight.kind == "fp4":
+        table = torch.tensor(FP4_VALUES, device=weight.codes.device)
+        return table[unpack_uint4(weight.codes, weight.in_features).long()]
     if weight.kind in ("uint8", "fp8"):
         return weight.codes.float()
     raise ValueError(f"unknown packed weight kind {weight.kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes e -> float32 2^(e - 127), exactly (ldexp); 255 is E8M0's NaN."""
+    exponents = scales.to(torch.int32) - E8M0_BIAS
+    float_scales = torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents)
+    return float_scales.masked_fill(scales == 255, float("nan"))
+
+
+def mxfp4_weight(blocks: torch.Tensor, scales: torch.Tensor) -> PackedWeight:
+    """An MXFP4 (OCP microscaling FP4) weight as a packed `fp4` one. `blocks`: uint8
+    [out, in / 32, 16] (GPT-OSS's `*_blocks`, one expert's) or [out, in / 2], E2M1 codes two
+    a byte, the even input in the low nibble, as uint4 packs them; `scales`: uint8
+    [out, in / 32] (`*_scales`), each group of 32 inputs' E8M0 exponent e, scale 2^(e - 127),
+    made float32 here exactly (ldexp)."""
+    out_features = blocks.shape[0]
+    codes = blocks.reshape(out_features, -1)  # [out, in / 2]
+    num_groups = scales.shape[-1]
+    if scales.shape != (out_features, num_groups) or codes.shape[1] != num_groups * 16:
+        raise ValueError(
+            f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: expected "
+            f"[out, in / 32, 16] (or [out, in / 2]) and [out, in / 32]"
+        )
+    return PackedWeight(
+        "fp4",
+        codes.to(torch.uint8).contiguous(),
+        e8m0_to_float(scales),
+        None,
+        MXFP4_GROUP_SIZE,
+        num_groups * MXFP4_GROUP_SIZE,
+    )
 
 
 def group_of_inputs(weight: PackedWeight) -> torch.Tensor:
@@ -96,8 +146,8 @@ def group_of_inputs(weight: PackedWeight) -> torch.Tensor:
 
 def permute_inputs(weight: PackedWeight, perm: torch.Tensor) -> torch.Tensor:
     """The codes with stored input i holding input perm[i]'s: [out, in] -> the same
-    layout (uint4 unpacked, gathered and packed again)."""
-    if weight.kind == "uint4":
+    layout (nibbles unpacked, gathered and packed again)."""
+    if weight.kind in NIBBLE_KINDS:
         return pack_uint4(unpack_uint4(weight.codes, weight.in_features)[:, perm])
     return weight.codes[:, perm]
 

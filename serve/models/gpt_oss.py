@@ -39,14 +39,14 @@ from torch.nn import functional as F
 
 from serve import kernels
 from serve.distributed.parallel_state import get_tp_group
-from serve.kernels.packed_weight import PackedWeight
+from serve.kernels.packed_weight import MXFP4_GROUP_SIZE as GROUP_SIZE
+from serve.kernels.packed_weight import PackedWeight, e8m0_to_float
 from serve.kernels.reference import routed_experts
 from serve.models.arch_config import ArchConfig
 from serve.models.layers.linear import ReplicatedLinear, check_checkpoint_shape
 from serve.models.lazy_tensor import LazyTensor, as_lazy
 from serve.models.llama import LLAMA_PACKED, LlamaAttention, LlamaForCausalLM
 from serve.models.partition import split_evenly
-from serve.models.quantization.mxfp4 import GROUP_SIZE, e8m0_to_float
 from serve.models.weights import WeightSpec
 
 

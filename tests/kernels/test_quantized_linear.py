@@ -2,9 +2,12 @@
 `reference.quantized_linear`, on fresh random packed weights.
 
 Codes span every value of their kind (fp8: every byte but the two NaNs, so subnormals and
-both zeros too); scales are signed, 0.01 to 0.1 in size, and zero points random, per
-(output, group). Odd in_features leave garbage in the last byte's padding nibble, which
-must not be read as an input. Outputs start as NaN, so an output the kernel skips shows.
+both zeros too; fp4: all 16 E2M1 nibbles); scales are signed, 0.01 to 0.1 in size, and zero
+points random, per (output, group), but fp4's, which are MXFP4's: powers of two from E8M0
+exponents, no zero points. Odd in_features leave garbage in the last byte's padding
+nibble, which must not be read as an input. Outputs start as NaN, so an output the kernel
+skips shows. MXFP4 as GPT-OSS stores it (`mxfp4_weight`) is checked against transformers'
+own dequantization.
 
 The kernel has two paths, chosen by the number of rows: up to four rows stream the codes,
 more multiply tiles of the dequantized weight (6 and 37 rows: register tiles of four rows
@@ -26,7 +29,13 @@ from kernel_cases import TOLERANCE, rel_err
 
 from serve.kernels import cpu, reference
 from serve.kernels.cpu import native
-from serve.kernels.packed_weight import PackedWeight, pack_uint4, sort_inputs_by_group
+from serve.kernels.packed_weight import (
+    FP4_VALUES,
+    PackedWeight,
+    mxfp4_weight,
+    pack_uint4,
+    sort_inputs_by_group,
+)
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ toolchain to build with")
 
@@ -46,11 +55,11 @@ def make_weight(
     zeros: bool = True,
 ) -> PackedWeight:
     shape = (out_features, in_features)
-    if kind == "uint4":
+    if kind in ("uint4", "fp4"):
         codes = pack_uint4(torch.randint(0, 16, shape, generator=gen))
         if in_features % 2:
             codes[:, -1] |= 0xA0  # the padding nibble: read as an input, it shows
-        max_code = 15
+        max_code = 15 if kind == "uint4" else 0
     elif kind == "uint8":
         codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         max_code = 255
@@ -64,6 +73,9 @@ def make_weight(
     groups_shape = (out_features, num_groups)
     signs = torch.randint(0, 2, groups_shape, generator=gen) * 2.0 - 1.0
     scales = (0.01 + 0.09 * torch.rand(groups_shape, generator=gen)) * signs
+    if kind == "fp4":  # E8M0's: 2^(e - 127), e around MXFP4 checkpoints' 120..130
+        exponents = random_e8m0(groups_shape, gen).int() - 127
+        scales = torch.ldexp(torch.ones(groups_shape), exponents)
     zero_points = None
     if zeros and max_code:
         zero_points = torch.rand(groups_shape, generator=gen) * max_code
@@ -72,6 +84,10 @@ def make_weight(
         perm = torch.randperm(in_features, generator=gen)
         groups = (torch.arange(in_features) // group_size)[perm]
     return PackedWeight(kind, codes, scales, zero_points, group_size, in_features, groups)
+
+
+def random_e8m0(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(120, 131, shape, generator=gen, dtype=torch.uint8)
 
 
 def native_op(
@@ -122,7 +138,7 @@ ROWS = {
     "rows6-bias": (6, True),
     "rows37": (37, False),
 }
-KINDS = ["uint4", "uint8", "fp8"]
+KINDS = ["uint4", "uint8", "fp8", "fp4"]
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -210,6 +226,37 @@ def test_every_fp8_code(rows):
     expected = codes.float().T.repeat(rows // 16, 1)
     assert out[:, 15].isnan().all()
     assert torch.equal(out[:, :15], expected[:, :15])
+
+
+@pytest.mark.parametrize("rows", [1, 16, 48])
+def test_every_fp4_code(rows):
+    """All 16 E2M1 nibbles, each at even and odd inputs (code (o + i) % 16), with unit
+    scales and x made of identities: y is w.T exactly, FP4_VALUES' values, on both paths."""
+    nibbles = (torch.arange(16)[:, None] + torch.arange(16)) % 16  # [out, in]
+    weight = PackedWeight("fp4", pack_uint4(nibbles), torch.ones(16, 1), None, 16, 16)
+    x = torch.eye(16).repeat(3, 1)[:rows]
+    expected = torch.tensor(FP4_VALUES)[nibbles].T.repeat(3, 1)[:rows]
+    assert torch.equal(native_op(x, weight), expected)
+
+
+def test_mxfp4_weight_matches_transformers():
+    """GPT-OSS's experts as stored (`*_blocks` [experts, out, in / 32, 16], `*_scales`
+    [experts, out, in / 32]): each expert's `mxfp4_weight`, dequantized, is transformers'
+    own conversion (which returns [experts, in, out]), exactly, in float32 and bfloat16."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    gen = seeded("mxfp4")
+    experts, out_features, num_groups = 3, 24, 5
+    blocks = torch.randint(0, 256, (experts, out_features, num_groups, 16), generator=gen)
+    blocks = blocks.to(torch.uint8)
+    scales = random_e8m0((experts, out_features, num_groups), gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+        assert expected.shape == (experts, num_groups * 32, out_features)
+        for e in range(experts):
+            weight = mxfp4_weight(blocks[e], scales[e])
+            assert weight.kind == "fp4" and weight.in_features == num_groups * 32
+            assert torch.equal(reference.dequantize(weight, dtype), expected[e].T)
+    assert FP4_VALUES == tuple(mxfp4.FP4_VALUES)
 
 
 def test_cpu_op_runs_native_where_it_fits(monkeypatch):

@@ -2,7 +2,8 @@
 packed weights (Triton's interpreter on CPU; the `gpu` test at real shapes on CUDA).
 
 Codes span every value of their kind (fp8: every byte but the two NaNs, so subnormals and
-both zeros too), scales and zero points are random per (output, group), and odd
+both zeros too; fp4: all 16 E2M1 nibbles), scales and zero points are random per (output,
+group) (fp4: MXFP4's, powers of two from E8M0 exponents and no zero points), and odd
 in_features leave garbage in the last byte's padding nibble, which must not be read.
 Act order's weights sorted by group at load (`input_perm`) run the grouped path on x
 gathered into their order, against the reference, which multiplies x as it is by the
@@ -16,7 +17,13 @@ import torch
 from kernel_cases import TOLERANCE, rel_err
 
 from serve.kernels import reference
-from serve.kernels.packed_weight import PackedWeight, pack_uint4, sort_inputs_by_group
+from serve.kernels.packed_weight import (
+    FP4_VALUES,
+    PackedWeight,
+    mxfp4_weight,
+    pack_uint4,
+    sort_inputs_by_group,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +46,11 @@ def make_packed_weight(
 ) -> PackedWeight:
     """Built on the CPU from `gen` (reproducible whatever the device), then moved."""
     shape = (out_features, in_features)
-    if kind == "uint4":
+    if kind in ("uint4", "fp4"):
         codes = pack_uint4(torch.randint(0, 16, shape, generator=gen))
         if in_features % 2:
             codes[:, -1] |= 0xA0  # padding nibble: reading it as input in_features is wrong
-        max_code = 15.0
+        max_code = 15.0 if kind == "uint4" else 6.0
     elif kind == "uint8":
         codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
         max_code = 255.0
@@ -63,6 +70,9 @@ def make_packed_weight(
     signs = torch.randint(0, 2, groups_shape, generator=gen) * 2 - 1
     scales = (0.5 + torch.rand(groups_shape, generator=gen)) * signs / max_code
     zero_points = torch.rand(groups_shape, generator=gen) * max_code if zeros else None
+    if kind == "fp4":  # MXFP4's: E8M0 exponents around checkpoints' 120..130, no zeros
+        exponents = torch.randint(120, 131, groups_shape, generator=gen) - 127
+        scales, zero_points = torch.ldexp(torch.ones(groups_shape), exponents), None
     groups = None
     if g_idx:  # GPTQ's act order: each group's inputs scattered across the row
         perm = torch.randperm(in_features, generator=gen)
@@ -107,7 +117,7 @@ GROUPINGS = {
 }
 # (rows, in_features, bias)
 SHAPES = {"decode-bias": (1, 40, True), "rows5-odd": (5, 39, False), "rows5-ragged": (5, 37, True)}
-KINDS = ["uint4", "uint8", "fp8", "fp8-bits"]  # fp8-bits: decoded from uint8 (pre-sm_89)
+KINDS = ["uint4", "uint8", "fp8", "fp8-bits", "fp4"]  # fp8-bits: decoded from uint8 (pre-sm_89)
 
 
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
@@ -135,7 +145,7 @@ def test_triton_matches_reference(triton_ops, device, kind, grouping, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", ["uint4", "fp8"])
+@pytest.mark.parametrize("kind", ["uint4", "fp8", "fp4"])
 def test_default_tiles_half_precision(triton_ops, device, kind, dtype):
     """The op as the layers call it (tiles chosen by the row count), 20 rows over two
     16-row tiles, x and bias in the model dtype."""
@@ -172,6 +182,34 @@ def test_every_fp8_code(triton_ops, device, fp8_native):
     if not (fp8_native and device.type == "cpu"):
         assert out[:, 15].isnan().all()
     assert torch.equal(out[:, :15], expected[:, :15])
+
+
+def test_every_fp4_code(triton_ops, device):
+    """All 16 E2M1 nibbles, each at even and odd inputs (code (o + i) % 16), with unit
+    scales and x = I: y is w.T exactly, FP4_VALUES' values."""
+    from serve.kernels.triton.quantized_linear import quantized_linear
+
+    nibbles = (torch.arange(16)[:, None] + torch.arange(16)) % 16  # [out, in]
+    weight = PackedWeight("fp4", pack_uint4(nibbles), torch.ones(16, 1), None, 16, 16)
+    out = quantized_linear(torch.eye(16, device=device), to_device(weight, device))
+    assert torch.equal(out.cpu(), torch.tensor(FP4_VALUES)[nibbles].T)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 20])
+def test_mxfp4_default_tiles(triton_ops, device, rows, dtype):
+    """An MXFP4 weight as GPT-OSS stores it (`mxfp4_weight`: groups of 32, E8M0 scales),
+    through the op with the tiles it chooses (a K step of one group for bfloat16)."""
+    gen = torch.Generator().manual_seed(rows)
+    blocks = torch.randint(0, 256, (48, 3, 16), generator=gen).to(torch.uint8)  # 96 inputs
+    scales = torch.randint(120, 131, (48, 3), generator=gen).to(torch.uint8)
+    weight = mxfp4_weight(blocks, scales)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    expected = reference.quantized_linear(x.float(), weight, bias.float())
+    out = triton_ops.quantized_linear(x.to(device), to_device(weight, device), bias.to(device))
+    assert out.dtype == dtype
+    assert rel_err(out, expected) < TOLERANCE[dtype]
 
 
 def test_tiles_follow_rows_and_groups(triton_ops):
@@ -224,6 +262,7 @@ GPU_WEIGHTS = {
     "uint8-per-channel": ("uint8", None, False, False),
     "fp8-per-channel": ("fp8", None, False, False),
     "fp8-g128-bits": ("fp8", 128, False, False),  # the pre-sm_89 decoding path
+    "fp4-g32": ("fp4", 32, False, False),  # MXFP4's
 }
 
 

@@ -1,6 +1,6 @@
 """DeepSeek-V2/V3 beyond the families' greedy runs (test_families.py): the router against
-transformers' own on fresh inputs, the latent cache's size, and DeepSeek-V3's FP8 release
-format."""
+transformers' own on fresh inputs, the latent cache's size, DeepSeek-V3's FP8 release
+format and its multi-token-prediction layer."""
 
 from __future__ import annotations
 

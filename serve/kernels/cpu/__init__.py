@@ -250,7 +250,12 @@ def linear(
 
 
 # Each kind's codes as the native kernel reads them (packed_weight.py's table).
-_CODE_DTYPES = {"uint4": torch.uint8, "uint8": torch.uint8, "fp8": torch.float8_e4m3fn}
+_CODE_DTYPES = {
+    "uint4": torch.uint8,
+    "uint8": torch.uint8,
+    "fp8": torch.float8_e4m3fn,
+    "fp4": torch.uint8,
+}
 
 
 def quantized_linear(

@@ -6,8 +6,9 @@ BLOCK_K inputs:
 
 1. loads x's [BLOCK_M, BLOCK_K] slice, and the codes of its outputs for those inputs as a
    [BLOCK_N, BLOCK_K] tile (row-major along K, as stored, so the loads are contiguous);
-   `uint4` loads BLOCK_K / 2 bytes per output and splits each into its two nibbles, low
-   nibble first (the even input);
+   `uint4` and `fp4` load BLOCK_K / 2 bytes per output and split each into its two
+   nibbles, low nibble first (the even input); an `fp4` nibble is decoded from its E2M1
+   bits in registers;
 2. dequantizes in float32, `(code - zero) * scale` (packed_weight.py's contract), with
    each input's group from `g_idx` or `k // group_size`; when a block lies inside one
    group (no g_idx, BLOCK_K divides group_size) one scale per output serves the whole tile
@@ -33,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from serve.kernels.packed_weight import KINDS, PackedWeight, inputs_in_stored_order
+from serve.kernels.packed_weight import KINDS, NIBBLE_KINDS, PackedWeight, inputs_in_stored_order
 from serve.kernels.triton.runtime import dot_operands
 
 
@@ -100,9 +101,22 @@ def _fp8_e4m3fn_bits_to_float(bits):
 
 
 @triton.jit
+def _fp4_e2m1_bits_to_float(bits):
+    """FP4 E2M1 nibbles (as int32, 0..15) -> float32: 1 sign, 2 exponent (bias 1) and 1
+    mantissa bit; exponent 0 is subnormal (mantissa * 0.5); no infinities or NaN. Codes 0..7
+    are 0, 0.5, 1, 1.5, 2, 3, 4, 6 (packed_weight.FP4_VALUES), 8..15 the same negated."""
+    exponent = (bits >> 1) & 0x3
+    mantissa = bits & 0x1
+    # A normal value's float32 bits: exponent rebiased by 127 - 1, mantissa at the top.
+    normal = (((exponent + 126) << 23) | (mantissa << 22)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+    return tl.where((bits & 0x8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _quantized_linear_kernel(
     x_ptr,  # [num_rows, in_features]
-    codes_ptr,  # [out_features, in_features] (uint4: [out_features, ceil(in / 2)] bytes)
+    codes_ptr,  # [out_features, in_features] (uint4, fp4: [out_features, ceil(in / 2)] bytes)
     scales_ptr,  # [out_features, num_groups] float32
     zeros_ptr,  # [out_features, num_groups] float32, read when HAS_ZEROS
     g_idx_ptr,  # [in_features] int64, read when HAS_G_IDX
@@ -119,7 +133,7 @@ def _quantized_linear_kernel(
     stride_scales_n,
     stride_zeros_n,
     stride_out_row,
-    CODES: tl.constexpr,  # "uint4", "uint8", "fp8" (float8_e4m3fn loads) or "fp8_bits"
+    CODES: tl.constexpr,  # "uint4", "fp4", "uint8", "fp8" (float8_e4m3fn loads), "fp8_bits"
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     ONE_GROUP_PER_BLOCK: tl.constexpr,  # every K step lies inside one group
@@ -148,7 +162,7 @@ def _quantized_linear_kernel(
             other=0.0,
         ).to(DOT_DTYPE)
         w_mask = is_col[:, None] & is_k[None, :]  # [BLOCK_N, BLOCK_K]
-        if CODES == "uint4":
+        if CODES == "uint4" or CODES == "fp4":
             # Byte j of this step holds inputs k0 + 2j (low nibble) and k0 + 2j + 1 (high);
             # k0 is even (BLOCK_K is), so the step's bytes start at k0 // 2. The last byte
             # of an odd in_features has a padding high nibble, which meets a 0 of x.
@@ -159,7 +173,11 @@ def _quantized_linear_kernel(
                 other=0,
             )
             # interleave(low, high)[:, 2j + t] is byte j's nibble t: input k0 + 2j + t.
-            codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.float32)
+            nibbles = tl.interleave(packed & 0xF, packed >> 4)
+            if CODES == "fp4":
+                codes = _fp4_e2m1_bits_to_float(nibbles.to(tl.int32))
+            else:
+                codes = nibbles.to(tl.float32)
         elif CODES == "fp8_bits":
             packed = tl.load(
                 codes_ptr + cols64[:, None] * stride_codes_n + k[None, :] * stride_codes_k,
@@ -210,7 +228,7 @@ def _check(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> 
     if weight.kind not in KINDS:
         raise ValueError(f"unknown packed weight kind {weight.kind!r}; kinds: {', '.join(KINDS)}")
     out_features, in_features = weight.out_features, weight.in_features
-    stored = (in_features + 1) // 2 if weight.kind == "uint4" else in_features
+    stored = (in_features + 1) // 2 if weight.kind in NIBBLE_KINDS else in_features
     code_dtype = torch.float8_e4m3fn if weight.kind == "fp8" else torch.uint8
     groups = (out_features, weight.num_groups)
     if (

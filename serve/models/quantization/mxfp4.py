@@ -14,20 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from serve.kernels.packed_weight import PackedWeight
 from serve.models.layers.linear import LinearSharding
 from serve.models.quantization.base import QuantFormat
-
-GROUP_SIZE = 32  # inputs per E8M0 scale
-
-
-def e8m0_to_float(exponents: torch.Tensor) -> torch.Tensor:
-    """E8M0 scale bytes -> float32 2^(e - 127), exactly."""
-    powers = exponents.to(torch.int32) - 127
-    return torch.ldexp(torch.ones(powers.shape, dtype=torch.float32, device=powers.device), powers)
 
 
 class MXFP4Format(QuantFormat):

@@ -1,6 +1,6 @@
 // y = x W^T (+ b) with W a quantized checkpoint's weight in serve's packed layout
-// (serve/kernels/packed_weight.py): codes uint4 (two per byte), uint8 or fp8 e4m3fn, and
-// float32 scales and zero points per output and group of inputs:
+// (serve/kernels/packed_weight.py): codes uint4 or fp4 e2m1 (two per byte), uint8 or fp8
+// e4m3fn, and float32 scales and zero points per output and group of inputs:
 //
 //     W[n, k] = (code(n, k) - zeros[n, g(k)]) * scales[n, g(k)],  g(k) = g_idx[k] or k / group
 //
@@ -10,7 +10,8 @@
 // decodes them in registers and takes their products with every row of x there. Reading
 // a byte per two weights (uint4) where float32 reads four is the gain; decoding the codes
 // bounds it as much as memory does (one row of a 7B-sized layer on Zen 4, 2 threads:
-// uint4 3.5x float32's speed, uint8 3x, fp8 2.8x; benchmarks/quantized_linear.py).
+// uint4 3.5x float32's speed, uint8 3x, fp8 2.8x, fp4 in groups of 32 4x;
+// benchmarks/quantized_linear.py).
 //
 // More rows (prefill, decode batches): each thread dequantizes a tile of outputs x a block
 // of inputs into float32 scratch in its L2, then multiplies every row of x by the tile in
@@ -96,6 +97,16 @@ inline void in_register(vector_t& v) {
 #endif
 }
 
+// 32 inputs' values decoded as 16 even ones and 16 odd ones (the nibble kinds), back in
+// the inputs' order.
+inline void interleave(float16v even, float16v odd, float16v& a, float16v& b) {
+  a = __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  b = __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                              15, 31);
+}
+
+inline int nibble(const uint8_t* row, int64_t k) { return (row[k >> 1] >> ((k & 1) * 4)) & 15; }
+
 // Each kind's codes, decoded to floats: 32 at once (the inputs k .. k + 31, k a multiple of
 // 32) and one at a time.
 struct Uint4 {
@@ -112,14 +123,64 @@ struct Uint4 {
   static void decode_in_order(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
     float16v even, odd;
     decode(row, k, even, odd);
-    a = __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7,
-                                23);
-    b = __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14,
-                                30, 15, 31);
+    interleave(even, odd, a, b);
   }
-  static float code(const uint8_t* row, int64_t k) {
-    return static_cast<float>((row[k >> 1] >> ((k & 1) * 4)) & 15);
+  static float code(const uint8_t* row, int64_t k) { return static_cast<float>(nibble(row, k)); }
+};
+
+// FP4 E2M1 (MXFP4's codes), packed as Uint4's: a nibble is sign (bit 3), exponent (bits
+// 2..1) and mantissa (bit 0), looked up in a table of its 16 values rather than computed
+// from its bits. AVX-512 holds the whole table in a register, and a permute, which reads
+// only a lane's low 4 bits, looks 16 nibbles up at once; AVX2's permute takes 8 entries and
+// 3 bits, so it looks the magnitude up and the sign bit is moved into place.
+struct Fp4 {
+  static constexpr bool kPermuted = true;
+  static constexpr float kValues[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  static int64_t row_bytes(int64_t K) { return Uint4::row_bytes(K); }
+#if defined(__AVX512F__)
+  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
+    const __m512i lanes = (__m512i)widen16(row + k / 2);
+    const __m512 table = _mm512_loadu_ps(kValues);
+    a = (float16v)_mm512_permutexvar_ps(lanes, table);  // the low nibbles
+    b = (float16v)_mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);
   }
+#elif defined(__AVX2__)
+  // 8 lanes' values: magnitudes by `index`'s low 3 bits, signs from bit 31 of `sign_at_31`.
+  static __m256 values8(__m256i index, __m256i sign_at_31) {
+    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kValues), index);
+    const __m256 sign = _mm256_castsi256_ps(
+        _mm256_and_si256(sign_at_31, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
+    return _mm256_or_ps(magnitude, sign);
+  }
+  static float16v concat(__m256 low, __m256 high) {
+    return __builtin_shufflevector((float8v)low, (float8v)high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
+                                   10, 11, 12, 13, 14, 15);
+  }
+  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m256i first = _mm256_cvtepu8_epi32(bytes);  // bytes 0..7
+    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    // Low nibble: sign bit 3 shifted by 28 to bit 31; high nibble: bit 7, by 24.
+    a = concat(values8(first, _mm256_slli_epi32(first, 28)),
+               values8(second, _mm256_slli_epi32(second, 28)));
+    b = concat(values8(_mm256_srli_epi32(first, 4), _mm256_slli_epi32(first, 24)),
+               values8(_mm256_srli_epi32(second, 4), _mm256_slli_epi32(second, 24)));
+  }
+#else
+  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
+    for (int i = 0; i < 16; ++i) {
+      a[i] = kValues[row[k / 2 + i] & 15];
+      b[i] = kValues[row[k / 2 + i] >> 4];
+    }
+  }
+#endif
+  static void decode_in_order(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
+    float16v even, odd;
+    decode(row, k, even, odd);
+    interleave(even, odd, a, b);
+  }
+  static float code(const uint8_t* row, int64_t k) { return kValues[nibble(row, k)]; }
 };
 
 struct Uint8 {
@@ -334,7 +395,29 @@ void stream_block(const Packed& w, const float* x, const float* x_sums, const fl
       }
     }
   };
-  for (int64_t g = 0; g < groups; ++g) {
+  // Group g's zero points, out of the sums (the identity above).
+  const auto zero_points = [&](int64_t g) {
+    if (w.zeros != nullptr)
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m) rest[r][m] -= zeros[r][g] * s[r] * x_sums[m * groups + g];
+  };
+  int64_t g = 0;
+  if constexpr (C == 4) {
+    // Groups of one run (32 inputs, MXFP4's) would leave chains 2 and 3 idle: pairs of
+    // groups take all four (4096 x 4096 in groups of 32, one row, 2 threads: fp4 0.51 ms
+    // against 0.67, uint4 0.50 against 0.73).
+    if (w.group_size == kRun) {
+      for (; (g + 2) * kRun <= K; g += 2) {
+        for (int r = 0; r < R; ++r) s[r] = scales[r][g];
+        run(g * kRun, Index<0>{}, Index<1>{});
+        zero_points(g);
+        for (int r = 0; r < R; ++r) s[r] = scales[r][g + 1];
+        run((g + 1) * kRun, Index<2>{}, Index<3>{});
+        zero_points(g + 1);
+      }
+    }
+  }
+  for (; g < groups; ++g) {
     int64_t k, end;
     group_span(w, g, 0, K, k, end);
     for (int r = 0; r < R; ++r) s[r] = scales[r][g];
@@ -351,9 +434,7 @@ void stream_block(const Packed& w, const float* x, const float* x_sums, const fl
         for (int m = 0; m < M; ++m) rest[r][m] += wk * x[m * K + k];
       }
     }
-    if (w.zeros != nullptr)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) rest[r][m] -= zeros[r][g] * s[r] * x_sums[m * groups + g];
+    zero_points(g);
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
@@ -743,8 +824,8 @@ void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
                   out.size(0) == M && out.size(1) == N,
               "out: [M, N], contiguous, x's dtype");
   int64_t expected_cols;
-  if (kind == "uint4") {
-    TORCH_CHECK(codes.scalar_type() == at::kByte, "uint4 codes: uint8");
+  if (kind == "uint4" || kind == "fp4") {
+    TORCH_CHECK(codes.scalar_type() == at::kByte, kind, " codes: uint8");
     expected_cols = Uint4::row_bytes(K);
   } else if (kind == "uint8") {
     TORCH_CHECK(codes.scalar_type() == at::kByte, "uint8 codes: uint8");
@@ -753,7 +834,7 @@ void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
     TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn, "fp8 codes: float8_e4m3fn");
     expected_cols = K;
   } else {
-    TORCH_CHECK(false, "kind: uint4, uint8 or fp8, not ", kind);
+    TORCH_CHECK(false, "kind: uint4, uint8, fp8 or fp4, not ", kind);
   }
   TORCH_CHECK(codes.size(1) == expected_cols, kind, " codes of ", K, " inputs: [N, ",
               expected_cols, "], not [N, ", codes.size(1), "]");
@@ -817,8 +898,10 @@ void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& co
     dispatch(Uint4{});
   else if (kind == "uint8")
     dispatch(Uint8{});
-  else
+  else if (kind == "fp8")
     dispatch(Fp8{});
+  else
+    dispatch(Fp4{});
 }
 
 }  // namespace
