@@ -94,6 +94,10 @@ def _size_for(family) -> dict:
         size.update(kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
         if family.config.get("q_lora_rank"):
             size["q_lora_rank"] = 96
+    layer_types = family.config.get("layer_types")
+    if layer_types:  # the family's pattern, repeated over the benchmark's layers
+        layers = SIZE["num_hidden_layers"]
+        size["layer_types"] = [layer_types[i % len(layer_types)] for i in range(layers)]
     rope = family.config.get("rope_parameters")
     if rope and "short_factor" in rope:  # LongRoPE: one factor per rotated pair of channels
         pairs = SIZE["hidden_size"] // SIZE["num_attention_heads"] // 2
