@@ -198,6 +198,75 @@ def assemble(pieces: list[str | ToolCall]) -> ParsedOutput:
     return ParsedOutput("".join(content) or None, calls)
 
 
+class MarkedBlockStream(ToolCallStream):
+    """For formats whose calls are blocks opened by a start marker (hermes' `<tool_call>`,
+    harmony's `<|start|>`): content streams as it comes, less an end that may be the start
+    of the marker and the whitespace a call may yet follow (`CallSpacing`); a call is sent
+    whole once its block ends. A format says where a block ends (`block_end`) and what a
+    block is (`block_events`); a block the output never ends is read at `finish`."""
+
+    start_marker: ClassVar[str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""  # text not yet sent: a possible start marker, or an open block
+        self._in_block = False  # the buffer starts with the start marker
+        self._spacing = CallSpacing()
+
+    @abstractmethod
+    def block_end(self, block: str) -> tuple[int, int] | None:
+        """For a block's text so far, from its start marker: (where its body ends, the
+        length of the end marker there), or None while it is open."""
+
+    @abstractmethod
+    def block_events(self, body: str, block: str) -> list[StreamEvent]:
+        """What a closed block sends: its call (`call_events`), or its text as content
+        (`content_events(block)`), or nothing. `body` is between the markers, `block`
+        the whole of it, markers included."""
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        self._buffer += text
+        events: list[StreamEvent] = []
+        marker = self.start_marker
+        while True:
+            if self._in_block:
+                end = self.block_end(self._buffer)
+                if end is None:
+                    return events
+                body_end, end_length = end
+                block = self._buffer[: body_end + end_length]
+                self._buffer = self._buffer[len(block) :]
+                self._in_block = False
+                events += self.block_events(block[len(marker) : body_end], block)
+                continue
+            start = self._buffer.find(marker)
+            if start < 0:
+                cut = len(self._buffer) - partial_suffix(self._buffer, marker)
+                events += self.content_events(self._buffer[:cut])
+                self._buffer = self._buffer[cut:]
+                return events
+            events += self.content_events(self._buffer[:start])
+            self._buffer = self._buffer[start:]
+            self._in_block = True
+
+    def finish(self) -> list[StreamEvent]:
+        if self._in_block:
+            events = self.block_events(self._buffer[len(self.start_marker) :], self._buffer)
+        else:
+            events = self.content_events(self._buffer)
+        self._buffer, self._in_block = "", False
+        spacing = self._spacing.finish()
+        return events + [spacing] if spacing else events
+
+    def call_events(self, call: ToolCall) -> list[StreamEvent]:
+        self._spacing.call()
+        return self._whole_call(call)
+
+    def content_events(self, text: str) -> list[StreamEvent]:
+        sent = self._spacing.content(text)
+        return [sent] if sent else []
+
+
 def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of `text` that is a proper start of `marker`."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):

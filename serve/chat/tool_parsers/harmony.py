@@ -20,14 +20,12 @@ import re
 from typing import Any
 
 from serve.chat.tool_parsers.base import (
-    CallSpacing,
+    MarkedBlockStream,
     ParsedOutput,
     StreamEvent,
     ToolCall,
-    ToolCallStream,
     ToolParser,
     assemble,
-    partial_suffix,
 )
 
 START, MESSAGE = "<|start|>", "<|message|>"
@@ -94,56 +92,15 @@ class HarmonyToolParser(ToolParser):
         )
 
 
-class HarmonyToolStream(ToolCallStream):
-    """Content streams as it comes, less an end that may be the start of `<|start|>` and
-    the whitespace a call may yet follow (`CallSpacing`). A call is sent whole once its
-    message ends."""
+class HarmonyToolStream(MarkedBlockStream):
+    """Messages opened by `<|start|>`, each call sent whole once its message ends; a
+    message that is no call is dropped (the reasoning parser kept its content)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._buffer = ""  # text not yet sent: a possible <|start|>, or an open message
-        self._in_block = False
-        self._spacing = CallSpacing()
+    start_marker = START
 
-    def feed(self, text: str) -> list[StreamEvent]:
-        self._buffer += text
-        events: list[StreamEvent] = []
-        while True:
-            if self._in_block:
-                end = _block_end(self._buffer)
-                if end is None:
-                    return events
-                length, marker = end
-                events += self._close(self._buffer[len(START) : length])
-                self._buffer = self._buffer[length + marker :]
-                self._in_block = False
-                continue
-            start = self._buffer.find(START)
-            if start < 0:
-                cut = len(self._buffer) - partial_suffix(self._buffer, START)
-                events += self._content(self._buffer[:cut])
-                self._buffer = self._buffer[cut:]
-                return events
-            events += self._content(self._buffer[:start])
-            self._buffer = self._buffer[start:]
-            self._in_block = True
+    def block_end(self, block: str) -> tuple[int, int] | None:
+        return _block_end(block)
 
-    def finish(self) -> list[StreamEvent]:
-        if self._in_block:
-            events = self._close(self._buffer[len(START) :])
-        else:
-            events = self._content(self._buffer)
-        self._buffer, self._in_block = "", False
-        spacing = self._spacing.finish()
-        return events + [spacing] if spacing else events
-
-    def _close(self, block: str) -> list[StreamEvent]:
-        call = _call(block)
-        if call is None:
-            return []
-        self._spacing.call()
-        return self._whole_call(call)
-
-    def _content(self, text: str) -> list[StreamEvent]:
-        sent = self._spacing.content(text)
-        return [sent] if sent else []
+    def block_events(self, body: str, block: str) -> list[StreamEvent]:
+        call = _call(body)
+        return [] if call is None else self.call_events(call)

@@ -10,16 +10,14 @@ import re
 from typing import Any
 
 from serve.chat.tool_parsers.base import (
-    CallSpacing,
+    MarkedBlockStream,
     ParsedOutput,
     StreamEvent,
     ToolCall,
-    ToolCallStream,
     ToolParser,
     assemble,
     call_from_json,
     load_json,
-    partial_suffix,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -73,55 +71,16 @@ class HermesToolParser(ToolParser):
         )
 
 
-class HermesStream(ToolCallStream):
-    """Content streams as it comes, less an end that may be the start of `<tool_call>`
-    and the whitespace a call may yet follow (`CallSpacing`). A call is sent whole once
-    its block closes."""
+class HermesStream(MarkedBlockStream):
+    """`<tool_call>` blocks, each sent whole once `</tool_call>` closes it; a block that
+    is not a call goes out as the content it was."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._buffer = ""  # text not yet sent: a possible start marker, or an open block
-        self._in_block = False
-        self._spacing = CallSpacing()
+    start_marker = START
 
-    def feed(self, text: str) -> list[StreamEvent]:
-        self._buffer += text
-        events: list[StreamEvent] = []
-        while True:
-            if self._in_block:
-                end = self._buffer.find(END)
-                if end < 0:
-                    return events
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(END) :]
-                self._in_block = False
-                events += self._close(body, START + body + END)
-                continue
-            start = self._buffer.find(START)
-            if start < 0:
-                cut = len(self._buffer) - partial_suffix(self._buffer, START)
-                events += self._content(self._buffer[:cut])
-                self._buffer = self._buffer[cut:]
-                return events
-            events += self._content(self._buffer[:start])
-            self._buffer = self._buffer[start + len(START) :]
-            self._in_block = True
+    def block_end(self, block: str) -> tuple[int, int] | None:
+        end = block.find(END)
+        return None if end < 0 else (end, len(END))
 
-    def finish(self) -> list[StreamEvent]:
-        if self._in_block:
-            events = self._close(self._buffer, START + self._buffer)
-        else:
-            events = self._content(self._buffer)
-        self._buffer, self._in_block = "", False
-        spacing = self._spacing.finish()
-        return events + [spacing] if spacing else events
-
-    def _close(self, body: str, block: str) -> list[StreamEvent]:
+    def block_events(self, body: str, block: str) -> list[StreamEvent]:
         call = _call(body)
-        if call is None:
-            return self._content(block)
-        self._spacing.call()
-        return self._whole_call(call)
-
-    def _content(self, text: str) -> list[StreamEvent]:
-        sent = self._spacing.content(text)
-        return [sent] if sent else []
+        return self.content_events(block) if call is None else self.call_events(call)
