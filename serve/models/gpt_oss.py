@@ -98,19 +98,31 @@ class GptOssExperts(nn.Module):
             raise ValueError(
                 f"MXFP4 experts need {sorted(needed)}; the checkpoint has {sorted(suffixes)}"
             )
-        if self.local % GROUP_SIZE or self.hidden_size % GROUP_SIZE:
+        if self.hidden_size % GROUP_SIZE or self.intermediate_size % GROUP_SIZE or self.local % 2:
             raise ValueError(
-                f"MXFP4 experts: hidden_size {self.hidden_size} and each rank's expert width "
-                f"{self.local} must be multiples of {GROUP_SIZE} (the scales' groups)"
+                f"MXFP4 experts: hidden_size {self.hidden_size} and intermediate_size "
+                f"{self.intermediate_size} must be multiples of {GROUP_SIZE} (the scales' "
+                f"groups), and each rank's expert width ({self.local}) even (two codes a byte)"
             )
         device = self.gate_up_proj.device
         del self.gate_up_proj, self.down_proj
         experts, hidden, local = self.num_experts, self.hidden_size, self.local
+        # down_proj's inputs are this rank's slice of the width: where it does not fall on
+        # whole groups (gpt-oss-120b's 2,880 over 4 or 8 ranks), the rank keeps every group
+        # its slice touches and each input's group by index (g_idx).
+        first = self.start // GROUP_SIZE
+        num_groups = -(-(self.start + local) // GROUP_SIZE) - first
+        self.down_groups = (first, num_groups)
+        g_idx = None
+        if self.start % GROUP_SIZE or local % GROUP_SIZE:
+            offsets = torch.arange(local, device=device) + self.start % GROUP_SIZE
+            g_idx = offsets // GROUP_SIZE  # [local] int64
+        self.register_buffer("down_g_idx", g_idx, persistent=False)
         shapes = {
             "gate_up_proj_blocks": ((experts, 2 * local, hidden // 2), torch.uint8),
             "gate_up_proj_scales": ((experts, 2 * local, hidden // GROUP_SIZE), torch.float32),
             "down_proj_blocks": ((experts, hidden, local // 2), torch.uint8),
-            "down_proj_scales": ((experts, hidden, local // GROUP_SIZE), torch.float32),
+            "down_proj_scales": ((experts, hidden, num_groups), torch.float32),
         }
         for name, (shape, dtype) in shapes.items():
             param = nn.Parameter(
@@ -147,8 +159,11 @@ class GptOssExperts(nn.Module):
             mine = loaded.load()
         elif name.startswith("gate_up_proj"):  # rows interleave gate and up: de-interleaved
             mine = deinterleave(loaded.narrow(1, 2 * start, 2 * local), dim=1)
-        else:  # down_proj's codes or scales: this rank's groups of inputs
-            mine = loaded.narrow(2, start // group, local // group)
+        else:  # down_proj's codes or scales: the groups this rank's inputs fall in
+            first, num_groups = self.down_groups
+            mine = loaded.narrow(2, first, num_groups)
+            if name.endswith("_blocks"):  # this rank's inputs' bytes (two codes a byte)
+                mine = mine.flatten(2).narrow(2, (start - first * group) // 2, local // 2)
         if name.endswith("_blocks"):
             mine = mine.flatten(2)  # [E, out, in / 2]: two codes a byte, even input low
         elif name.endswith("_scales"):
@@ -158,15 +173,24 @@ class GptOssExperts(nn.Module):
     def _packed(self, expert: int) -> tuple[PackedWeight, PackedWeight]:
         """Expert `expert`'s MXFP4 (gate/up, down) weights, views of the packed tensors."""
 
-        def fp4(blocks: torch.Tensor, scales: torch.Tensor, in_features: int) -> PackedWeight:
-            return PackedWeight("fp4", blocks, scales, None, GROUP_SIZE, in_features)
-
-        return (
-            fp4(
-                self.gate_up_proj_blocks[expert], self.gate_up_proj_scales[expert], self.hidden_size
-            ),
-            fp4(self.down_proj_blocks[expert], self.down_proj_scales[expert], self.local),
+        gate_up = PackedWeight(
+            "fp4",
+            self.gate_up_proj_blocks[expert],
+            self.gate_up_proj_scales[expert],
+            None,
+            GROUP_SIZE,
+            self.hidden_size,
         )
+        down = PackedWeight(
+            "fp4",
+            self.down_proj_blocks[expert],
+            self.down_proj_scales[expert],
+            None,
+            GROUP_SIZE,
+            self.local,
+            g_idx=self.down_g_idx,
+        )
+        return gate_up, down
 
     def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:  # [n, hidden]
         gate_up_bias = self.gate_up_proj_bias[expert]

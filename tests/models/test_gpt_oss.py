@@ -45,8 +45,13 @@ def test_mxfp4_experts_stay_packed(mxfp4_checkpoint):
         assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
 
 
-def test_an_mxfp4_split_off_the_scale_groups_is_refused(tiny_model_factory, tmp_path):
-    """The tiny experts are 32 wide: two ranks would each hold half a group."""
-    checkpoint, _ = mxfp4_gpt_oss(tiny_model_factory("gpt-oss"), tmp_path)
-    with pytest.raises(ValueError, match="multiples of 32"):
-        LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE)
+def test_an_mxfp4_split_inside_the_scale_groups(tiny_model_factory, tmp_path):
+    """Experts 96 wide over two ranks: each holds 48 inputs of down_proj, rank 1's starting
+    halfway through a group of 32 (as gpt-oss-120b's 2,880 over 4 or 8 ranks do); each
+    keeps the groups its inputs touch and looks each input's group up."""
+    checkpoint, _ = mxfp4_gpt_oss(tiny_model_factory("gpt-oss", intermediate_size=96), tmp_path)
+    prompts = random_prompts(512, 3, 3, 30, seed=4)
+    with LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    got = [out.outputs[0].token_ids for out in outputs]
+    assert got == [hf_greedy(checkpoint, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
