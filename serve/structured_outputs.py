@@ -27,9 +27,11 @@ class StructuredOutputsParams:
     and `whitespace_pattern` are refused: serve cannot constrain to them.
 
     `start_after_token_ids` (serve's; the API sets it for a reasoning model, as vLLM's
-    engine decides with --reasoning-parser): the output is free until the first of these
-    tokens is sampled (the reasoning's end marker), and the grammar holds what follows;
-    empty: it holds the output from the first token.
+    engine decides with --reasoning-parser): a token sequence, the reasoning's end (one
+    token, `</think>`, or several, GPT-OSS's `<|channel|>final<|message|>`). The output is
+    free until it first completes the sequence, all of it in order (a match may begin in
+    the prompt's last tokens), and the grammar holds what follows
+    (serve/worker/grammar_start.py); empty: it holds the output from the first token.
     """
 
     json: dict[str, Any] | str | None = None

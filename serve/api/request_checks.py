@@ -154,20 +154,20 @@ def check_no_streamed_prompt_logprobs(request: SamplingRequest) -> None:
 
 
 def grammar_start(reasoning: RequestReasoning | None, request: SamplingRequest) -> tuple[int, ...]:
-    """The tokens after which the request's grammar starts (none: from its first token).
-    With --reasoning-parser, as vLLM decides: after the reasoning's end marker while the
-    output starts in the reasoning (`reasoning.in_reasoning`: not when the prompt ended it
-    already, the template was asked not to think, or chat's include_reasoning false holds
-    a constrained output from its first token). A 400 where the end cannot be found by
-    its token."""
+    """The token sequence after which the request's grammar starts (none: from its first
+    token). With --reasoning-parser, as vLLM decides: after the reasoning's end (`</think>`;
+    GPT-OSS's final message header, several tokens) while the output starts in the
+    reasoning (`reasoning.in_reasoning`: not when the prompt ended it already, the template
+    was asked not to think, or chat's include_reasoning false holds a constrained output
+    from its first token). A 400 where no tokens mark the end."""
     if reasoning is None:
         return ()
     if not reasoning.can_start_grammar and request.structured_outputs_params() is not None:
         parser = reasoning.parser
         raise APIError(
             400,
-            f"Structured output starts after the reasoning, but {parser.end} is no single "
-            f"token of this model's tokenizer, so its end cannot be found "
+            f"Structured output starts after the reasoning, but {parser.end} is not found "
+            f"among this model's tokens, so the reasoning's end cannot be seen "
             f"(--reasoning-parser {parser.name}). Leave the format out, or set "
             "include_reasoning to false to constrain the whole output.",
         )

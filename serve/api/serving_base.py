@@ -52,7 +52,8 @@ def open_stream(
     gives what is new at each step (DELTA, a streamed response's), or the finished output
     alone (FINAL_ONLY). The fields the request leaves out take the model's sampling
     defaults; the request is logged as it goes in (`--enable-log-requests`). Its grammar,
-    if any, starts after one of `grammar_start_token_ids` (`request_checks.grammar_start`).
+    if any, starts after the output completes `grammar_start_token_ids`, a token sequence
+    (`request_checks.grammar_start`).
     `lora_request`: the adapter it runs with (`ServedModels.resolve`), None for the base;
     `mm_inputs`: its prompt's images, processed (`engine/multimodal.py`)."""
     try:

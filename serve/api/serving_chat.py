@@ -47,7 +47,7 @@ from serve.chat.reasoning_parsers import (
     ReasoningDelta,
     ReasoningParser,
     RequestReasoning,
-    get_reasoning_parser,
+    reasoning_parser_for,
 )
 from serve.chat.rendering import ChatRenderError, render_chat
 from serve.chat.tool_parsers import (
@@ -175,7 +175,7 @@ class ChatHandler:
         self.tool_parser: ToolParser | None = get_tool_parser(name) if name else None
         name = settings.reasoning_parser  # ValueError: a tokenizer it cannot read
         self.reasoning_parser: ReasoningParser | None = (
-            get_reasoning_parser(name, self.tokenizer.get_vocab()) if name else None
+            reasoning_parser_for(name, self.tokenizer) if name else None
         )
 
     async def prepare_with_images(self, request: ChatCompletionRequest) -> ChatPrompt:

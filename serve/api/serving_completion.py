@@ -36,7 +36,7 @@ from serve.api.streaming import (
     stream_end,
     usage,
 )
-from serve.chat.reasoning_parsers import get_reasoning_parser
+from serve.chat.reasoning_parsers import reasoning_parser_for
 from serve.engine.detokenizer import MAX_CHAR_TOKENS
 from serve.engine.protocol import EngineClient
 from serve.lora_request import LoRARequest
@@ -57,9 +57,7 @@ class CompletionHandler:
         self.models = models or ServedModels(settings)
         # vLLM's engine holds a completion's grammar back until the reasoning ends too.
         name = settings.reasoning_parser
-        self.reasoning_parser = (
-            get_reasoning_parser(name, self.tokenizer.get_vocab()) if name else None
-        )
+        self.reasoning_parser = reasoning_parser_for(name, self.tokenizer) if name else None
 
     def _prompts(self, request: CompletionRequest) -> list[tuple[str, list[int]]]:
         """(text, token ids) per prompt: a string, strings, token ids, or lists of ids."""

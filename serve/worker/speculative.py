@@ -33,6 +33,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from serve import kernels
 from serve.config import ModelConfig, SpeculativeMethod
 from serve.step import SchedulerOutput
+from serve.worker.grammar_start import GrammarStart
 from serve.worker.sampler import LogitsMask, Sampler, SamplerOutput
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 
@@ -81,15 +82,22 @@ class NgramProposer:
 def before_grammar_start(
     drafts: dict[int, list[int]], mirror: SequenceMirror
 ) -> dict[int, list[int]]:
-    """Proposals cut before the first token that a sequence's grammar starts after (the
-    end of a reasoning model's thinking): the rows past it would be checked without the
+    """Proposals cut before the first one that completes the token sequence a sequence's
+    grammar starts after (the end of a reasoning model's thinking; grammar_start.py), read
+    on from the tokens before them: the rows past it would be checked without the
     grammar's mask, which exists only once that token is taken. The token itself may still
-    be sampled, after the proposals kept. Every rank cuts alike."""
+    be sampled, after the proposals kept. Every rank cuts alike, from its mirror's tokens
+    (a grammar started already is cut alike: a later match only costs proposals)."""
     kept = {}
     for seq_id, proposed in drafts.items():
-        spec = mirror[seq_id].sampling_params.structured_outputs
-        starts = spec.start_after_token_ids if spec is not None else ()
-        at = next((i for i, token in enumerate(proposed) if token in starts), len(proposed))
+        seq = mirror[seq_id]
+        spec = seq.sampling_params.structured_outputs
+        at = None
+        if spec is not None and spec.start_after_token_ids:
+            sequence, end = spec.start_after_token_ids, seq.num_tokens
+            before = seq.token_ids_between(max(0, end - len(sequence) + 1), end)
+            at = GrammarStart.after(sequence, before).completed_at(proposed)
+        at = len(proposed) if at is None else at
         if at:
             kept[seq_id] = proposed[:at]
     return kept

@@ -2,11 +2,11 @@
 
 Each sampled sequence's row is sampled with its own controls (sampler.py), masked by its
 grammar (structured_output.py), which then takes the token (a grammar that starts after a
-token, the end of a reasoning model's thinking, waits unconsulted until it is sampled); a
-first sample of `best_of` samples the row once per fork, each fork with its own seed;
-beams are scored, not sampled: each beam's best candidates go back for the scheduler's beam
-search. Prompt logprobs come from the prompt rows. Everything goes back as plain data
-(step.py).
+token sequence, the end of a reasoning model's thinking, waits unconsulted until the
+output completes it: grammar_start.py); a first sample of `best_of` samples the row once
+per fork, each fork with its own seed; beams are scored, not sampled: each beam's best
+candidates go back for the scheduler's beam search. Prompt logprobs come from the prompt
+rows. Everything goes back as plain data (step.py).
 
 A fault in one request's own work (its sampling parameters, its grammar) fails that
 request alone: a batch that raises is re-sampled one row at a time to find it, and the
@@ -26,6 +26,7 @@ import torch
 
 from serve.outputs import request_error_message
 from serve.step import BeamCandidates, ModelRunnerOutput, PromptLogprobs
+from serve.worker.grammar_start import GrammarStart
 from serve.worker.logprobs import token_logprobs
 from serve.worker.model_inputs import PromptSpan
 from serve.worker.sampler import Sampler
@@ -48,21 +49,23 @@ class StepSampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(seed, self.eos_token_ids)
         self.grammars = grammars
-        # Sequences whose grammar starts after one of some tokens (StructuredOutputsParams.
-        # start_after_token_ids), none sampled yet: seq id -> (grammar, those tokens). No
-        # matcher masks or takes their tokens until then.
-        self._waiting: dict[int, tuple[str, frozenset[int]]] = {}
+        # Sequences whose grammar starts after a token sequence (StructuredOutputsParams.
+        # start_after_token_ids) their output has not completed yet: seq id -> (grammar,
+        # how far the tokens have gone into the sequence). No matcher masks or takes their
+        # tokens until then.
+        self._waiting: dict[int, tuple[str, GrammarStart]] = {}
 
     # -- per-sequence state ------------------------------------------------------------------
 
     def start(self, seq: MirroredSequence, grammar: str | None, failed: dict[str, str]) -> None:
         """A sequence seen for the first time: its grammar's matcher starts, or waits for
-        the token it starts after."""
+        the tokens it starts after (a match may begin in the prompt's last tokens)."""
         if grammar is None:
             return
         spec = seq.sampling_params.structured_outputs
         if spec is not None and spec.start_after_token_ids:
-            self._waiting[seq.seq_id] = (grammar, frozenset(spec.start_after_token_ids))
+            start = GrammarStart.after(spec.start_after_token_ids, seq.prompt_token_ids)
+            self._waiting[seq.seq_id] = (grammar, start)
             return
         with _request_scope(seq.request_id, failed):
             self.grammars.get().start(seq.seq_id, grammar)
@@ -245,11 +248,15 @@ class StepSampler:
     def _grammar_ended(self, seq: MirroredSequence, token: int) -> bool:
         """Advance the sequence's grammar by `token`: True once the grammar is complete
         (it took a stop token) or if it refused the token, which the mask should prevent.
-        A waiting grammar only looks for its start token, and starts after it."""
+        A waiting grammar only follows its start sequence, and starts after the token that
+        completes it."""
         waiting = self._waiting.get(seq.seq_id)
         if waiting is not None:
-            grammar, start_after = waiting
-            if token in start_after:
+            grammar, start = waiting
+            advanced = start.advance(token)
+            if advanced is not None:
+                self._waiting[seq.seq_id] = (grammar, advanced)
+            else:
                 del self._waiting[seq.seq_id]
                 self.grammars.get().start(seq.seq_id, grammar)
             return False

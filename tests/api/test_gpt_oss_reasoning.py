@@ -1,22 +1,25 @@
 """`--reasoning-parser openai_gptoss` on a server: GPT-OSS's harmony markers, special tokens
 that decoded text leaves out, reach the parser (the server decodes these requests' output
 with them kept) and never the client: chat's reasoning and content, streamed and not, the
-usage's reasoning tokens, the Responses reasoning item, and a grammar refused while the
-answer's start cannot be seen.
+usage's reasoning tokens, the Responses reasoning item, and structured output that holds
+the final message alone (its grammar starts after `<|channel|>final<|message|>`).
 
 The tiny llama here has harmony's markers as special tokens of its tokenizer. It cannot
 write a harmony header, so its template opens the analysis message itself; logit biases
 on `<|end|>` and `<|message|>` make it end its "thinking" and open another message (a
 header that names no channel: content). What it writes is read from /v1/completions
-with special tokens kept, for the same prompt, greedy, and split by the parser here.
+with special tokens kept, for the same prompt, greedy, and split by the parser here. To
+write the final message's header, the model is steered token by token (`header_controls`).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 
 import httpx
+import jsonschema
 import pytest
 
 from serve.chat.reasoning_parsers import get_reasoning_parser
@@ -139,18 +142,116 @@ def test_responses_put_the_analysis_in_a_reasoning_item(server, written):
     assert message.type == "message" and resp.output_text == written["split"].content
 
 
-def test_a_grammar_waits_for_an_answer_it_cannot_see(server):
-    """The answer starts after `<|channel|>final<|message|>`, no single token: a format is
-    refused unless the request leaves its reasoning out (the grammar then holds it all)."""
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+}
+CITY_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+THOUGHT, HEADER = "Hmm", "<|channel|>final<|message|>"
+
+
+@pytest.fixture(scope="module")
+def header_controls(harmony_model) -> dict:
+    """Controls under which the greedy model thinks "Hmm", then writes the final message's
+    header: each token of `Hmm<|channel|>final<|message|>` (`final` is three tokens here)
+    biased above the next and far above the model's own logits, and banned after itself
+    and each token after it (bad words of two tokens), so that they come in turn; after
+    `<|message|>` nothing is banned, and the model starts over."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(harmony_model)
+    chain = tokenizer.encode(THOUGHT + HEADER, add_special_tokens=False)
+    assert len(chain) == 7
+    bad_words = []
+    for i, token in enumerate(chain[:-1]):
+        for earlier in chain[: i + 1]:
+            word = tokenizer.decode([token, earlier])
+            assert tokenizer.encode(word, add_special_tokens=False) == [token, earlier]
+            bad_words.append(word)
+    bias = {str(token): 100 - 10 * i for i, token in enumerate(chain)}
+    return {"logit_bias": bias, "bad_words": bad_words, "temperature": 0}
+
+
+def complete(server, prompt_ids: list[int], controls: dict, **fields) -> dict:
+    """/v1/completions' choice for the prompt, its special tokens kept in the text."""
+    body = {"model": server.model, "prompt": prompt_ids, "max_tokens": 30, **controls}
+    body |= {"skip_special_tokens": False, **fields}
+    reply = httpx.post(f"{server.v1}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]
+
+
+def test_a_grammar_holds_the_final_message_alone(server, header_controls):
+    """Structured output waits for `<|channel|>final<|message|>`, five tokens here: the
+    analysis before it is what the model writes without a format, the final message's
+    text follows the schema; chat reads them apart, streamed alike; completions (whose
+    grammar waits alike) show the header where the grammar started."""
+    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}, timeout=30)
+    prompt_ids = prompt.json()["tokens"]
+    free = complete(server, prompt_ids, header_controls)["text"]
+    assert free.startswith(THOUGHT + HEADER + "H")  # unconstrained, it thinks again
+    held = complete(server, prompt_ids, header_controls, response_format=CITY_FORMAT)
+    thought, header, answer = held["text"].partition(HEADER)
+    assert (thought, header) == (THOUGHT, HEADER)
+    jsonschema.validate(json.loads(answer), CITY)
+    assert held["finish_reason"] == "stop"
+
+    client = server.client()
+    kwargs = dict(
+        model=server.model,
+        messages=QUESTION,
+        max_tokens=30,
+        temperature=0,
+        logit_bias=header_controls["logit_bias"],
+        response_format=CITY_FORMAT,
+        extra_body={"bad_words": header_controls["bad_words"]},
+    )
+    reply = client.chat.completions.create(**kwargs)
+    (choice,) = reply.choices
+    assert (choice.message.reasoning, choice.message.content) == (THOUGHT, answer)
+    assert choice.finish_reason == "stop"
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 2  # H, mm
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for part in chunk.choices:
+            reasoning += part.delta.model_dump().get("reasoning") or ""
+            content += part.delta.content or ""
+    assert (reasoning, content) == (THOUGHT, answer)
+
+
+def test_a_grammar_holds_an_opened_final_message_from_its_first_token(
+    server, harmony_model, header_controls
+):
+    """A prompt that opened the final message: the output is all answer, held from its
+    first token (the controls would have it write "Hmm" first)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(harmony_model)
+    opened = tokenizer.encode(
+        "<|start|>user<|message|>What is the capital of France?<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>",
+        add_special_tokens=False,
+    )
+    assert complete(server, opened, header_controls)["text"].startswith(THOUGHT)
+    held = complete(server, opened, header_controls, response_format=CITY_FORMAT)
+    jsonschema.validate(json.loads(held["text"]), CITY)
+    assert held["finish_reason"] == "stop"
+
+
+def test_without_its_reasoning_a_grammar_holds_the_whole_output(server, header_controls):
+    """include_reasoning false: the grammar holds the output from its first token (vLLM's
+    rule); none of it is reasoning."""
     body = {
         "model": server.model,
         "messages": QUESTION,
-        "max_tokens": 4,
-        "response_format": {"type": "json_object"},
+        "max_tokens": 30,
+        "response_format": CITY_FORMAT,
+        "include_reasoning": False,
+        **header_controls,
     }
     reply = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=60)
-    assert reply.status_code == 400 and "<|channel|>final<|message|>" in reply.text
-    body["include_reasoning"] = False
-    reply = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
-    assert reply.json()["choices"][0]["message"]["reasoning"] is None
+    message = reply.json()["choices"][0]["message"]
+    assert message["reasoning"] is None
+    jsonschema.validate(json.loads(message["content"]), CITY)

@@ -13,9 +13,10 @@ import itertools
 
 import pytest
 
-from serve.chat.reasoning_parsers import get_reasoning_parser
+from serve.chat.reasoning_parsers import get_reasoning_parser, reasoning_parser_for
 from serve.chat.reasoning_parsers.gpt_oss import MARKERS, HarmonyReasoning
 from serve.chat.tool_parsers import FirstCallOnly, get_tool_parser, in_written_order
+from serve.worker.grammar_start import GrammarStart
 
 ANALYSIS = "<|channel|>analysis<|message|>"
 FINAL = "<|start|>assistant<|channel|>final<|message|>"
@@ -38,7 +39,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def parser(tokenizer):
-    return get_reasoning_parser("openai_gptoss", tokenizer.get_vocab())
+    return reasoning_parser_for("openai_gptoss", tokenizer)  # as the server builds it
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +196,55 @@ def test_where_the_output_starts_by_the_prompt(tokenizer, parser, generation_pro
     assert not plain.in_reasoning and split(plain, "there was") == (None, "there was")
 
 
-def test_a_grammar_cannot_start_after_the_analysis(reading, parser, tokenizer):
-    """The answer starts after `<|channel|>final<|message|>`, no single token: a grammar is
-    refused (request_checks.grammar_start) while the output starts before it."""
-    assert not reading.can_start_grammar and reading.grammar_start_token_ids == ()
+def test_a_grammar_starts_after_the_final_header(reading, parser, tokenizer):
+    """The answer starts after `<|channel|>final<|message|>` as the tokenizer writes it
+    (`final`, after a special token, is three tokens in this one): a grammar waits for that
+    token sequence while the output starts before the answer (in a header, or in an
+    analysis message the prompt opened); a prompt that opened the final message starts it
+    at once."""
+    header = tuple(tokenizer.encode("<|channel|>final<|message|>"))
+    vocab = tokenizer.get_vocab()
+    assert header == (vocab["<|channel|>"], *tokenizer.encode("final"), vocab["<|message|>"])
+    assert len(header) == 5
+    assert reading.can_start_grammar and reading.grammar_start_token_ids == header
+    thinking = parser.for_request(tokenizer.encode(f"<|start|>assistant{ANALYSIS}Hm"), {})
+    assert thinking.opens_in_analysis and thinking.grammar_start_token_ids == header
     answer = parser.for_request(tokenizer.encode(FINAL), {})
     assert answer.can_start_grammar and answer.grammar_start_token_ids == ()
+
+
+def test_the_grammar_starts_where_the_answers_text_does(reading, tokenizer, generation_prompt):
+    """The worker's reading of the start sequence (serve/worker/grammar_start.py) and the
+    token counter's agree: the grammar holds the tokens from the answer's first on, past an
+    analysis message and a header of another channel."""
+    text = (
+        f"{ANALYSIS}Think: <|channel|>final is next.<|end|>"
+        f"<|start|>assistant<|channel|>analysis<|message|>More.<|end|>{FINAL}Paris.<|return|>"
+    )
+    ids = tokenizer.encode(text)
+    start = GrammarStart.after(reading.grammar_start_token_ids, generation_prompt)
+    at = start.completed_at(ids)
+    assert at is not None
+    assert tokenizer.decode(ids[at + 1 :], skip_special_tokens=True) == "Paris."
+    assert reading.token_counter().feed(ids) == at + 1
+
+
+def test_the_final_header_without_an_encoding(tokenizer, generation_prompt):
+    """Given the vocabulary alone, the header is the markers' tokens and `final`'s own, one
+    token in o200k_harmony; where `final` is no token, or the encoding does not keep the
+    markers whole, no tokens mark the answer: a grammar is refused
+    (request_checks.grammar_start) while the output starts before it."""
+    vocab = tokenizer.get_vocab()
+    one_token = {**vocab, "final": len(vocab)}
+    reading = get_reasoning_parser("openai_gptoss", one_token).for_request(generation_prompt, {})
+    channel, message = vocab["<|channel|>"], vocab["<|message|>"]
+    assert reading.grammar_start_token_ids == (channel, len(vocab), message)
+    for parser in (
+        get_reasoning_parser("openai_gptoss", vocab),
+        get_reasoning_parser("openai_gptoss", vocab, lambda text: [channel, 5, 6]),
+    ):
+        reading = parser.for_request(generation_prompt, {})
+        assert not reading.can_start_grammar and reading.grammar_start_token_ids == ()
 
 
 def test_a_tokenizer_without_the_markers_is_refused(tokenizer):

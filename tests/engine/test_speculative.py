@@ -12,6 +12,7 @@ proposals asserts that some were accepted.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 from tiny_models import random_prompts
@@ -277,6 +278,38 @@ def test_max_tokens_inside_an_accepted_run_gives_exactly_max_tokens(looping):
     want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     assert want.outputs[0].token_ids == tokens
     assert ended_in_a_run > 0  # some runs ended on accepted proposals
+
+
+def test_a_grammar_start_sequence_inside_an_accepted_run(looping):
+    """A grammar that starts after a token sequence (as GPT-OSS's answer header, several
+    tokens) which the output first completes at an accepted proposal: the proposals stop
+    before that token, which ends its step, and the grammar holds what follows exactly as
+    without speculation; the tokens before it are the free model's."""
+    spec, plain, prompt, params, tokens, accepted = looping
+    stream = prompt + tokens
+    position = None
+    for i in (i for i in accepted if i >= 2):
+        sequence = tuple(tokens[i - 2 : i + 1])
+        ends = (
+            j for j in range(len(prompt), len(stream)) if tuple(stream[j - 2 : j + 1]) == sequence
+        )
+        if next(ends) == len(prompt) + i:  # the first that ends in the output
+            position = i
+            break
+    assert position is not None, "no three tokens first end at an accepted proposal"
+    # A grammar over two of the allowed tokens that the free model does not write next.
+    tokenizer = spec.get_tokenizer()
+    held = [t for t in FEW if t not in tokens[position + 1 : position + 4]][:2]
+    regex = "(" + "|".join(re.escape(tokenizer.decode([t])) for t in held) + ")+"
+    grammar = StructuredOutputsParams(regex=regex, start_after_token_ids=sequence)
+    constrained = _with(params, structured_outputs=grammar)
+    got, lengths = _steps(spec, "grammar-start", prompt, constrained)
+    want = plain.generate({"prompt_token_ids": prompt}, constrained, use_tqdm=False)[0]
+    got_tokens = got.outputs[0].token_ids
+    assert got_tokens == want.outputs[0].token_ids
+    assert got_tokens[: position + 1] == tokens[: position + 1]
+    assert len(got_tokens) == params.max_tokens and set(got_tokens[position + 1 :]) <= set(held)
+    assert position + 1 in lengths  # the sequence's last token ended its step
 
 
 def test_disable_by_batch_size_stops_drafts_while_the_batch_is_larger(tiny_llama):

@@ -635,64 +635,144 @@ def test_what_xgrammar_enforces_is_let_through(tiny, schema, instance):
     assert compiled(tiny, Spec(json=schema))
 
 
-# ---- a grammar that starts after a token (a reasoning model's end of thinking) ----
+# ---- a grammar that starts after a token sequence (a reasoning model's end of thinking) ----
+
+FREE = 9  # a token the grammar (choice "Paris") never allows first
+
+
+class Waiting:
+    """A step sampler and its grammars; each sequence it starts waits to be held to the
+    choice "Paris" until its output completes `start_after`. `step` samples one favoured
+    token a sequence (greedy), or checks proposals, and appends what was sampled."""
+
+    def __init__(self, start_after: tuple[int, ...]) -> None:
+        from serve.sampling_params import SamplingParams
+        from serve.worker.step_sampler import StepSampler
+        from serve.worker.structured_output import LazyStructuredOutput
+
+        self.tokenizer = build_tokenizer()
+        spec = Spec(choice=("Paris",), start_after_token_ids=start_after)
+        self.params = SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=spec)
+        self.grammars = LazyStructuredOutput(lambda: self.tokenizer, TINY_VOCAB, [TINY_EOS])
+        self.sampler = StepSampler(0, [TINY_EOS], self.grammars)
+        self.grammar = compiled(self.grammars.get(), Spec(choice=("Paris",)))
+
+    def seq(self, seq_id: int, prompt: list[int]):
+        from serve.worker.sequence_mirror import MirroredSequence
+
+        seq = MirroredSequence(seq_id, "r", prompt, self.params, None)
+        self.sampler.start(seq, self.grammar, {})
+        return seq
+
+    def step(self, seqs, favoured: list[int], drafts: list[list[int]] | None = None):
+        """One row a sequence favouring `favoured[i]` (with drafts: 1 + len(drafts[0])
+        rows for seqs[0], favouring favoured[j] at row j)."""
+        from serve.step import ModelRunnerOutput
+
+        logits = torch.zeros(len(favoured), TINY_VOCAB)
+        for row, token in enumerate(favoured):
+            logits[row, token] = 10.0
+        rows = [[seqs[0]]] if drafts else [[s] for s in seqs]
+        output = ModelRunnerOutput()
+        self.sampler.sample(logits, rows, None, [], output, drafts)
+        assert not output.failed_requests
+        by_id = {s.seq_id: s for s in seqs}
+        for seq_id, token in zip(output.seq_ids, output.token_ids):
+            by_id[seq_id].output_token_ids.append(token)
+        return output
+
+    def holds(self, seq) -> bool:
+        """The sequence is held to the grammar: FREE, favoured, is masked."""
+        (token,) = self.step([seq], [FREE]).token_ids
+        if token == FREE:
+            return False
+        assert "Paris".startswith(self.tokenizer.decode([token]))
+        return True
 
 
 def test_a_grammar_waits_unconsulted_for_the_token_it_starts_after():
     """StructuredOutputsParams.start_after_token_ids (the API sets it from
-    --reasoning-parser): before the token is sampled the output is free (no mask, the
-    grammar neither takes tokens nor ends the sequence); from the next token on it is held
-    to the grammar. A fork waits alike."""
-    from serve.sampling_params import SamplingParams
-    from serve.step import ModelRunnerOutput
+    --reasoning-parser), one token: before the token is sampled the output is free (no
+    mask, the grammar neither takes tokens nor ends the sequence); from the next token on
+    it is held to the grammar. A fork waits alike."""
     from serve.worker.sequence_mirror import MirroredSequence
-    from serve.worker.step_sampler import StepSampler
-    from serve.worker.structured_output import LazyStructuredOutput
 
-    tokenizer = build_tokenizer()
-    end, free = 7, 9  # the start token; a token the grammar never allows first
-    spec = Spec(choice=("Paris",), start_after_token_ids=(end,))
-    params = SamplingParams(temperature=0.0, max_tokens=50, structured_outputs=spec)
-    grammars = LazyStructuredOutput(lambda: tokenizer, TINY_VOCAB, [TINY_EOS])
-    sampler = StepSampler(0, [TINY_EOS], grammars)
-    grammar = compiled(grammars.get(), Spec(choice=("Paris",)))
-    seq = MirroredSequence(1, "r", [3, 4], params, None)
-    sampler.start(seq, grammar, {})
-
-    def step(favoured: int, seqs: list[MirroredSequence]) -> ModelRunnerOutput:
-        logits = torch.zeros(1, TINY_VOCAB)
-        logits[0, favoured] = 10.0
-        output = ModelRunnerOutput()
-        sampler.sample(logits, [seqs], None, [], output)
-        assert not output.failed_requests
-        for s, token in zip(seqs, output.token_ids):
-            s.output_token_ids.append(token)
-        return output
-
-    for favoured in (free, TINY_EOS, free):  # free text, EOS not a grammar's end either
-        output = step(favoured, [seq])
+    end = 7
+    waiting = Waiting((end,))
+    seq = waiting.seq(1, [3, 4])
+    for favoured in (FREE, TINY_EOS, FREE):  # free text, EOS not a grammar's end either
+        output = waiting.step([seq], [favoured])
         assert output.token_ids == [favoured] and not output.grammar_ended_seq_ids
-    child = MirroredSequence(2, "r", [3, 4], params, None, list(seq.output_token_ids))
-    sampler.fork(seq, child)
-    assert step(end, [seq, child]).token_ids == [end, end]  # the grammar starts after it
-    output = step(free, [seq, child])
-    for token in output.token_ids:  # held to the grammar now: `free` is masked
-        assert token != free and "Paris".startswith(tokenizer.decode([token]))
-    assert grammars.get().has(seq.seq_id) and grammars.get().has(child.seq_id)
-    sampler.forget([1, 2])
-    assert not grammars.get().has(1)
+    child = MirroredSequence(2, "r", [3, 4], waiting.params, None, list(seq.output_token_ids))
+    waiting.sampler.fork(seq, child)
+    assert waiting.step([seq, child], [end, end]).token_ids == [end, end]  # starts after it
+    assert waiting.holds(seq) and waiting.holds(child)
+    grammars = waiting.grammars.get()
+    assert grammars.has(seq.seq_id) and grammars.has(child.seq_id)
+    waiting.sampler.forget([1, 2])
+    assert not grammars.has(1)
 
 
-def test_proposals_stop_before_the_token_a_grammar_starts_after():
-    """Speculation: rows past that token would be checked without the grammar's mask."""
-    from types import SimpleNamespace
+# GPT-OSS's answer header in made-up ids: <|channel|> f in al <|message|>.
+C, F, IN, AL, M = 7, 8, 10, 11, 12
+HEADER = (C, F, IN, AL, M)
 
+
+def test_a_grammar_waits_for_its_whole_start_sequence():
+    """Several tokens: the output is free until it completes them in order; a partial match
+    that breaks starts nothing (nor does the header of another channel); a match begun in
+    the prompt counts; a fork mid-match goes on from where its parent was."""
+    from serve.worker.sequence_mirror import MirroredSequence
+
+    waiting = Waiting(HEADER)
+    seq = waiting.seq(1, [3, 4])
+    for token in (C, 20, 21, M, C, F, IN, FREE, C, F, IN, AL, FREE, M):  # analysis, broken
+        assert waiting.step([seq], [token]).token_ids == [token]
+    assert not waiting.grammars.get().has(seq.seq_id)
+    for token in (C, C, F, IN):
+        waiting.step([seq], [token])
+    child = MirroredSequence(2, "r", [3, 4], waiting.params, None, list(seq.output_token_ids))
+    waiting.sampler.fork(seq, child)
+    assert waiting.step([seq, child], [AL, FREE]).token_ids == [AL, FREE]  # the child breaks
+    assert waiting.step([seq, child], [M, M]).token_ids == [M, M]
+    assert waiting.holds(seq) and not waiting.holds(child)
+    # At the very start of the output, and begun in the prompt.
+    first = waiting.seq(3, [3, 4])
+    for token in HEADER:
+        waiting.step([first], [token])
+    begun = waiting.seq(4, [3, C, F])
+    for token in (IN, AL, M):
+        waiting.step([begun], [token])
+    assert waiting.holds(first) and waiting.holds(begun)
+
+
+def test_a_start_sequence_that_straddles_proposals():
+    """Speculation (greedy): proposals are cut before the one that would complete the
+    sequence, read on from the tokens before them (a match begun in earlier steps, or in
+    the prompt, ends the kept proposals too); the completing token is then the one sampled
+    after them, and the grammar holds the next step, as for one token."""
     from serve.sampling_params import SamplingParams
+    from serve.worker.sequence_mirror import MirroredSequence
     from serve.worker.speculative import before_grammar_start
 
-    waits = SamplingParams(structured_outputs=Spec(json_object=True, start_after_token_ids=(7,)))
-    plain = SamplingParams(structured_outputs=Spec(json_object=True))
-    mirror = {1: SimpleNamespace(sampling_params=waits), 2: SimpleNamespace(sampling_params=plain)}
-    mirror[3] = SimpleNamespace(sampling_params=waits)
-    drafts = {1: [5, 6, 7, 8], 2: [5, 7, 8], 3: [7, 8]}
-    assert before_grammar_start(drafts, mirror) == {1: [5, 6], 2: [5, 7, 8]}
+    waiting = Waiting(HEADER)
+    seq = waiting.seq(1, [3, 4])
+    for token in (FREE, C, F):  # the match begins: C F
+        waiting.step([seq], [token])
+    mirror = {1: seq}
+    assert before_grammar_start({1: [IN, AL, M, FREE]}, mirror) == {1: [IN, AL]}
+    assert before_grammar_start({1: [IN, FREE, C, F, IN, AL, M]}, mirror) == {
+        1: [IN, FREE, C, F, IN, AL]
+    }
+    assert before_grammar_start({1: [IN, AL, FREE, M]}, mirror) == {1: [IN, AL, FREE, M]}
+    prompted = MirroredSequence(2, "r", [3, C, F, IN, AL], waiting.params, None)
+    assert before_grammar_start({2: [M, FREE]}, {2: prompted}) == {}  # M itself completes it
+    any_object = SamplingParams(structured_outputs=Spec(json_object=True))
+    unstarted = MirroredSequence(3, "r", [3], any_object, None, [C, F, IN, AL])
+    assert before_grammar_start({3: [M, FREE]}, {3: unstarted}) == {3: [M, FREE]}
+    # Checked: the kept proposals are accepted, then M, sampled after them, completes it.
+    (drafts,) = before_grammar_start({1: [IN, AL, M, FREE]}, mirror).values()
+    output = waiting.step([seq], [IN, AL, M], [drafts])
+    assert output.token_ids == [IN, AL, M] and output.spec_accepted == {1: 2}
+    assert not output.grammar_ended_seq_ids
+    assert waiting.holds(seq)

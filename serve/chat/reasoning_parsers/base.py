@@ -12,7 +12,9 @@ the chat template was asked not to think), which then
   whatever the deltas: a marker cut across deltas is held back until it is known,
 - counts the output tokens that are reasoning (`token_counter`), for the usage,
 - names the tokens after which the request's grammar starts (`grammar_start_token_ids`):
-  structured output holds the answer to its format, never the thinking before it.
+  structured output holds the answer to its format, never the thinking before it. The
+  answer starts after the end marker's token (GPT-OSS: after the tokens of its final
+  message's header); where no tokens mark it, a grammar cannot wait for it.
 
 Within the reasoning, start markers are dropped (a template may put one in the prompt, a
 model may write one); the end marker is dropped and everything after it is content, as
@@ -22,11 +24,15 @@ reasoning too and stay in the content.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from serve.chat.tool_parsers.base import partial_suffix
+
+# The tokenizer's ids for a text, its special tokens read as tokens
+# (`tokenizer.encode(text, add_special_tokens=False)`).
+Encode = Callable[[str], Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,9 @@ class ReasoningParser:
     # decodes the output with special tokens kept for this parser (gpt_oss.py).
     keeps_special_tokens: ClassVar[bool] = False
 
-    def __init__(self, vocab: Mapping[str, int]) -> None:
+    def __init__(self, vocab: Mapping[str, int], encode: Encode | None = None) -> None:
+        """`vocab`: the tokenizer's (`get_vocab()`); `encode`: its encoding, for a parser
+        whose answer starts after several tokens (gpt_oss.py; the others read the vocab)."""
         missing = [marker for marker in (self.start, self.end) if marker not in vocab]
         if self.needs_marker_tokens and missing:
             raise ValueError(
@@ -76,6 +84,11 @@ class ReasoningParser:
         )
         self.boundary_token_ids = frozenset(
             vocab[token] for token in self.turn_boundaries if token in vocab
+        )
+        # The tokens after which the answer starts, as the model writes them; None: no
+        # tokens mark it (a grammar cannot wait for it).
+        self.answer_start_token_ids: tuple[int, ...] | None = (
+            (self.end_token_id,) if self.end_token_id is not None else None
         )
 
     def thinks(self, template_kwargs: Mapping[str, Any]) -> bool:
@@ -129,16 +142,17 @@ class RequestReasoning:
 
     @property
     def grammar_start_token_ids(self) -> tuple[int, ...]:
-        """The tokens after which the request's grammar starts: the end marker's while the
-        output starts in the reasoning; none (from the first token) otherwise."""
-        if not self.in_reasoning or self.parser.end_token_id is None:
+        """The token sequence after which the request's grammar starts (StructuredOutputs
+        Params.start_after_token_ids): the answer's start while the output starts in the
+        reasoning; none (from the first token) otherwise."""
+        if not self.in_reasoning or self.parser.answer_start_token_ids is None:
             return ()
-        return (self.parser.end_token_id,)
+        return self.parser.answer_start_token_ids
 
     @property
     def can_start_grammar(self) -> bool:
-        """A grammar can be held back until the reasoning ends: the end marker is a token."""
-        return not self.in_reasoning or self.parser.end_token_id is not None
+        """A grammar can be held back until the reasoning ends: tokens mark its end."""
+        return not self.in_reasoning or self.parser.answer_start_token_ids is not None
 
 
 class ReasoningStream:

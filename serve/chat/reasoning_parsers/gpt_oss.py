@@ -26,11 +26,15 @@ tokens are counted by them.
 Where the output starts, read from the prompt back to its last `<|start|>`: in a header
 (the template's generation prompt, or a message already closed); in an analysis message's
 text, if the prompt opened one; in the content, if the prompt opened another message, or
-has no harmony turn at all (a plain completion). Structured output would start after
-the final message's `<|message|>`, which no single token marks: a grammar is refused
-while the output starts before the answer (`grammar_start` says so), and holds the whole
-output when the request leaves its reasoning out (include_reasoning false), as with the
-other parsers.
+has no harmony turn at all (a plain completion).
+
+Structured output holds the answer alone: a request's grammar starts after the final
+message's header, `<|channel|>final<|message|>` as the tokenizer writes it (the word is
+one token in o200k_harmony, after a special token; it may be several in another), once
+the output completes that token sequence (serve/worker/grammar_start.py): the analysis
+and any other message before it stay free. A prompt that opened the final message starts
+the grammar at once, and so does a request that leaves its reasoning out (include_reasoning
+false: the grammar then holds the whole output), as with the other parsers.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from serve.chat.reasoning_parsers.base import (
+    Encode,
     ReasoningDelta,
     ReasoningParser,
     ReasoningSplit,
@@ -76,12 +81,12 @@ def message_kind(header: str) -> Kind:
 
 class GptOssReasoningParser(ReasoningParser):
     name = "openai_gptoss"
-    # The reasoning's bounds, as a grammar would need them: no single tokens.
+    # The reasoning's bounds: several tokens each. A grammar starts after `end`'s tokens.
     start = CHANNEL + "analysis" + MESSAGE
     end = CHANNEL + "final" + MESSAGE
     keeps_special_tokens = True
 
-    def __init__(self, vocab: Mapping[str, int]) -> None:
+    def __init__(self, vocab: Mapping[str, int], encode: Encode | None = None) -> None:
         missing = [marker for marker in MARKERS if marker not in vocab]
         if missing:
             raise ValueError(
@@ -91,10 +96,27 @@ class GptOssReasoningParser(ReasoningParser):
             )
         super().__init__(vocab)
         self.marker_ids = {marker: vocab[marker] for marker in MARKERS}
+        self.answer_start_token_ids = self._header_ids(self.end, vocab, encode)
         self._markers_by_id = {token_id: marker for marker, token_id in self.marker_ids.items()}
         # A header's tokens as text, to tell its channel and recipient (byte-level pieces:
         # the letters, `=` and `.` are themselves).
         self._token_text = {token_id: token for token, token_id in vocab.items()}
+
+    def _header_ids(
+        self, header: str, vocab: Mapping[str, int], encode: Encode | None
+    ) -> tuple[int, ...] | None:
+        """`header`'s tokens (`<|channel|>NAME<|message|>`): encoded, or without an
+        encoding the markers' and NAME's own token; None where the encoding does not keep
+        the markers as tokens, or NAME is no token."""
+        channel, message = self.marker_ids[CHANNEL], self.marker_ids[MESSAGE]
+        if encode is not None:
+            ids = tuple(encode(header))
+        else:
+            name = header.removeprefix(CHANNEL).removesuffix(MESSAGE)
+            ids = (channel, vocab[name], message) if name in vocab else ()
+        if len(ids) < 3 or ids[0] != channel or ids[-1] != message:
+            return None
+        return ids
 
     def marker(self, token_id: int) -> str | None:
         return self._markers_by_id.get(token_id)
