@@ -39,7 +39,6 @@ always run the `n_shared_experts` (one MLP, ungated). The router scores in float
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -58,7 +57,7 @@ from serve.models.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
-from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
+from serve.models.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from serve.models.llama import LlamaForCausalLM, LlamaMLP
 from serve.models.moe import QWEN_EXPERTS
 from serve.models.partition import split_evenly
@@ -70,10 +69,6 @@ DEEPSEEK_PACKED = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_p
 # The RMSNorms inside attention (q_a_layernorm, kv_a_layernorm) use their class default,
 # not the config's rms_norm_eps, in DeepSeek's code and transformers' alike.
 LATENT_NORM_EPS = 1e-6
-
-
-def yarn_mscale(factor: float, weight: float) -> float:
-    return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
 
 
 def attention_scale(hf: Any) -> float:

@@ -55,6 +55,11 @@ def _frequencies(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor,
     )
 
 
+def yarn_mscale(factor: float, weight: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context stretched `factor` times: 0.1 w ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+
 def yarn_inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv 2309.00071) as transformers computes it: (inv_freq, attention factor).
 
@@ -67,16 +72,13 @@ def yarn_inv_freq(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor
     original = int(params["original_max_position_embeddings"])
     factor = float(params["factor"])
 
-    def mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         weight, weight_all = params.get("mscale"), params.get("mscale_all_dim")
         if weight and weight_all:
-            attention_factor = mscale(factor, weight) / mscale(factor, weight_all)
+            attention_factor = yarn_mscale(factor, weight) / yarn_mscale(factor, weight_all)
         else:
-            attention_factor = mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(num_rotations: float) -> float:
         # the dimension that turns `num_rotations` times over the original context
