@@ -362,9 +362,14 @@ class CacheConfig:
     """The paged KV cache: its block size and how much memory it takes."""
 
     block_size: int = setting(16, "tokens per KV block")
-    # CPU only (on CUDA, gpu_memory_utilization sizes the cache): bytes, or "4GiB", "512MiB".
+    # Bytes, or "4GiB", "512MiB". On CPU the whole cache, shared out among the ranks; on a
+    # GPU each GPU's, in place of gpu_memory_utilization's sizing (vLLM's
+    # --kv-cache-memory-bytes).
     kv_cache_memory: int | str | None = setting(
-        None, "KV cache size on CPU, e.g. 4GiB (default 4GiB)", metavar="SIZE"
+        None,
+        "KV cache size, e.g. 4GiB: on CPU the whole cache (default 4GiB); on a GPU each "
+        "GPU's, instead of sizing it from --gpu-memory-utilization",
+        metavar="SIZE",
     )
     gpu_memory_utilization: float = setting(
         0.9, "fraction of GPU memory the engine may use, weights and activations included"

@@ -59,7 +59,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are engine settings, the fields of serve/config.py's config classes, by
         the names `serve --help` shows in snake case: `dtype="float32"`, `max_model_len`,
-        `kv_cache_memory="4GiB"` (the KV cache on CPU), `swap_space=4` (GiB),
+        `kv_cache_memory="4GiB"` (the KV cache; on a GPU, each GPU's), `swap_space=4` (GiB),
         `tensor_parallel_size=2`, ... An unknown name is a TypeError that lists them.
         vLLM's engine arguments are taken too (`dtype=torch.bfloat16`, `enforce_eager`,
         `runner="pooling"`, `cpu_offload_gb=0`, ...; serve/vllm_arguments.py),

@@ -146,6 +146,24 @@ def check_gpu_weights_fit(
     )
 
 
+def check_gpu_cache_fits(cache_bytes: int, room: int, device: torch.device | str) -> None:
+    """A --kv-cache-memory on a GPU is allocated whole at start: more than `room` (what is
+    free once the weights are in, less a full step's activations) is refused with a size
+    that fits, not an out-of-memory error halfway through the allocation."""
+    if cache_bytes <= room:
+        return
+    fits = (
+        f"lower it, e.g. {_kv_cache_memory_flag(room)}, or leave it out"
+        if room >= 1 << 20
+        else "leave it out"
+    )
+    raise ValueError(
+        f"--kv-cache-memory {_size(cache_bytes)} does not fit in the {_size(max(room, 0))} "
+        f"of {device} left beside the model's weights and a full step's activations: "
+        f"{fits} to size the cache from --gpu-memory-utilization."
+    )
+
+
 def check_cpu_cache_fits(cache_bytes: int, num_blocks_override: int | None = None) -> None:
     """The CPU KV cache is zero-filled at start, so all of it is taken at once: more than
     the memory available now (the weights already loaded) would swap or bring the OOM
@@ -174,7 +192,10 @@ class ModelRunner:
         self.config, self.device, self.hf_config = config, device, hf_config
         engine = config.engine
         self.block_size = engine.cache.block_size
+        # What other engines in this process held before this one loaded: not this one's.
+        self._cuda_held_before = 0
         if device.type == "cuda":
+            self._cuda_held_before = torch.cuda.memory_allocated(device)
             dtype = resolve_dtype(engine.model.dtype, hf_config, device, log=False)
             weights = weights_bytes(Path(config.model_path), engine.model.load_format, dtype)
             free, _ = torch.cuda.mem_get_info(device)
@@ -227,7 +248,8 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """KV blocks this rank has room for: on the device (or in CPU memory on CPU), and in
-        the CPU swap space. On CPU, --kv-cache-memory is shared out among the ranks."""
+        the CPU swap space. On CPU, --kv-cache-memory is shared out among the ranks; on a
+        GPU it is each GPU's (as vLLM's --kv-cache-memory-bytes)."""
         cache = self.config.engine.cache
         num_cpu_blocks = cache.swap_space_bytes // self.bytes_per_block
         if cache.num_gpu_blocks_override is not None:
@@ -237,7 +259,7 @@ class ModelRunner:
                 check_cpu_cache_fits(total, num_blocks_override=blocks)
             return cache.num_gpu_blocks_override, num_cpu_blocks
         if self.device.type == "cuda":
-            budget = self._profile_free_cuda_memory()
+            budget = self._profile_cuda_kv_cache_bytes()
         else:
             # A first forward of a few rows: the CPU linears reorder their weights for
             # oneDNN now, not in the first request's time (~1 s for the default model).
@@ -300,41 +322,68 @@ class ModelRunner:
             ) from e
         return graphs
 
-    def _profile_free_cuda_memory(self) -> float:
-        """Total memory x utilisation, minus the peak of a forward pass at full token budget."""
+    def _profile_cuda_kv_cache_bytes(self) -> float:
+        """Bytes for the KV cache on this GPU, after a forward of the whole token budget:
+        --kv-cache-memory where given (checked against what the forward's activations leave
+        free), else total memory x utilisation less this engine's peak (its weights and the
+        forward; not what other engines in this process held before it loaded)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         engine = self.config.engine
         self._dummy_forward(engine.scheduler.max_num_batched_tokens or 8192)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        activations = peak - torch.cuda.memory_allocated(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
+        requested = engine.cache.kv_cache_memory_bytes
+        if requested is not None:
+            check_gpu_cache_fits(requested, free - activations, self.device)
+            return requested
         return cuda_kv_cache_budget(
-            total, engine.cache.gpu_memory_utilization, peak, free, self.device
+            total,
+            engine.cache.gpu_memory_utilization,
+            peak - self._cuda_held_before,
+            free,
+            self.device,
         )
 
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """One prompt of `num_tokens` through the model over a one-block scratch cache, with
-        the logits of every row. Under tensor parallelism every rank must run it."""
+    def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
+        """`num_tokens` of prompts through the model over a one-block scratch cache, with the
+        logits of every row. Each prompt is at most the model's context long: a position past
+        it would index past the model's position tables (on CUDA an illegal memory access
+        that poisons the context, or a device-side assert). Under tensor parallelism every
+        rank must run it."""
+        engine = self.config.engine
+        context = model_max_len(get_arch_config(self.hf_config, engine.model.model_impl))
+        longest = max(1, min(engine.model.max_model_len or context, context))
+        lens = [longest] * (num_tokens // longest) + [num_tokens % longest] * (
+            num_tokens % longest > 0
+        )
         dummy = self.kv.attach_cache(self.model, 1, self.block_size, self.device)
         layers = attention_layers(self.model)
-        num_table_blocks = -(-num_tokens // self.block_size)
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
-            block_tables=torch.zeros((1, num_table_blocks), dtype=torch.long, device=self.device),
-            seq_lens=torch.tensor([num_tokens], device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], device=self.device),
-            seq_lens_cpu=[num_tokens],
-            query_lens_cpu=[num_tokens],
+            block_tables=torch.zeros(
+                (len(lens), -(-longest // self.block_size)), dtype=torch.long, device=self.device
+            ),
+            seq_lens=torch.tensor(lens, device=self.device),
+            query_start_loc=torch.tensor(starts, device=self.device),
+            seq_lens_cpu=lens,
+            query_lens_cpu=list(lens),
             num_decode_seqs=0,
         )
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         with torch.inference_mode(), forward_context(meta):
-            self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=self.device)))
+            logits = self.model.compute_logits(self.model(ids, positions))
         for layer in layers:
             layer.kv_cache = None
         del dummy
+        return logits
 
     # -- one step --------------------------------------------------------------------------------
 

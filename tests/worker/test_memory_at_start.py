@@ -46,25 +46,31 @@ def test_weights_that_do_not_fit_are_refused_before_loading(tiny_llama, monkeypa
     monkeypatch.setattr("serve.worker.model_runner.available_memory_bytes", lambda: available)
     monkeypatch.setattr("serve.worker.model_runner.load_model", _refuse_loading)
     with pytest.raises(ValueError, match="the weights alone do not fit") as refused:
-        LLM(model=str(tiny_llama), kv_cache_memory="4MiB", swap_space=0.001)
+        LLM(model=str(tiny_llama), device="cpu", kv_cache_memory="4MiB", swap_space=0.001)
     message = str(refused.value)
     assert "in float32, twice that with oneDNN's packed copy of each linear's" in message
     assert "try --dtype bfloat16 (half the bytes), or SERVE_CPU_PREPACK=0" in message
 
     with pytest.raises(ValueError, match="the weights alone do not fit") as refused:
-        LLM(model=str(tiny_llama), dtype="bfloat16", kv_cache_memory="4MiB", swap_space=0.001)
+        LLM(
+            model=str(tiny_llama),
+            device="cpu",
+            dtype="bfloat16",
+            kv_cache_memory="4MiB",
+            swap_space=0.001,
+        )
     assert "in bfloat16, twice that" in str(refused.value)
     assert "--dtype bfloat16" not in str(refused.value)
 
     # With no cache to count, the packed copies alone are what does not fit in 1.5x the
     # weights; without them, loading starts.
     with pytest.raises(ValueError, match="the weights alone do not fit"):
-        LLM(model=str(tiny_llama), num_gpu_blocks_override=8, swap_space=0.001)
+        LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=8, swap_space=0.001)
     monkeypatch.setenv(cpu.PREPACK_ENV_VAR, "0")
     cpu.prepack_enabled.cache_clear()
     try:
         with pytest.raises(AssertionError, match="read before the memory check"):
-            LLM(model=str(tiny_llama), num_gpu_blocks_override=8, swap_space=0.001)
+            LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=8, swap_space=0.001)
     finally:
         monkeypatch.delenv(cpu.PREPACK_ENV_VAR)
         cpu.prepack_enabled.cache_clear()
@@ -79,8 +85,8 @@ def test_a_cache_past_the_room_the_weights_leave_is_refused_with_a_size_that_fit
     with pytest.raises(
         ValueError, match=re.escape("lower the cache, e.g. --kv-cache-memory 240MiB.")
     ):
-        LLM(model=str(tiny_llama), kv_cache_memory="1GiB", swap_space=0.001)
-    llm = LLM(model=str(tiny_llama), kv_cache_memory="240MiB", swap_space=0.001)
+        LLM(model=str(tiny_llama), device="cpu", kv_cache_memory="1GiB", swap_space=0.001)
+    llm = LLM(model=str(tiny_llama), device="cpu", kv_cache_memory="240MiB", swap_space=0.001)
     assert llm.stats().num_blocks_total > 0
     llm.shutdown()
 
@@ -94,8 +100,8 @@ def test_a_cache_larger_than_the_memory_left_once_loaded_is_refused(tiny_llama, 
         "model's weights loaded): lower it, e.g. --kv-cache-memory 6MiB."
     )
     with pytest.raises(ValueError, match=re.escape(message)):
-        LLM(model=str(tiny_llama), kv_cache_memory="16MiB", swap_space=0.001)
-    llm = LLM(model=str(tiny_llama), kv_cache_memory="4MiB", swap_space=0.001)  # fits
+        LLM(model=str(tiny_llama), device="cpu", kv_cache_memory="16MiB", swap_space=0.001)
+    llm = LLM(model=str(tiny_llama), device="cpu", kv_cache_memory="4MiB", swap_space=0.001)  # fits
     assert llm.stats().num_blocks_total > 0
     llm.shutdown()
 
@@ -105,8 +111,10 @@ def test_a_forced_block_count_past_the_memory_is_refused_too(tiny_llama, monkeyp
     allocated into the OOM killer (a billion blocks was torch's allocator traceback)."""
     monkeypatch.setattr("serve.worker.model_runner.available_memory_bytes", lambda: 64 * MiB)
     with pytest.raises(ValueError, match=r"--num-gpu-blocks-override 1000000000 takes .* more"):
-        LLM(model=str(tiny_llama), num_gpu_blocks_override=10**9, swap_space=0.001)
-    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=64, swap_space=0.001)  # fits
+        LLM(model=str(tiny_llama), device="cpu", num_gpu_blocks_override=10**9, swap_space=0.001)
+    llm = LLM(
+        model=str(tiny_llama), device="cpu", num_gpu_blocks_override=64, swap_space=0.001
+    )  # fits
     assert llm.stats().num_blocks_total == 64
     llm.shutdown()
 

@@ -3,6 +3,7 @@ before the engine reports ready."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from serve import LLM
@@ -20,7 +21,7 @@ def test_cpu_linears_are_reordered_for_onednn_at_start(tiny_llama):
     """oneDNN runs a CPU linear of three rows and more on a copy of its weight reordered
     into its blocked layout, made on first use (serve/kernels/cpu). The start-up forward
     makes every one, so the first request with a few sequences does not."""
-    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory="4MiB")
+    llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     model = llm.engine.executor.worker.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, LINEARS)]
     assert len(linears) == 4 * len(model.model.layers) + 1
@@ -28,4 +29,21 @@ def test_cpu_linears_are_reordered_for_onednn_at_start(tiny_llama):
         packed, version = layer.weight._serve_onednn
         assert version == layer.weight._version
         assert packed.dtype == torch.float32
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # learned positions; a rotary table
+def test_the_profiled_forward_keeps_every_position_inside_the_models_context(
+    tiny_model_factory, arch
+):
+    """On a GPU the KV cache is sized after a forward of a whole step's tokens (8,192 by
+    default), more than a model's context (the tiny models': 512). It runs as prompts no
+    longer than the context, every row's logits computed. As one prompt, its positions ran
+    past the position tables: on an H100 a device-side assert or an illegal memory access
+    at start, which poisoned the process."""
+    llm = LLM(model=str(tiny_model_factory(arch)), device="cpu", kv_cache_memory="4MiB")
+    runner = llm.engine.executor.worker.model_runner
+    logits = runner._dummy_forward(1300)  # 512 + 512 + 276
+    assert logits.shape[0] == 1300
+    assert torch.isfinite(logits).all()
     llm.shutdown()
