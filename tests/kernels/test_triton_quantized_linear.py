@@ -145,12 +145,16 @@ def test_triton_matches_reference(triton_ops, device, kind, grouping, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", ["uint4", "fp8", "fp4"])
+@pytest.mark.parametrize("kind", ["uint4", "uint4-group16", "fp8", "fp4"])
 def test_default_tiles_half_precision(triton_ops, device, kind, dtype):
-    """The op as the layers call it (tiles chosen by the row count), 20 rows over two
-    16-row tiles, x and bias in the model dtype."""
+    """The op as the layers call it (tiles chosen by the row count), 20 rows in one 32-row
+    tile, x and bias in the model dtype. Groups of 16 inputs (uint4: act order's,
+    or plain ones in uint4-group16): a K step of one group would be 16 inputs, which Triton
+    3.6 miscompiles for nibble codes in a 16-bit dot (quantized_linear's docstring)."""
     gen = torch.Generator().manual_seed(20)
-    weight = make_packed_weight(kind, 48, 72, 16, gen, g_idx=kind == "uint4")
+    weight = make_packed_weight(
+        kind.removesuffix("-group16"), 48, 72, 16, gen, g_idx=kind == "uint4"
+    )
     x = torch.randn(20, 72, generator=gen).to(dtype)
     bias = torch.randn(48, generator=gen).to(dtype)
     expected = reference.quantized_linear(x.float(), weight, bias.float())
@@ -229,6 +233,33 @@ def test_tiles_follow_rows_and_groups(triton_ops):
     assert choose(1, bf16, weight(32)).block_k == 32
     assert choose(1, bf16, weight(32, g_idx=True)).block_k == 128
     assert choose(1, bf16, weight(12)).block_k == 128
+
+
+@pytest.mark.parametrize("kind", ["uint4", "fp4", "uint8", "fp8"])
+def test_nibble_codes_in_half_precision_step_at_least_32_inputs(triton_ops, kind):
+    """Nibble codes against float16/bfloat16 x never get a 16-input K step, not from a
+    16-input group nor from tiles given: Triton 3.6 lowers that dot wrong on the GPU (the
+    module docstring). 8-bit codes, and float32 x (no mma.sync), keep the one-group step."""
+    from serve.kernels.triton.quantized_linear import QuantizedLinearTiles, quantized_linear
+    from serve.kernels.triton.quantized_linear import choose_quantized_linear_tiles as choose
+
+    gen = torch.Generator().manual_seed(5)
+    weight = make_packed_weight(kind, 16, 64, 16, gen, zeros=kind != "fp4")
+    nibbles = kind in ("uint4", "fp4")
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows in (1, 20, 40, 300):
+            tiles = choose(rows, dtype, weight)
+            assert tiles.block_k >= 32 if nibbles else tiles.block_k == 16, (dtype, rows, tiles)
+    assert choose(20, torch.float32, weight).block_k == 16
+    tiles = QuantizedLinearTiles(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+    x = torch.randn(2, 64, generator=gen)
+    for dtype in (torch.bfloat16, torch.float16):
+        if nibbles:
+            with pytest.raises(ValueError, match="block_k 16"):
+                quantized_linear(x.to(dtype), weight, tiles=tiles)
+        else:
+            assert quantized_linear(x.to(dtype), weight, tiles=tiles).shape == (2, 16)
+    assert quantized_linear(x, weight, tiles=tiles).shape == (2, 16)
 
 
 def test_leading_dims_and_no_rows(triton_ops, device):

@@ -22,6 +22,17 @@ The bias is added in float32 and y rounded once, to x's dtype, at the store.
 `fp8` codes are loaded as float8_e4m3fn and converted where the GPU has that type (Triton
 needs sm_89+); elsewhere (A100) the same bytes are loaded as uint8 and decoded with integer
 ops, which the tests also run.
+
+`uint4` and `fp4` take a K step of at least 32 inputs when x is float16 or bfloat16
+(`min_block_k`). Triton picks the layout of a 16-bit `tl.dot` operand (mma.sync, the
+`kWidth` of its dot_op encoding) from the narrowest load behind either operand, halved once
+more across a `tl.join` (which `tl.interleave` is): 8-bit codes split into nibbles give
+kWidth 8, so each 4-lane quad holds 32 consecutive inputs. Before the fix upstream
+(triton-lang/triton#11691, "Fix MMAv2 kWidth for small-K upcast operands"; Triton 3.6
+has the bug, 3.9 picks kWidth 4 here), a 16-input step is lowered wrong: the operand loads
+read half of x's rows and of the weight's outputs with inputs folded in their place, and
+the output is uncorrelated with the right one (rel_err ~1.43 on an H100). 8-bit codes
+(kWidth 4) fit a 16-input step.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from serve.kernels.triton.runtime import dot_operands
 class QuantizedLinearTiles:
     block_m: int  # rows of x per program (tl.dot needs >= 16)
     block_n: int  # outputs per program
-    block_k: int  # inputs per K step: a power of two >= 16 (uint4: two codes per byte)
+    block_k: int  # inputs per K step: a power of two >= min_block_k (nibbles: 2 a byte)
     num_warps: int
     num_stages: int
 
@@ -65,10 +76,18 @@ def choose_quantized_linear_tiles(
     else:
         tiles = QuantizedLinearTiles(128, 128, 64, 8, 3)
     group = weight.group_size
-    if weight.g_idx is None and 16 <= group < tiles.block_k and (group & (group - 1)) == 0:
+    small_group = min_block_k(weight.kind, dtype) <= group < tiles.block_k
+    if weight.g_idx is None and small_group and (group & (group - 1)) == 0:
         # A K step inside one group loads one scale per output, not one per code.
         tiles = dataclasses.replace(tiles, block_k=group)
     return tiles
+
+
+def min_block_k(kind: str, dtype: torch.dtype) -> int:
+    """The smallest K step for `kind`'s codes against x in `dtype`: 32 for nibbles in a
+    16-bit dot (the module docstring: Triton's mma.sync operands for them span 32 inputs),
+    else 16, the smallest tl.dot takes."""
+    return 32 if kind in NIBBLE_KINDS and dtype in (torch.float16, torch.bfloat16) else 16
 
 
 @functools.cache
@@ -273,6 +292,12 @@ def quantized_linear(
         return out.reshape(*leading, out_features)
     if tiles is None:
         tiles = choose_quantized_linear_tiles(num_rows, x.dtype, weight)
+    if tiles.block_k < min_block_k(weight.kind, x.dtype):
+        raise ValueError(
+            f"quantized_linear: block_k {tiles.block_k} for {weight.kind} codes and {x.dtype} "
+            f"x; it must be at least {min_block_k(weight.kind, x.dtype)} (see the module "
+            f"docstring: a 16-input step miscompiles on the GPU)."
+        )
 
     codes, kind = weight.codes, weight.kind
     if kind == "fp8" and not (fp8_is_native(x.device) if fp8_native is None else fp8_native):
