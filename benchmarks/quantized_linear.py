@@ -7,6 +7,7 @@ prepacked weight above) and the torch reference (the whole weight dequantized pe
     python benchmarks/quantized_linear.py --rows 1 4 --layers 7b-qkv
     python benchmarks/quantized_linear.py --dtype bfloat16 --no-reference
     python benchmarks/quantized_linear.py --act-order --layers smollm2-qkv --rows 1 4 16
+    python benchmarks/quantized_linear.py --march x86-64-v3 --kinds uint4 "uint4 g32" fp4
 
 Layers (out x in): the default model's (SmolLM2-135M: hidden 576, intermediate 1536; q/k/v
 fused, 576 + 192 + 192 = 960 outputs; gate/up fused, 2 x 1536) and a Llama-7B-sized
@@ -18,6 +19,9 @@ the weights come from memory as a model's layers do, not from cache. `--act-orde
 act order's uint4 (each group's inputs scattered over the row) twice: as the checkpoint
 holds it (`uint4 g_idx`: each input's group looked up) and as serve loads it where its
 groups are whole (`uint4 sorted`: inputs sorted by group, x's columns gathered per call).
+`--kinds` picks the columns; `uint4 g32` is uint4 in groups of 32 inputs. `--march` measures
+the kernels built for another target (`SERVE_CPU_KERNELS_MARCH`, native.py): `x86-64-v3`,
+AVX2 without AVX-512, the Docker images' and the CI machine's, on an AVX-512 machine.
 
 For each layer and row count: the median time of each op, its calls interleaved (one call
 of each in turn), so a shared machine's drift falls on all of them alike; the reference's
@@ -50,7 +54,8 @@ LAYERS = {  # name: (out_features, in_features)
     "7b-qkv": (4096, 4096),
     "7b-gate": (11008, 4096),
 }
-QUANTIZED = ("uint4", "uint8", "fp8", "fp4")
+QUANTIZED = ("uint4", "uint8", "fp8", "fp4")  # the default columns
+GROUPS_OF_32 = "uint4 g32"
 ACT_ORDER = ("uint4 g_idx", "uint4 sorted")  # --act-order's
 CYCLE_BYTES = 128 << 20
 
@@ -63,6 +68,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference")
     p.add_argument("--seconds", type=float, default=1.0, help="time per (layer, rows)")
     p.add_argument("--act-order", action="store_true", help="add act order's uint4, both ways")
+    p.add_argument("--kinds", nargs="+", choices=(*QUANTIZED, GROUPS_OF_32), default=QUANTIZED)
+    p.add_argument(
+        "--march",
+        help=f"build the kernels for this -march ({native.MARCH_ENV_VAR}), e.g. x86-64-v3",
+    )
     return p.parse_args()
 
 
@@ -85,14 +95,16 @@ def packed_weight(kind: str, out_features: int, in_features: int) -> PackedWeigh
         codes = (torch.randn(shape) * 64).to(torch.float8_e4m3fn)
         scales = 0.01 + 0.09 * torch.rand(out_features, 1)
         return PackedWeight("fp8", codes, scales, None, in_features, in_features)
+    group_size = 32 if kind == GROUPS_OF_32 else 128
+    kind = kind.split()[0]
     levels = 16 if kind == "uint4" else 256
     codes = torch.randint(0, levels, shape, dtype=torch.uint8)
     if kind == "uint4":
         codes = pack_uint4(codes)
-    groups = (out_features, -(-in_features // 128))
+    groups = (out_features, -(-in_features // group_size))
     scales = 0.01 + 0.09 * torch.rand(groups)
     zeros = torch.rand(groups) * (levels - 1)
-    return PackedWeight(kind, codes, scales, zeros, 128, in_features)
+    return PackedWeight(kind, codes, scales, zeros, group_size, in_features)
 
 
 def weight_bytes(weight: torch.Tensor | PackedWeight) -> int:
@@ -151,7 +163,7 @@ def measure_layer(name: str, args: argparse.Namespace, dtype: torch.dtype) -> No
     """Prints the layer's row of the table for each row count."""
     out_features, in_features = LAYERS[name]
     floats = copies(partial(float_weight, out_features, in_features, dtype))
-    kinds = QUANTIZED + (ACT_ORDER if args.act_order else ())
+    kinds = tuple(args.kinds) + (ACT_ORDER if args.act_order else ())
     packed = {
         kind: copies(partial(packed_weight, kind, out_features, in_features)) for kind in kinds
     }
@@ -168,26 +180,29 @@ def measure_layer(name: str, args: argparse.Namespace, dtype: torch.dtype) -> No
         ops = {"float": run_float} | {kind: partial(run_packed, kind=kind) for kind in kinds}
         with torch.inference_mode():
             ms = interleaved_medians(ops, num_copies, args.seconds)
-            ref = None if args.no_reference else reference_median(x, packed["uint4"][0])
+            ref = None if args.no_reference else reference_median(x, packed[kinds[0]][0])
         cells = [f"{name} ({out_features}x{in_features})", str(rows), f"{ms['float']:.3f}"]
         cells += [f"{ms[kind]:.3f}" for kind in kinds]
         cells.append("-" if ref is None else f"{ref:.3f}")
-        cells.append(f"{ms['float'] / ms['uint4']:.2f}x")
+        cells.append(f"{ms['float'] / ms[kinds[0]]:.2f}x")
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
 def main() -> None:
     args = parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.march:  # read by native.available(), below, before anything has loaded a build
+        os.environ[native.MARCH_ENV_VAR] = args.march
     if not native.available():
         raise SystemExit("the native CPU kernels are unavailable here; nothing to measure")
     print(
         f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"x {args.dtype}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
+        f"x {args.dtype}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+        f"kernels -march={native.march()}"
     )
-    header = ["layer (out x in)", "rows", f"{args.dtype} linear", *QUANTIZED]
+    header = ["layer (out x in)", "rows", f"{args.dtype} linear", *args.kinds]
     header += ACT_ORDER if args.act_order else ()
-    header += ["reference uint4", "uint4 speed-up"]
+    header += [f"reference {args.kinds[0]}", f"{args.kinds[0]} speed-up"]
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---" for _ in header) + "|")
     torch.manual_seed(0)

@@ -15,21 +15,27 @@
 //
 // More rows (prefill, decode batches): each thread dequantizes a tile of outputs x a block
 // of inputs into float32 scratch in its L2, then multiplies every row of x by the tile in
-// register tiles of 4 x 4 dot products: a weight is dequantized once per call, not once
-// per row, and the products run at 75-95% of oneDNN's float32 matmul on a prepacked
-// weight (16 to 256 rows). bfloat16 x on a CPU with AVX512_BF16 gets bfloat16 tiles and
-// the bfloat16 dot-product instruction instead (tiles_bf16).
+// register tiles of 4 x 4 dot products (AVX2: 2 x 4): a weight is dequantized once per
+// call, not once per row, and the products run at 75-95% of oneDNN's float32 matmul on a
+// prepacked weight (16 to 256 rows). bfloat16 x on a CPU with AVX512_BF16 gets bfloat16
+// tiles and the bfloat16 dot-product instruction instead (tiles_bf16).
 //
 // Groups: where no g_idx is given and the group size is a multiple of 32, a run of 32
 // inputs never straddles two groups, and the codes are decoded 32 at a time with one scale
 // and zero point; otherwise (GPTQ's act order, odd group sizes) each input looks its group
-// up (dequantize_each).
+// up (quantized_codecs.h's dequantize_each).
+//
+// Vector width: the kernels are written once over vec.h's floatv, the target's own
+// register, 16 floats with AVX-512 and 8 with AVX2 (x86-64-v3, the Docker images' target),
+// a run of 32 codes being kVecs = 2 or 4 of them; the decoding of codes has code per
+// instruction set (quantized_codecs.h: the codecs, and rows dequantized with them), and
+// this file holds the loops over them. (Written for 16-float values, the AVX2 build kept
+// its sums in memory: 4096 x 4096 uint4, one row, 2 threads, 3.9 ms where AVX-512 took 0.54.)
 //
 // The sums are float32 whatever x's dtype; a bfloat16 y is rounded once, from them.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -41,6 +47,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "quantized_codecs.h"
 #include "vec.h"
 
 namespace serve_cpu {
@@ -52,185 +59,26 @@ namespace {
 // default model's shapes (576 x 1536: 0.12 ms against 0.18), streaming still 15% faster
 // at 7B's (4096 x 4096: 2.2 ms against 2.6), and from 12 rows the tiles win everywhere.
 constexpr int kFewRowsMax = 4;
-// Inputs per decoded run: 16 bytes of uint4 codes, or two vectors of 16 codes.
-constexpr int64_t kRun = 32;
 // The tile path's scratch: outputs x inputs of a tile, 64 x 2048 float32 = 512 KB, in L2
 // (on Zen 4, one thread, 4096 x 4096, 256 rows: 101 GFLOP/s against 96 for
 // 128 x 1024 and 85 for 128 x 4096; smaller blocks of inputs pay more for the sums of
 // lanes at their ends: 128 x 256, 83).
 constexpr int64_t kTileOutputs = 64;
 constexpr int64_t kTileInputs = 2048;
-
-// The packed weight as raw pointers.
-struct Packed {
-  const uint8_t* codes;
-  int64_t row_bytes;    // bytes of codes per output
-  const float* scales;  // [N, G]
-  const float* zeros;   // [N, G] or nullptr (zero points 0)
-  int64_t num_groups;   // G
-  int64_t group_size;
-  const int32_t* groups;  // g(k) for each input, where it is looked up; or nullptr
-  int64_t N, K;
-};
-
-// 16 bytes zero-extended into int32 lanes: one instruction with AVX-512, where GCC builds
-// the generic conversion (vec.h's bytes_to_lanes) out of four narrower ones.
-inline int16v widen16(const uint8_t* p) {
-#ifdef __AVX512F__
-  return (int16v)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  uint8x16 bytes;
-  std::memcpy(&bytes, p, sizeof(bytes));
-  return bytes_to_lanes(bytes);
-#endif
-}
+// A core's L1 data cache, the least of those we run on (AMD's; Intel's are 48 KB).
+constexpr int64_t kL1Bytes = 32 << 10;
 
 // Pins a loaded value to a register. GCC otherwise folds the load into each FMA that uses
 // it, as a memory operand, so a run of x meeting four outputs is read four times, and
 // the loads, not the FMAs, bound the loop (AVX-512: 45 of 111 GFLOP/s in the tiles).
 template <typename vector_t>
 inline void in_register(vector_t& v) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   asm("" : "+v"(v));
 #else
   (void)v;
 #endif
 }
-
-// 32 inputs' values decoded as 16 even ones and 16 odd ones (the nibble kinds), back in
-// the inputs' order.
-inline void interleave(float16v even, float16v odd, float16v& a, float16v& b) {
-  a = __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  b = __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
-                              15, 31);
-}
-
-inline int nibble(const uint8_t* row, int64_t k) { return (row[k >> 1] >> ((k & 1) * 4)) & 15; }
-
-// Each kind's codes, decoded to floats: 32 at once (the inputs k .. k + 31, k a multiple of
-// 32) and one at a time.
-struct Uint4 {
-  // The 16 bytes hold the even inputs in their low nibbles, the odd ones in the high:
-  // `a` gets the even inputs, `b` the odd, so x is taken in the same order (permute_runs).
-  static constexpr bool kPermuted = true;
-  static int64_t row_bytes(int64_t K) { return (K + 1) / 2; }
-  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    const int16v lanes = widen16(row + k / 2);
-    a = __builtin_convertvector(lanes & 15, float16v);
-    b = __builtin_convertvector(lanes >> 4, float16v);
-  }
-  // The same 32 inputs in their own order, for the tiles sgemm reads.
-  static void decode_in_order(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    float16v even, odd;
-    decode(row, k, even, odd);
-    interleave(even, odd, a, b);
-  }
-  static float code(const uint8_t* row, int64_t k) { return static_cast<float>(nibble(row, k)); }
-};
-
-// FP4 E2M1 (MXFP4's codes), packed as Uint4's: a nibble is sign (bit 3), exponent (bits
-// 2..1) and mantissa (bit 0), looked up in a table of its 16 values rather than computed
-// from its bits. AVX-512 holds the whole table in a register, and a permute, which reads
-// only a lane's low 4 bits, looks 16 nibbles up at once; AVX2's permute takes 8 entries and
-// 3 bits, so it looks the magnitude up and the sign bit is moved into place.
-struct Fp4 {
-  static constexpr bool kPermuted = true;
-  static constexpr float kValues[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
-                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-  static int64_t row_bytes(int64_t K) { return Uint4::row_bytes(K); }
-#if defined(__AVX512F__)
-  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    const __m512i lanes = (__m512i)widen16(row + k / 2);
-    const __m512 table = _mm512_loadu_ps(kValues);
-    a = (float16v)_mm512_permutexvar_ps(lanes, table);  // the low nibbles
-    b = (float16v)_mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), table);
-  }
-#elif defined(__AVX2__)
-  // 8 lanes' values: magnitudes by `index`'s low 3 bits, signs from bit 31 of `sign_at_31`.
-  static __m256 values8(__m256i index, __m256i sign_at_31) {
-    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_loadu_ps(kValues), index);
-    const __m256 sign = _mm256_castsi256_ps(
-        _mm256_and_si256(sign_at_31, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
-    return _mm256_or_ps(magnitude, sign);
-  }
-  static float16v concat(__m256 low, __m256 high) {
-    return __builtin_shufflevector((float8v)low, (float8v)high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9,
-                                   10, 11, 12, 13, 14, 15);
-  }
-  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
-    const __m256i first = _mm256_cvtepu8_epi32(bytes);  // bytes 0..7
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
-    // Low nibble: sign bit 3 shifted by 28 to bit 31; high nibble: bit 7, by 24.
-    a = concat(values8(first, _mm256_slli_epi32(first, 28)),
-               values8(second, _mm256_slli_epi32(second, 28)));
-    b = concat(values8(_mm256_srli_epi32(first, 4), _mm256_slli_epi32(first, 24)),
-               values8(_mm256_srli_epi32(second, 4), _mm256_slli_epi32(second, 24)));
-  }
-#else
-  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    for (int i = 0; i < 16; ++i) {
-      a[i] = kValues[row[k / 2 + i] & 15];
-      b[i] = kValues[row[k / 2 + i] >> 4];
-    }
-  }
-#endif
-  static void decode_in_order(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    float16v even, odd;
-    decode(row, k, even, odd);
-    interleave(even, odd, a, b);
-  }
-  static float code(const uint8_t* row, int64_t k) { return kValues[nibble(row, k)]; }
-};
-
-struct Uint8 {
-  static constexpr bool kPermuted = false;
-  static int64_t row_bytes(int64_t K) { return K; }
-  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    a = __builtin_convertvector(widen16(row + k), float16v);
-    b = __builtin_convertvector(widen16(row + k + 16), float16v);
-  }
-  static void decode_in_order(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    decode(row, k, a, b);
-  }
-  static float code(const uint8_t* row, int64_t k) { return static_cast<float>(row[k]); }
-};
-
-struct Fp8 {
-  static constexpr bool kPermuted = false;
-  static int64_t row_bytes(int64_t K) { return K; }
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  // 16 e4m3fn bytes through float16: a byte's sign, exponent and mantissa bits moved to
-  // float16's places (bits 15, 10..13, 7..9) make a float16 of 2^-8 times its value,
-  // subnormals included (e4m3's bias is 7, float16's 15), which one instruction widens to
-  // float32. The NaN bytes (0x7F, 0xFF) land on +-1.875 (480 / 256) and are put back. Half
-  // the instructions of vec.h's bit-by-bit widening, which decoding bounds (one row).
-  static float16v decode16(const uint8_t* p) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    // Sign-extended, the sign fills bits 7..15; shifted, bits 14 and 15; 14 is cleared.
-    const __m256i shifted = _mm256_slli_epi16(_mm256_cvtepi8_epi16(raw), 7);
-    const __m256i half = _mm256_and_si256(shifted, _mm256_set1_epi16(-16512));  // 0xBF80
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(
-        _mm256_and_si256(half, _mm256_set1_epi16(0x7FFF)), _mm256_set1_epi16(0x3F80));
-    const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
-    return (float16v)_mm512_mask_blend_ps(nan, value, _mm512_set1_ps(__builtin_nanf("")));
-  }
-#else
-  static float16v decode16(const uint8_t* p) {
-    return widen_narrow_float<4, 3, 7, false>(widen16(p));
-  }
-#endif
-  static void decode(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    a = decode16(row + k);
-    b = decode16(row + k + 16);
-  }
-  static void decode_in_order(const uint8_t* row, int64_t k, float16v& a, float16v& b) {
-    decode(row, k, a, b);
-  }
-  static float code(const uint8_t* row, int64_t k) {
-    return static_cast<float>(c10::Float8_e4m3fn(row[k], c10::Float8_e4m3fn::from_bits()));
-  }
-};
 
 // x as float32 [M, K], each full run of 32 inputs reordered as Uint4::decode yields its
 // codes (the 16 even inputs, then the 16 odd ones) where `permute`; the inputs past the
@@ -251,88 +99,6 @@ void x_as_float(const x_t* x, float* dst, int64_t M, int64_t K, bool permute) {
   }
 }
 
-// The inputs of group g that lie in [k0, k1).
-inline void group_span(const Packed& w, int64_t g, int64_t k0, int64_t k1, int64_t& begin,
-                       int64_t& end) {
-  begin = std::max(k0, g * w.group_size);
-  end = std::min(k1, (g + 1) * w.group_size);
-}
-
-// Row n's weights [k0, k1) as floats into dst (k0 a multiple of 32, k1 one or K), each
-// computed as (code - zero) * scale in float32, as the torch reference rounds them.
-template <typename Codec>
-void dequantize_runs(const Packed& w, int64_t n, int64_t k0, int64_t k1, float* dst) {
-  const uint8_t* row = w.codes + n * w.row_bytes;
-  const float* scales = w.scales + n * w.num_groups;
-  const float* zeros = w.zeros != nullptr ? w.zeros + n * w.num_groups : nullptr;
-  for (int64_t g = k0 / w.group_size; g * w.group_size < k1; ++g) {
-    int64_t k, end;
-    group_span(w, g, k0, k1, k, end);
-    const float s = scales[g], z = zeros != nullptr ? zeros[g] : 0.0f;
-    for (; k + kRun <= end; k += kRun) {
-      float16v a, b;
-      Codec::decode_in_order(row, k, a, b);
-      store16(dst + (k - k0), (a - z) * s);
-      store16(dst + (k - k0) + 16, (b - z) * s);
-    }
-    for (; k < end; ++k) dst[k - k0] = (Codec::code(row, k) - z) * s;
-  }
-}
-
-// The same where each input looks its group up (g_idx, or a group size that is not a
-// multiple of 32; k0 a multiple of 32). With AVX-512 the codes are decoded 32 at a time
-// and each lane's scale and zero point fetched by its group: from the row's scales held
-// in two registers (one permute per 16 lanes) where there are 32 groups or fewer (act
-// order over 4096 inputs in groups of 128), by a gather otherwise. 4096 x 4096 uint4 in
-// act order, one row: 7.9 ms one input at a time.
-template <typename Codec>
-void dequantize_each(const Packed& w, int64_t n, int64_t k0, int64_t k1, float* dst) {
-  const uint8_t* row = w.codes + n * w.row_bytes;
-  const float* scales = w.scales + n * w.num_groups;
-  const float* zeros = w.zeros != nullptr ? w.zeros + n * w.num_groups : nullptr;
-  int64_t k = k0;
-#ifdef __AVX512F__
-  const int64_t G = w.num_groups;
-  const auto table_half = [&](const float* values, int64_t first) {
-    const int64_t count = std::clamp<int64_t>(G - first, 0, 16);
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), values + first);
-  };
-  const __m512 s_lo = table_half(scales, 0), s_hi = table_half(scales, 16);
-  const __m512 z_lo = zeros != nullptr ? table_half(zeros, 0) : _mm512_setzero_ps();
-  const __m512 z_hi = zeros != nullptr ? table_half(zeros, 16) : _mm512_setzero_ps();
-  const auto lanes = [&](float16v codes, int64_t at) {
-    const __m512i group = _mm512_loadu_si512(w.groups + at);
-    __m512 s, z = _mm512_setzero_ps();
-    if (G <= 32) {
-      s = _mm512_permutex2var_ps(s_lo, group, s_hi);
-      if (zeros != nullptr) z = _mm512_permutex2var_ps(z_lo, group, z_hi);
-    } else {
-      s = _mm512_i32gather_ps(group, scales, 4);
-      if (zeros != nullptr) z = _mm512_i32gather_ps(group, zeros, 4);
-    }
-    store16(dst + (at - k0), (codes - (float16v)z) * (float16v)s);
-  };
-  for (; k + kRun <= k1; k += kRun) {
-    float16v a, b;
-    Codec::decode_in_order(row, k, a, b);
-    lanes(a, k);
-    lanes(b, k + 16);
-  }
-#endif
-  for (; k < k1; ++k) {
-    const int32_t g = w.groups[k];
-    dst[k - k0] = (Codec::code(row, k) - (zeros != nullptr ? zeros[g] : 0.0f)) * scales[g];
-  }
-}
-
-template <typename Codec>
-void dequantize(const Packed& w, int64_t n, int64_t k0, int64_t k1, float* dst) {
-  if (w.groups == nullptr)
-    dequantize_runs<Codec>(w, n, k0, k1, dst);
-  else
-    dequantize_each<Codec>(w, n, k0, k1, dst);
-}
-
 template <typename out_t>
 inline void write(out_t* y, float v) {
   *y = static_cast<out_t>(v);  // bfloat16: rounded to nearest even, once
@@ -348,12 +114,30 @@ inline void write(out_t* y, float v) {
 //
 // with `x_sums` holding sum_k x_k for each row of x and group [M, groups]. (The reference
 // rounds (c - z) s before the products; the two differ by float32 rounding of the sums.)
+//
+// kGroupSums (one output and row, groups of several runs): the codes' products are summed
+// unscaled in chains of their own, which are scaled into the sums once per group, saving a
+// multiply per decoded vector (decoding bounds one row; 256 x 4096 uint4 in groups of
+// 128, one thread, weight in L2: AVX2 53 us against 61, AVX-512 55 against 58). More
+// rows or outputs have no registers for the second set of sums.
 template <int I>
 using Index = std::integral_constant<int, I>;
 
-template <typename Codec, int R, int M, int C, typename out_t>
+// sum_g z[g] s[g] xs[g] over n groups: the zero points' part of an output's sum for a row
+// of x, taken apart from the loop over the codes, where its scalars would take registers.
+inline float zero_point_sum(const float* z, const float* s, const float* xs, int64_t n) {
+  floatv acc{};
+  int64_t g = 0;
+  for (; g + kLanes <= n; g += kLanes) acc += loadv(z + g) * loadv(s + g) * loadv(xs + g);
+  float sum = horizontal_sum(acc);
+  for (; g < n; ++g) sum += z[g] * s[g] * xs[g];
+  return sum;
+}
+
+template <typename Codec, int R, int M, int C, bool kGroupSums, typename out_t>
 void stream_block(const Packed& w, const float* x, const float* x_sums, const float* bias,
                   out_t* y, int64_t n0) {
+  static_assert(!kGroupSums || (R == 1 && M == 1));
   const int64_t K = w.K, N = w.N;
   const int64_t groups = (K + w.group_size - 1) / w.group_size;
   const uint8_t* rows[R];
@@ -366,79 +150,101 @@ void stream_block(const Packed& w, const float* x, const float* x_sums, const fl
   }
   // C chains of sums per output and row of x: an FMA waits on the one before it in its
   // chain, 4 cycles, so a single output and row needs 4 chains to keep the FMA unit busy.
-  float16v acc[C][R][M];
+  // Sums of the target's own width (floatv): see vec.h for what float16v costs on AVX2.
+  floatv acc[C][R][M], group_acc[C][R][M];
   float rest[R][M];  // the scalar parts: inputs past the last full run, zero points
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
-      for (int c = 0; c < C; ++c) acc[c][r][m] = float16v{};
+      for (int c = 0; c < C; ++c) acc[c][r][m] = group_acc[c][r][m] = floatv{};
       rest[r][m] = 0.0f;
     }
-  float s[R];
-  // One run of 32 inputs from k: its first 16 summed into chain A, the others into B.
-  const auto run = [&](int64_t k, auto chain_a, auto chain_b) {
-    constexpr int A = decltype(chain_a)::value, B = decltype(chain_b)::value;
-    float16v wa[R], wb[R];
+  float s[R];                        // group g's scales
+  typename Codec::Scale applied[R];  // the same as the codec applies them (!kGroupSums)
+  const auto set_group = [&](int64_t g) {
     for (int r = 0; r < R; ++r) {
-      Codec::decode(rows[r], k, wa[r], wb[r]);
-      wa[r] *= s[r];
-      wb[r] *= s[r];
-    }
-    for (int m = 0; m < M; ++m) {
-      float16v xa = load16(x + m * K + k), xb = load16(x + m * K + k + 16);
-      if constexpr (R > 1) {
-        in_register(xa);
-        in_register(xb);
-      }
-      for (int r = 0; r < R; ++r) {
-        acc[A][r][m] += wa[r] * xa;
-        acc[B][r][m] += wb[r] * xb;
-      }
+      s[r] = scales[r][g];
+      if constexpr (!kGroupSums && !(kLanes == 16 && M == 1)) applied[r] = Codec::scale(s[r]);
     }
   };
-  // Group g's zero points, out of the sums (the identity above).
-  const auto zero_points = [&](int64_t g) {
-    if (w.zeros != nullptr)
-      for (int r = 0; r < R; ++r)
-        for (int m = 0; m < M; ++m) rest[r][m] -= zeros[r][g] * s[r] * x_sums[m * groups + g];
+  // One run of 32 inputs from k: its vector j (of kVecs) summed into chain (B + j) % C.
+  const auto run = [&](int64_t k, auto first_chain) {
+    constexpr int B = decltype(first_chain)::value;
+    floatv wv[R][kVecs];
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kGroupSums) {
+        Codec::decode(rows[r], k, wv[r]);
+      } else if constexpr (kLanes == 16 && M == 1) {
+        // AVX-512, one row: scaled after decoding. A table scaled per group (Uint4's, Fp4's
+        // decode_scaled) is faster where the codes are in cache, but with the codes from
+        // memory it is slower (4096 x 4096 fp4, 2 threads: 0.66 ms against 0.50).
+        Codec::decode(rows[r], k, wv[r]);
+        for (int j = 0; j < kVecs; ++j) wv[r][j] *= s[r];
+      } else {
+        Codec::decode_scaled(rows[r], k, applied[r], wv[r]);
+      }
+    }
+    auto& sums = kGroupSums ? group_acc : acc;
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < kVecs; ++j) {
+        floatv xv = loadv(x + m * K + k + j * kLanes);
+        if constexpr (R > 1) in_register(xv);
+        for (int r = 0; r < R; ++r) sums[(B + j) % C][r][m] += wv[r][j] * xv;
+      }
+  };
+  // The end of a group: its sums scaled into the others (kGroupSums).
+  const auto end_group = [&] {
+    if constexpr (kGroupSums)
+      for (int c = 0; c < C; ++c) {
+        acc[c][0][0] += group_acc[c][0][0] * s[0];
+        group_acc[c][0][0] = floatv{};
+      }
   };
   int64_t g = 0;
-  if constexpr (C == 4) {
-    // Groups of one run (32 inputs, MXFP4's) would leave chains 2 and 3 idle: pairs of
-    // groups take all four (4096 x 4096 in groups of 32, one row, 2 threads: fp4 0.51 ms
-    // against 0.67, uint4 0.50 against 0.73).
-    if (w.group_size == kRun) {
+  if (w.group_size == kRun && !kGroupSums) {
+    // Groups of one run (32 inputs, MXFP4's), in a loop of their own. Where there are more
+    // chains than a run's vectors (AVX-512, one row), groups go in pairs, the second into
+    // the chains the first leaves idle (4096 x 4096 in groups of 32, one row, 2 threads:
+    // fp4 0.51 ms against 0.67, uint4 0.50 against 0.73).
+    if constexpr (C > kVecs) {
       for (; (g + 2) * kRun <= K; g += 2) {
-        for (int r = 0; r < R; ++r) s[r] = scales[r][g];
-        run(g * kRun, Index<0>{}, Index<1>{});
-        zero_points(g);
-        for (int r = 0; r < R; ++r) s[r] = scales[r][g + 1];
-        run((g + 1) * kRun, Index<2>{}, Index<3>{});
-        zero_points(g + 1);
+        set_group(g);
+        run(g * kRun, Index<0>{});
+        set_group(g + 1);
+        run((g + 1) * kRun, Index<kVecs>{});
+      }
+    } else {
+      for (; (g + 1) * kRun <= K; ++g) {
+        set_group(g);
+        run(g * kRun, Index<0>{});
       }
     }
   }
   for (; g < groups; ++g) {
     int64_t k, end;
     group_span(w, g, 0, K, k, end);
-    for (int r = 0; r < R; ++r) s[r] = scales[r][g];
-    if constexpr (C == 4) {
+    set_group(g);
+    if constexpr (C > kVecs) {  // runs in pairs, as groups above
       for (; k + 2 * kRun <= end; k += 2 * kRun) {
-        run(k, Index<0>{}, Index<1>{});
-        run(k + kRun, Index<2>{}, Index<3>{});
+        run(k, Index<0>{});
+        run(k + kRun, Index<kVecs>{});
       }
     }
-    for (; k + kRun <= end; k += kRun) run(k, Index<0>{}, Index<C == 1 ? 0 : 1>{});
+    for (; k + kRun <= end; k += kRun) run(k, Index<0>{});
     for (; k < end; ++k) {  // the inputs past the last full run (the last group's)
       for (int r = 0; r < R; ++r) {
         const float wk = Codec::code(rows[r], k) * s[r];
         for (int m = 0; m < M; ++m) rest[r][m] += wk * x[m * K + k];
       }
     }
-    zero_points(g);
+    end_group();
   }
+  if (w.zeros != nullptr)  // the zero points out of the sums (the identity above)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        rest[r][m] -= zero_point_sum(zeros[r], scales[r], x_sums + m * groups, groups);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
-      float16v total = acc[0][r][m];
+      floatv total = acc[0][r][m];
       for (int c = 1; c < C; ++c) total += acc[c][r][m];
       const float sum = horizontal_sum(total) + rest[r][m];
       write(y + m * N + n0 + r, sum + (bias != nullptr ? bias[n0 + r] : 0.0f));
@@ -446,11 +252,13 @@ void stream_block(const Packed& w, const float* x, const float* x_sums, const fl
 }
 
 // Outputs per block of stream_block (R) and chains of sums (C) for M rows of x: as many
-// as keep the C x R x M sums, R x 2 decoded vectors and a run of x in registers (AVX-512:
-// 32 of them; AVX2's 16 hold half as many 16-float values). One row streams one output
-// at a time: blocks of four outputs read four streams of codes at once, which the
-// prefetchers serve worse (4096 x 4096 uint4 on 2 threads: 0.75 ms against 0.53).
-// From two rows the FMAs bound the pass, and four outputs share each run of x.
+// as keep the C x R x M sums, R x kVecs decoded vectors and a run of x in registers
+// (AVX-512: 32 of them, AVX2: 16). One row streams one output at a time: blocks of four
+// outputs read four streams of codes at once, which the prefetchers serve worse
+// (4096 x 4096 uint4 on 2 threads: 0.75 ms against 0.53). With AVX-512, from two rows the
+// FMAs bound the pass, and four outputs share each run of x. With AVX2 a block of two
+// outputs does not fit (2 x 4 decoded vectors and their sums), so one output meets all
+// rows, with at least 8 chains of sums among them.
 template <int M>
 constexpr int block_outputs() {
 #ifdef __AVX512F__
@@ -462,7 +270,11 @@ constexpr int block_outputs() {
 
 template <int M>
 constexpr int block_chains() {
+#ifdef __AVX512F__
   return M == 1 ? 4 : (block_outputs<M>() * M >= 4 ? 1 : 2);
+#else
+  return M <= 2 ? 4 : 2;
+#endif
 }
 
 template <typename Codec, int M, typename out_t>
@@ -470,8 +282,27 @@ void stream_rows(const Packed& w, const float* x, const float* x_sums, const flo
                  out_t* y, int64_t n_begin, int64_t n_end) {
   constexpr int R = block_outputs<M>(), C = block_chains<M>();
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) stream_block<Codec, R, M, C>(w, x, x_sums, bias, y, n);
-  for (; n < n_end; ++n) stream_block<Codec, 1, M, C>(w, x, x_sums, bias, y, n);
+  if constexpr (M == 1 && R == 1) {
+    if (w.group_size > kRun) {
+      for (; n < n_end; ++n) stream_block<Codec, 1, 1, C, true>(w, x, x_sums, bias, y, n);
+      return;
+    }
+  }
+#ifndef __AVX512F__
+  // AVX2, four rows of x that outgrow L1 (64 KB at 4096 inputs): each output's pass reads
+  // them from L2, which bounds it. Pairs of outputs halve the reads, though their sums and
+  // codes spill a little (256 x 4096 uint4, one thread, weight in L2: 145 us against 172;
+  // at 1024 inputs, x in L1, 143 against 125).
+  if constexpr (M == 4) {
+    if (M * w.K * static_cast<int64_t>(sizeof(float)) > kL1Bytes) {
+      for (; n + 2 <= n_end; n += 2) stream_block<Codec, 2, M, 1, false>(w, x, x_sums, bias, y, n);
+      for (; n < n_end; ++n) stream_block<Codec, 1, M, C, false>(w, x, x_sums, bias, y, n);
+      return;
+    }
+  }
+#endif
+  for (; n + R <= n_end; n += R) stream_block<Codec, R, M, C, false>(w, x, x_sums, bias, y, n);
+  for (; n < n_end; ++n) stream_block<Codec, 1, M, C, false>(w, x, x_sums, bias, y, n);
 }
 
 // The same for weights whose inputs look their groups up: each output's row dequantized
@@ -482,12 +313,12 @@ void stream_rows_each(const Packed& w, const float* x, const float* bias, out_t*
   const int64_t K = w.K, N = w.N;
   for (int64_t n = n_begin; n < n_end; ++n) {
     dequantize_each<Codec>(w, n, 0, K, scratch);
-    float16v acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = float16v{};
+    floatv acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = floatv{};
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-      const float16v wk = load16(scratch + k);
-      for (int m = 0; m < M; ++m) acc[m] += wk * load16(x + m * K + k);
+    for (; k + kLanes <= K; k += kLanes) {
+      const floatv wk = loadv(scratch + k);
+      for (int m = 0; m < M; ++m) acc[m] += wk * loadv(x + m * K + k);
     }
     for (int m = 0; m < M; ++m) {
       float sum = horizontal_sum(acc[m]);
@@ -538,11 +369,14 @@ void stream(const Packed& w, const float* x, const float* bias, out_t* y, int64_
   }
 }
 
-// Rows of x and outputs per register tile of the tile products: MR x NR sums of 16 lanes,
-// with MR runs of x and NR of weights, in registers (24 of AVX-512's 32; AVX2's 16 hold
-// 2 x 2 and 4 loads).
+// Rows of x and outputs per register tile of the tile products: MR x NR sums of kLanes
+// lanes, with MR runs of x and NR of weights, in registers (AVX-512: 4 x 4 and 8 loads,
+// 24 of its 32; AVX2: 2 x 4 and 6 loads, 14 of its 16: 256 x 4096 uint4, 64 rows, one
+// thread, 69 GFLOP/s against 65 for 4 x 2, 66 for 3 x 3, 47 for 4 x 3, which spills).
 #ifdef __AVX512F__
 constexpr int kMR = 4, kNR = 4;
+#elif defined(__AVX2__)
+constexpr int kMR = 2, kNR = 4;
 #else
 constexpr int kMR = 2, kNR = 2;
 #endif
@@ -553,26 +387,29 @@ constexpr int kMR = 2, kNR = 2;
 template <int MR, int NR>
 void dot_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kk, float* c,
               int64_t ldc) {
-  float16v acc[MR * NR];
-  for (int i = 0; i < MR * NR; ++i) acc[i] = float16v{};
+  floatv acc[MR * NR];
+  for (int i = 0; i < MR * NR; ++i) acc[i] = floatv{};
   int64_t k = 0;
-  for (; k + 16 <= kk; k += 16) {
-    float16v xv[MR], wv[NR];
+  for (; k + kLanes <= kk; k += kLanes) {
+    floatv xv[MR], wv[NR];
     for (int m = 0; m < MR; ++m) {
-      xv[m] = load16(x + m * ldx + k);
+      xv[m] = loadv(x + m * ldx + k);
       in_register(xv[m]);
     }
     for (int n = 0; n < NR; ++n) {
-      wv[n] = load16(w + n * ldw + k);
+      wv[n] = loadv(w + n * ldw + k);
       in_register(wv[n]);
     }
     for (int m = 0; m < MR; ++m)
       for (int n = 0; n < NR; ++n) acc[m * NR + n] += xv[m] * wv[n];
   }
   float sums[MR * NR];
+#ifdef __AVX512F__
   if constexpr (MR * NR == 16) {
     store16(sums, transpose_sum16(acc));
-  } else {
+  } else
+#endif
+  {
     for (int i = 0; i < MR * NR; ++i) sums[i] = horizontal_sum(acc[i]);
   }
   for (; k < kk; ++k)
@@ -587,11 +424,9 @@ void dot_tile_rows(int nr, const float* x, int64_t ldx, const float* w, int64_t 
                    float* c, int64_t ldc) {
   switch (nr) {
     case 1: dot_tile<MR, 1>(x, ldx, w, ldw, kk, c, ldc); break;
-    case 2: dot_tile<MR, 2>(x, ldx, w, ldw, kk, c, ldc); break;
-#ifdef __AVX512F__
-    case 3: dot_tile<MR, 3>(x, ldx, w, ldw, kk, c, ldc); break;
-    case 4: dot_tile<MR, 4>(x, ldx, w, ldw, kk, c, ldc); break;
-#endif
+    case 2: if constexpr (kNR >= 2) dot_tile<MR, 2>(x, ldx, w, ldw, kk, c, ldc); break;
+    case 3: if constexpr (kNR >= 3) dot_tile<MR, 3>(x, ldx, w, ldw, kk, c, ldc); break;
+    case 4: if constexpr (kNR >= 4) dot_tile<MR, 4>(x, ldx, w, ldw, kk, c, ldc); break;
   }
 }
 
@@ -608,11 +443,9 @@ void dot_block(const float* x, int64_t ldx, int64_t M, const float* w, int64_t N
       float* cs = c + m * N + n;
       switch (mr) {
         case 1: dot_tile_rows<1>(nr, xs, ldx, ws, kk, kk, cs, N); break;
-        case 2: dot_tile_rows<2>(nr, xs, ldx, ws, kk, kk, cs, N); break;
-#ifdef __AVX512F__
-        case 3: dot_tile_rows<3>(nr, xs, ldx, ws, kk, kk, cs, N); break;
-        case 4: dot_tile_rows<4>(nr, xs, ldx, ws, kk, kk, cs, N); break;
-#endif
+        case 2: if constexpr (kMR >= 2) dot_tile_rows<2>(nr, xs, ldx, ws, kk, kk, cs, N); break;
+        case 3: if constexpr (kMR >= 3) dot_tile_rows<3>(nr, xs, ldx, ws, kk, kk, cs, N); break;
+        case 4: if constexpr (kMR >= 4) dot_tile_rows<4>(nr, xs, ldx, ws, kk, kk, cs, N); break;
       }
     }
   }

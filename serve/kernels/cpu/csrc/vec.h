@@ -15,6 +15,28 @@ typedef float float4v __attribute__((vector_size(16)));
 typedef int32_t int16v __attribute__((vector_size(64)));
 typedef uint16_t uint16x16 __attribute__((vector_size(32)));
 
+// The target's own register of floats, for kernels written once for any width: 16 lanes
+// with AVX-512, 8 with AVX2, 4 elsewhere. A float16v without AVX-512 has no machine mode:
+// GCC keeps such values in memory and copies them through general registers, so a loop
+// that carries float16v sums (an accumulator array, a lambda's captures) spills on AVX2.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#elif defined(__AVX2__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;
+#endif
+typedef float floatv __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t intv __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+inline floatv loadv(const float* p) {
+  floatv v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, floatv v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
 // exp(x) lane by lane for x <= 0 (scores minus their row's max), in vector arithmetic:
 // libm's expf does not vectorise here. Range reduction x = n ln2 + r with |r| <= ln2 / 2
 // (n rounded to nearest as trunc(x log2e - 1/2), right for x <= 0), a degree-6 polynomial
@@ -124,6 +146,15 @@ inline float horizontal_sum(float16v v) {
   const float4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+
+// The same for 8 and 4 lanes (floatv's other widths).
+inline float horizontal_sum(float8v v) {
+  const float4v b =
+      __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float horizontal_sum(float4v v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 
 // The lanes' maximum, as a tree of halves.
 inline float horizontal_max(float16v v) {
