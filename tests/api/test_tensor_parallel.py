@@ -15,8 +15,13 @@ import httpx
 import psutil
 import pytest
 from api.conftest import start_server, stop_process
+from gpu_share import ON_A_GPU_MACHINE, TWO_RANK_DEVICE
 
-TP2 = ("--tensor-parallel-size", "2")
+DEVICE = ("--device", TWO_RANK_DEVICE)
+TP2 = ("--tensor-parallel-size", "2", *DEVICE)
+# The one-rank server the two ranks are compared with (seeded samples differ across devices)
+# runs on their device: the default server, unless its auto picks a GPU theirs does not.
+ONE_RANK = DEVICE if ON_A_GPU_MACHINE and TWO_RANK_DEVICE == "cpu" else ()
 DEATH_NOTICE_S = 2.0
 
 
@@ -65,7 +70,7 @@ def _answers(server) -> tuple:
 def test_the_client_gets_what_one_rank_gives_and_sigterm_stops_everything(
     server_factory, tiny_llama, tmp_path
 ):
-    expected = _answers(server_factory())
+    expected = _answers(server_factory(*ONE_RANK))
     server = start_server(tiny_llama, TP2, {}, tmp_path)
     try:
         answers = _answers(server)

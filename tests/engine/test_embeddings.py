@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_share import TWO_RANK_DEVICE
 from tiny_models import (
     hf_embedding,
     hf_greedy,
@@ -230,7 +231,11 @@ def test_two_ranks_and_the_transformers_backend_pool_as_hf(tiny_llama):
     prompts = PROMPTS[:2]
     batch = [{"prompt_token_ids": p} for p in prompts]
     for settings in (
-        {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        {
+            "tensor_parallel_size": 2,
+            "distributed_executor_backend": "mp",
+            "device": TWO_RANK_DEVICE,
+        },
         {"model_impl": "transformers"},
     ):
         with _llm(tiny_llama, max_num_batched_tokens=BUDGET, **settings) as llm:

@@ -9,6 +9,7 @@ Prompts go in as the front end makes them (`MultiModalProcessor.process`), throu
 from __future__ import annotations
 
 import pytest
+from gpu_share import TWO_RANK_DEVICE
 from image_fixtures import run_in_steps
 from tiny_models import (
     LLAVA_TOKENS_PER_IMAGE,
@@ -131,7 +132,9 @@ def test_preemption_recomputes_the_images(tiny_llava, expected):
 def test_tensor_parallel_runs_the_tower_on_each_rank(tiny_llava, expected):
     """Two ranks: the images reach both workers in the step's message; each runs the
     replicated tower, the language model split as it is alone."""
-    llm = LLM(str(tiny_llava), tensor_parallel_size=2, kv_cache_memory="16MiB")
+    llm = LLM(
+        str(tiny_llava), tensor_parallel_size=2, device=TWO_RANK_DEVICE, kv_cache_memory="16MiB"
+    )
     try:
         assert _tokens(_run(llm, _prompts(tiny_llava))) == expected
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from gpu_share import TWO_RANK_DEVICE
 from tiny_models import hf_beam_search, hf_greedy, make_tiny_lora, merge_tiny_lora, random_prompts
 
 from serve import LLM, LoRARequest, SamplingParams
@@ -155,7 +156,12 @@ def test_tensor_parallel_slices_the_adapter(adapters):
     prompts = random_prompts(512, 3, 4, 16, seed=13)
     chosen = [one, None, two]
     llm = LLM(
-        str(base), enable_lora=True, max_loras=2, tensor_parallel_size=2, kv_cache_memory="16MiB"
+        str(base),
+        enable_lora=True,
+        max_loras=2,
+        tensor_parallel_size=2,
+        device=TWO_RANK_DEVICE,
+        kv_cache_memory="16MiB",
     )
     try:
         assert _generate(llm, prompts, chosen) == _expected(base, loras, prompts, chosen)

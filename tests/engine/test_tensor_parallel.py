@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from gpu_share import TWO_RANK_DEVICE
 from tiny_models import hf_beam_search, hf_greedy, random_prompts
 
 from serve import LLM, SamplingParams
@@ -31,6 +32,7 @@ ENGINE = {
     "swap_space": 0.002,
     "max_num_batched_tokens": 24,  # prompts up to 40 tokens: chunks
     "max_model_len": 128,
+    "device": TWO_RANK_DEVICE,  # one rank runs here too: seeded samples are compared
 }
 CASES = [("llama", 2), ("llama", 1), ("qwen2", 2), ("qwen2", 1)]
 

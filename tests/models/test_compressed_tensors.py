@@ -30,6 +30,7 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
 )
 from compressed_tensors.quantization.utils import calculate_qparams
+from gpu_share import TWO_RANK_DEVICE
 from quantized_models import ENGINE, MAX_TOKENS
 from safetensors.torch import load_file, save_file
 from tiny_models import _generate, hf_greedy, random_prompts
@@ -264,7 +265,8 @@ def test_two_ranks_read_their_slices(checkpoints, decompressed):
     checkpoint = checkpoints("w4a16-asym")
     prompts = _prompts()[:2]
     expected = _transformers_greedy(decompressed(checkpoint), prompts)
-    assert _serve_greedy(checkpoint, prompts, tensor_parallel_size=2) == expected
+    got = _serve_greedy(checkpoint, prompts, tensor_parallel_size=2, device=TWO_RANK_DEVICE)
+    assert got == expected
 
 
 W4A16 = {

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from gpu_share import TWO_RANK_DEVICE
 from quantized_models import ENGINE, MAX_TOKENS, quantize_checkpoint
 from safetensors.torch import load_file, save_file
 from tiny_models import hf_greedy, make_tiny_config, random_prompts
@@ -81,7 +82,8 @@ def test_block_fp8_deepseek_v3_matches_its_dequantized_twin(tiny_model_factory, 
     )
     prompts = random_prompts(512, 4, 3, 30, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(model=str(checkpoint), tensor_parallel_size=tp, **ENGINE) as llm:
+    device = TWO_RANK_DEVICE if tp > 1 else "auto"
+    with LLM(model=str(checkpoint), tensor_parallel_size=tp, device=device, **ENGINE) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     got = [out.outputs[0].token_ids for out in outputs]
     assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]

@@ -10,6 +10,7 @@ Then the same at two tensor-parallel ranks, where the family's heads split.
 from __future__ import annotations
 
 import pytest
+from gpu_share import TWO_RANK_DEVICE
 from model_families import FAMILIES
 from tiny_models import hf_greedy, random_prompts
 
@@ -83,7 +84,7 @@ def test_greedy_at_two_ranks_matches_hf(tiny_model_factory, family):
     model_dir = tiny_model_factory(family.key)
     prompts = _workload(family)
     before = _child_pids()
-    with LLM(model=str(model_dir), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(model=str(model_dir), tensor_parallel_size=2, device=TWO_RANK_DEVICE, **ENGINE) as llm:
         got = _run_staggered(llm, prompts)
     # The block's end stopped both ranks: 32 families' leftover ranks would fill the memory.
     assert _child_pids() - before == set()

@@ -22,6 +22,7 @@ import shutil
 
 import pytest
 import torch
+from gpu_share import TWO_RANK_DEVICE
 from safetensors.torch import load_file, save_file
 from tiny_models import _hf_model, hf_greedy, hf_log_softmax, random_prompts
 
@@ -107,7 +108,11 @@ def test_olmo2_with_a_kv_head_on_both_ranks_matches_hf(tiny_model_factory):
     prompts = random_prompts(512, 2, 5, 20, seed=10)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(
-        model=str(path), tensor_parallel_size=2, max_model_len=64, kv_cache_memory="8MiB"
+        model=str(path),
+        tensor_parallel_size=2,
+        device=TWO_RANK_DEVICE,
+        max_model_len=64,
+        kv_cache_memory="8MiB",
     ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -126,7 +131,11 @@ def test_stablelm_per_head_norms_at_two_ranks_match_hf(tiny_model_factory, tmp_p
     prompts = random_prompts(512, 2, 5, 20, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     with LLM(
-        model=str(path), tensor_parallel_size=2, max_model_len=64, kv_cache_memory="8MiB"
+        model=str(path),
+        tensor_parallel_size=2,
+        device=TWO_RANK_DEVICE,
+        max_model_len=64,
+        kv_cache_memory="8MiB",
     ) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):

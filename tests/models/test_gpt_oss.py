@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_share import TWO_RANK_DEVICE
 from quantized_models import ENGINE, MAX_TOKENS, mxfp4_gpt_oss
 from tiny_models import hf_greedy, random_prompts
 
@@ -25,7 +26,8 @@ def mxfp4_checkpoint(tiny_model_factory, tmp_path_factory):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mxfp4_experts_match_transformers_on_the_same_checkpoint(mxfp4_checkpoint, tp):
     prompts = random_prompts(512, 4, 3, 30, seed=3)
-    with LLM(model=str(mxfp4_checkpoint), tensor_parallel_size=tp, **ENGINE) as llm:
+    device = TWO_RANK_DEVICE if tp > 1 else "auto"
+    with LLM(model=str(mxfp4_checkpoint), tensor_parallel_size=tp, device=device, **ENGINE) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     got = [out.outputs[0].token_ids for out in outputs]
     assert got == [hf_greedy(mxfp4_checkpoint, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
@@ -51,7 +53,9 @@ def test_an_mxfp4_split_inside_the_scale_groups(tiny_model_factory, tmp_path):
     keeps the groups its inputs touch and looks each input's group up."""
     checkpoint, _ = mxfp4_gpt_oss(tiny_model_factory("gpt-oss", intermediate_size=96), tmp_path)
     prompts = random_prompts(512, 3, 3, 30, seed=4)
-    with LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(
+        model=str(checkpoint), tensor_parallel_size=2, device=TWO_RANK_DEVICE, **ENGINE
+    ) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     got = [out.outputs[0].token_ids for out in outputs]
     assert got == [hf_greedy(checkpoint, p, MAX_TOKENS, ignore_eos=True) for p in prompts]

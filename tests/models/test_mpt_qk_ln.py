@@ -15,6 +15,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from gpu_share import TWO_RANK_DEVICE
 from safetensors.torch import load_file, save_file
 from tiny_models import _generate, random_prompts
 from torch import nn
@@ -83,6 +84,7 @@ def test_qk_ln_matches_hf_with_qk_ln(qk_ln_model, tensor_parallel_size):
     with LLM(
         model=str(model_dir),
         tensor_parallel_size=tensor_parallel_size,
+        device=TWO_RANK_DEVICE if tensor_parallel_size > 1 else "auto",
         block_size=4,
         max_num_batched_tokens=16,  # chunked prefill
         max_model_len=64,

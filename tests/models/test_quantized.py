@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from gpu_share import TWO_RANK_DEVICE
 from quantized_models import (
     AUTOAWQ_PACK_ORDER,
     ENGINE,
@@ -95,7 +96,9 @@ def test_two_ranks_read_their_slices(quantized, variant):
     or all of act order's), and the tokens stay the twin's."""
     checkpoint, twin = quantized(variant)
     prompts = _prompts()[:2]
-    with LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(
+        model=str(checkpoint), tensor_parallel_size=2, device=TWO_RANK_DEVICE, **ENGINE
+    ) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     got = [out.outputs[0].token_ids for out in outputs]
     assert got == [hf_greedy(twin, p, MAX_TOKENS, ignore_eos=True) for p in prompts]
@@ -159,7 +162,8 @@ def test_mixture_of_experts_quantized_expert_by_expert(tiny_model_factory, tmp_p
     family, method, options = MOE_VARIANTS[variant]
     checkpoint, twin = quantize_checkpoint(tiny_model_factory(family), tmp_path, method, **options)
     prompts = _prompts()
-    tp = {"tensor_parallel_size": 2} if variant.startswith("mixtral") else {}
+    two = {"tensor_parallel_size": 2, "device": TWO_RANK_DEVICE}
+    tp = two if variant.startswith("mixtral") else {}
     with LLM(model=str(checkpoint), **ENGINE, **tp) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     got = [out.outputs[0].token_ids for out in outputs]

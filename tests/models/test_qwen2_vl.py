@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_share import TWO_RANK_DEVICE
 from image_fixtures import run_in_steps
 from tiny_models import build_qwen_vl_tokenizer, hf_vl_greedy, make_tiny_qwen2_vl, random_image
 
@@ -87,7 +88,7 @@ def test_positions_follow_the_grid_and_continue_after_it():
 
 def test_qwen2_vl_tensor_parallel(tiny_qwen2_vl):
     """Two ranks: each computes the same M-RoPE positions and runs the replicated tower."""
-    got, expected = _run(tiny_qwen2_vl, tensor_parallel_size=2)
+    got, expected = _run(tiny_qwen2_vl, tensor_parallel_size=2, device=TWO_RANK_DEVICE)
     assert got == expected
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_share import TWO_RANK_DEVICE
 from models.test_families import ENGINE, MAX_TOKENS, _assert_matches_hf, _run_staggered, _workload
 from remote_formats import (
     QWEN_SEQ_LENGTH,
@@ -145,7 +146,9 @@ TP2_FAMILIES = [f for f in REMOTE_FAMILIES if f.tp2]
 def test_greedy_at_two_ranks_matches_the_oracle(remote_checkpoint, family):
     checkpoint, greedy = remote_checkpoint(family)
     prompts = _workload(family)
-    with LLM(model=str(checkpoint), tensor_parallel_size=2, **ENGINE) as llm:
+    with LLM(
+        model=str(checkpoint), tensor_parallel_size=2, device=TWO_RANK_DEVICE, **ENGINE
+    ) as llm:
         got = _run_staggered(llm, prompts)
     _assert_matches_hf(checkpoint, prompts, got, greedy)
     _check_no_code_ran(checkpoint)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_share import TWO_RANK_DEVICE
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
@@ -140,6 +141,7 @@ def test_draft_under_tensor_parallelism_proposes_alike_on_both_ranks(tiny_llama,
         model=str(tiny_llama),
         speculative_config=_spec(tiny_llama),
         tensor_parallel_size=2,
+        device=TWO_RANK_DEVICE,
         kv_cache_memory="8MiB",
         **SMALL,
     )
