@@ -355,7 +355,7 @@ def test_a_build_leaves_its_key_alone(monkeypatch, tmp_path):
 @pytest.mark.parametrize("shape", [(960, 576), (37, 100), (5, 16), (1, 3)])
 def test_linear_few_rows_matches_torch(rows, shape):
     """The few-row product against float64 torch, with and without a bias; weight rows
-    in groups and leftovers, inner sizes with and without a tail past the 16-float slices."""
+    in groups and leftovers, inner sizes with and without a tail past the vector slices."""
     out_features, in_features = shape
     gen = seeded("linear", rows, shape)
     x = torch.randn(rows, in_features, generator=gen)
