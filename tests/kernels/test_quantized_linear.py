@@ -321,10 +321,12 @@ def test_rejects_codes_of_the_wrong_shape():
     reason="this process runs the x86-64-v3 build, cannot run it, or its native build is AVX2's",
 )
 def test_the_portable_build_passes_these_tests():
-    """This file's tests against the x86-64-v3 build, in a process of their own: one process
-    cannot load two builds (their ops would register twice). The build is cached as any."""
+    """This file's tests and test_cpu_kernels.py's (attention, elementwise, sampling) against
+    the x86-64-v3 build, in a process of their own: one process cannot load two builds
+    (their ops would register twice). The build is cached as any."""
     env = os.environ | {native.MARCH_ENV_VAR: PORTABLE_MARCH}
-    command = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"]
+    files = [__file__, os.path.join(os.path.dirname(__file__), "test_cpu_kernels.py")]
+    command = [sys.executable, "-m", "pytest", *files, "-q", "-x", "-p", "no:cacheprovider"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" in done.stdout  # this test, skipped there

@@ -3,8 +3,10 @@
 // The decode kernel (paged_attention.cpp `attend_tile`) puts 16 keys in a vector's lanes
 // and takes one query row at a time: each row's dot products end in a transposing sum,
 // which costs more than the products once many rows share the keys. Here the lanes hold
-// 16 queries of one head instead: with the group's keys transposed once into [D][G], a
-// score vector (one key against the 16 queries) is D multiply-adds of a query column by a
+// kLanes queries of one head instead (16 with AVX-512, 8 with AVX2: the loops carry
+// scores, sums and accumulators in the target's own register, floatv, as float16v values
+// spill through memory on AVX2, vec.h): with the group's keys transposed once into [D][G], a
+// score vector (one key against the tile's queries) is D multiply-adds of a query column by a
 // broadcast key element, the online softmax's max, exp and rescale run lane-wise (one
 // query per lane, so no reduction at all), and the value product is again broadcasts of
 // value elements against the probability vectors. Causality costs nothing off the
@@ -23,15 +25,17 @@
 namespace serve_cpu {
 
 // Queries per wide tile: one per lane.
-constexpr int64_t kWideLanes = 16;
+constexpr int64_t kWideLanes = kLanes;
 // Keys per group: one score vector each, all of them in registers while the query
-// columns stream past (AVX-512 has 32 vector registers; AVX2's 16 hold half as many
-// 16-lane values).
+// columns stream past (AVX-512 has 32 vector registers; AVX2's 16 hold half as many).
 #ifdef __AVX512F__
 constexpr int kKeyGroup = 16;
 #else
 constexpr int kKeyGroup = 8;
 #endif
+// Output dimensions accumulated at once per key group: that many accumulator vectors
+// stay in registers beside a probability vector and a broadcast value element.
+constexpr int kValueDims = kLanes >= 16 ? 16 : 8;
 // A masked score: finite, so a lane whose keys so far are all masked computes exp(0)
 // instead of NaN; its sum and accumulator are then scaled by exp(masked - max) = 0 as
 // soon as it meets a key it sees (every query sees itself), and nothing of them remains.
@@ -51,13 +55,13 @@ inline float output_scale(float max, float sum, const float* sinks, int64_t head
 
 // tanh lane by lane: (1 - e) / (1 + e) with e = exp(-2|x|), its sign restored; below
 // |x| = 1/16, where 1 - e would lose digits, the series to x^5 (error < 1e-9).
-inline float16v tanh16(float16v x) {
-  const float16v ax = x < 0.0f ? -x : x;
-  const float16v e = exp_nonpositive(-2.0f * ax);
-  const float16v big = (1.0f - e) / (1.0f + e);
-  const float16v x2 = ax * ax;
-  const float16v small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f)));
-  const float16v t = ax < 0.0625f ? small : big;
+inline floatv tanhv(floatv x) {
+  const floatv ax = x < 0.0f ? -x : x;
+  const floatv e = exp_nonpositive(-2.0f * ax);
+  const floatv big = (1.0f - e) / (1.0f + e);
+  const floatv x2 = ax * ax;
+  const floatv small = ax * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f)));
+  const floatv t = ax < 0.0625f ? small : big;
   return x < 0.0f ? -t : t;
 }
 
@@ -98,7 +102,7 @@ void attend_tile_wide(
 
   // Lanes past the tile's tokens repeat its last query (computed, never written out), so
   // every lane sees at least one key.
-  float16v query_pos;
+  floatv query_pos;
   for (int64_t lane = 0; lane < L; ++lane)
     query_pos[lane] = static_cast<float>(first_query_pos + std::min(lane, tile_tokens - 1));
   for (int64_t j = 0; j < heads_per_kv; ++j) {
@@ -166,10 +170,10 @@ void attend_tile_wide(
     for (int64_t j = 0; j < heads_per_kv; ++j) {
       const int64_t head = kv_head * heads_per_kv + j;
       const float* qt = head_query(j);
-      float16v s[G];
-      for (int i = 0; i < G; ++i) s[i] = float16v{};
+      floatv s[G];
+      for (int i = 0; i < G; ++i) s[i] = floatv{};
       for (int64_t d = 0; d < D; ++d) {
-        const float16v q = load16(qt + d * L);
+        const floatv q = loadv(qt + d * L);
         if constexpr (HD > 0) {
           const float* kd = keys + d;  // key i's element d at kd[i * HD]
           for (int i = 0; i < G; ++i) s[i] += q * kd[i * HD];
@@ -179,7 +183,7 @@ void attend_tile_wide(
         }
       }
       if (opt.softcap > 0.0f) {
-        for (int i = 0; i < G; ++i) s[i] = opt.softcap * tanh16(s[i] / opt.softcap);
+        for (int i = 0; i < G; ++i) s[i] = opt.softcap * tanhv(s[i] / opt.softcap);
       }
       if (opt.alibi_slopes != nullptr) {
         const float slope = opt.alibi_slopes[head];
@@ -189,7 +193,7 @@ void attend_tile_wide(
         for (int i = 0; i < G; ++i) {
           const float key_pos = static_cast<float>(k0 + i);
           if (i >= n) {
-            s[i] = float16v{} + kMaskedScore;
+            s[i] = floatv{} + kMaskedScore;
             continue;
           }
           s[i] = query_pos < key_pos ? kMaskedScore : s[i];
@@ -197,32 +201,32 @@ void attend_tile_wide(
             s[i] = query_pos - key_pos >= static_cast<float>(opt.window) ? kMaskedScore : s[i];
         }
       }
-      float16v group_max = s[0];
+      floatv group_max = s[0];
       for (int i = 1; i < G; ++i) group_max = group_max > s[i] ? group_max : s[i];
       float* mx = head_max(j);
       float* sm = head_sum(j);
-      const float16v old_max = load16(mx);
-      const float16v new_max = old_max > group_max ? old_max : group_max;
-      const float16v correction = exp_nonpositive(old_max - new_max);
-      float16v sum = {};
+      const floatv old_max = loadv(mx);
+      const floatv new_max = old_max > group_max ? old_max : group_max;
+      const floatv correction = exp_nonpositive(old_max - new_max);
+      floatv sum = {};
       for (int i = 0; i < G; ++i) {
-        const float16v p = exp_nonpositive(s[i] - new_max);
-        store16(probs + i * L, p);
+        const floatv p = exp_nonpositive(s[i] - new_max);
+        storev(probs + i * L, p);
         sum += p;
       }
-      store16(mx, new_max);
-      store16(sm, load16(sm) * correction + sum);
+      storev(mx, new_max);
+      storev(sm, loadv(sm) * correction + sum);
 
       float* acc_t = head_acc(j);
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        float16v acc[16];
-        for (int dd = 0; dd < 16; ++dd) acc[dd] = load16(acc_t + (d0 + dd) * L) * correction;
+      for (int64_t d0 = 0; d0 < D; d0 += kValueDims) {
+        floatv acc[kValueDims];
+        for (int dd = 0; dd < kValueDims; ++dd) acc[dd] = loadv(acc_t + (d0 + dd) * L) * correction;
         for (int i = 0; i < G; ++i) {
-          const float16v p = load16(probs + i * L);
+          const floatv p = loadv(probs + i * L);
           const float* v = values + i * D + d0;
-          for (int dd = 0; dd < 16; ++dd) acc[dd] += p * v[dd];
+          for (int dd = 0; dd < kValueDims; ++dd) acc[dd] += p * v[dd];
         }
-        for (int dd = 0; dd < 16; ++dd) store16(acc_t + (d0 + dd) * L, acc[dd]);
+        for (int dd = 0; dd < kValueDims; ++dd) storev(acc_t + (d0 + dd) * L, acc[dd]);
       }
     }
   }

@@ -69,26 +69,36 @@ inline float16v load_row16(const at::Float8_e4m3fn* p) {
   return load16_e4m3fn(reinterpret_cast<const uint8_t*>(p));
 }
 
-// s[0:16] = q . k[i] for a group of m <= 16 keys (lanes past m: 0), head_dim = 16 * SL.
-// The query stays in registers; each key's products stay a vector (two chains, so one
-// key's adds do not wait on each other) until one transposing reduction sums all 16 keys
-// at once: a horizontal sum per key costs more than the key's products.
+// kLanes elements of a row the kernels read in place (`row_type`: float32 or bfloat16) as
+// the target's own register. The loops below carry their sums and accumulators in floatv:
+// float16v values there spill through memory on AVX2 (vec.h), 5-9x slower.
+inline floatv load_rowv(const float* p) { return loadv(p); }
+inline floatv load_rowv(const at::BFloat16* p) {
+  return loadv_bf16(reinterpret_cast<const uint16_t*>(p));
+}
+
+// s[0:16] = q . k[i] for a group of m <= 16 keys (lanes past m: 0), head_dim = 16 * SL,
+// which is V = 16 * SL / kLanes vectors of the target's width. The query stays in
+// registers; each key's products stay a vector (two chains, so one key's adds do not wait
+// on each other) until transposing reductions sum kLanes keys at once (all 16 in one with
+// AVX-512): a horizontal sum per key costs more than the key's products.
 template <int SL, typename row_t>
 inline void score_keys(const float* q, const row_t* const* k, int64_t m, float* s) {
-  float16v qv[SL];
-  for (int j = 0; j < SL; ++j) qv[j] = load16(q + 16 * j);
-  float16v part[16];
+  constexpr int V = 16 * SL / kLanes;
+  floatv qv[V];
+  for (int j = 0; j < V; ++j) qv[j] = loadv(q + kLanes * j);
+  floatv part[16];
   for (int64_t i = 0; i < m; ++i) {
-    float16v even = qv[0] * load_row16(k[i]);
-    float16v odd = {};
-    for (int j = 1; j < SL; j += 2) {
-      odd += qv[j] * load_row16(k[i] + 16 * j);
-      if (j + 1 < SL) even += qv[j + 1] * load_row16(k[i] + 16 * (j + 1));
+    floatv even = qv[0] * load_rowv(k[i]);
+    floatv odd = {};
+    for (int j = 1; j < V; j += 2) {
+      odd += qv[j] * load_rowv(k[i] + kLanes * j);
+      if (j + 1 < V) even += qv[j + 1] * load_rowv(k[i] + kLanes * (j + 1));
     }
     part[i] = even + odd;
   }
-  for (int64_t i = m; i < 16; ++i) part[i] = float16v{};
-  store16(s, transpose_sum16(part));
+  for (int64_t i = m; i < 16; ++i) part[i] = floatv{};
+  for (int i = 0; i < 16; i += kLanes) storev(s + i, transpose_sumv(part + i));
 }
 
 // The same for any head_dim: a dot product per key.
@@ -96,9 +106,9 @@ template <typename row_t>
 inline void score_keys_any(const float* q, const row_t* const* k, int64_t m, int64_t head_dim,
                            float* s) {
   for (int64_t i = 0; i < m; ++i) {
-    float16v acc = {};
+    floatv acc = {};
     int64_t d = 0;
-    for (; d + 16 <= head_dim; d += 16) acc += load16(q + d) * load_row16(k[i] + d);
+    for (; d + kLanes <= head_dim; d += kLanes) acc += loadv(q + d) * load_rowv(k[i] + d);
     float tail = 0.0f;
     for (; d < head_dim; ++d) tail += q[d] * static_cast<float>(k[i][d]);
     s[i] = horizontal_sum(acc) + tail;
@@ -117,41 +127,42 @@ constexpr int kFusedHeads = SL <= 4 ? kMaxGroup : 16 / SL;
 template <int SL, int R, typename row_t>
 inline void score_keys_heads(const float* const* q, int64_t g, const row_t* const* k, int64_t m,
                              float* const* s) {
-  float16v qv[R][SL];
+  constexpr int V = 16 * SL / kLanes;
+  floatv qv[R][V];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < SL; ++j) qv[r][j] = r < g ? load16(q[r] + 16 * j) : float16v{};
-  float16v part[R][16];
+    for (int j = 0; j < V; ++j) qv[r][j] = r < g ? loadv(q[r] + kLanes * j) : floatv{};
+  floatv part[R][16];
   for (int64_t i = 0; i < m; ++i) {
-    float16v kv[SL];
-    for (int j = 0; j < SL; ++j) kv[j] = load_row16(k[i] + 16 * j);
+    floatv kv[V];
+    for (int j = 0; j < V; ++j) kv[j] = load_rowv(k[i] + kLanes * j);
     for (int r = 0; r < R; ++r) {
       if (r >= g) break;
-      float16v even = qv[r][0] * kv[0];
-      float16v odd = {};
-      for (int j = 1; j < SL; j += 2) {
+      floatv even = qv[r][0] * kv[0];
+      floatv odd = {};
+      for (int j = 1; j < V; j += 2) {
         odd += qv[r][j] * kv[j];
-        if (j + 1 < SL) even += qv[r][j + 1] * kv[j + 1];
+        if (j + 1 < V) even += qv[r][j + 1] * kv[j + 1];
       }
       part[r][i] = even + odd;
     }
   }
   for (int r = 0; r < g; ++r) {
-    for (int64_t i = m; i < 16; ++i) part[r][i] = float16v{};
-    store16(s[r], transpose_sum16(part[r]));
+    for (int64_t i = m; i < 16; ++i) part[r][i] = floatv{};
+    for (int i = 0; i < 16; i += kLanes) storev(s[r] + i, transpose_sumv(part[r] + i));
   }
 }
 
-// acc[r][d0 : d0 + 16 * S] += sum_i p[r][i] * v[i][d0 : d0 + 16 * S] for r < g <= R, the
-// slices in registers across the keys: S * g independent chains of adds.
+// acc[r][d0 : d0 + kLanes * S] += sum_i p[r][i] * v[i][d0 : d0 + kLanes * S] for r < g <=
+// R, the slices in registers across the keys: S * g independent chains of adds.
 template <int S, int R, typename row_t>
 inline void accumulate_slices_heads(float* const* acc, int64_t g, const row_t* const* v,
                                     const float* const* p, int64_t n, int64_t d0) {
-  float16v slice[R][S];
+  floatv slice[R][S];
   for (int r = 0; r < g; ++r)
-    for (int j = 0; j < S; ++j) slice[r][j] = load16(acc[r] + d0 + 16 * j);
+    for (int j = 0; j < S; ++j) slice[r][j] = loadv(acc[r] + d0 + kLanes * j);
   for (int64_t i = 0; i < n; ++i) {
-    float16v vv[S];
-    for (int j = 0; j < S; ++j) vv[j] = load_row16(v[i] + d0 + 16 * j);
+    floatv vv[S];
+    for (int j = 0; j < S; ++j) vv[j] = load_rowv(v[i] + d0 + kLanes * j);
     for (int r = 0; r < R; ++r) {
       if (r >= g) break;
       const float w = p[r][i];
@@ -159,28 +170,31 @@ inline void accumulate_slices_heads(float* const* acc, int64_t g, const row_t* c
     }
   }
   for (int r = 0; r < g; ++r)
-    for (int j = 0; j < S; ++j) store16(acc[r] + d0 + 16 * j, slice[r][j]);
+    for (int j = 0; j < S; ++j) storev(acc[r] + d0 + kLanes * j, slice[r][j]);
 }
 
+// Slices of 4 vectors (64 floats with AVX-512, 32 with AVX2: three heads' 12 accumulators
+// and 4 value vectors fill AVX2's 16 registers).
 template <int R, typename row_t>
 inline void accumulate_values_heads(float* const* acc, int64_t g, const row_t* const* v,
                                     const float* const* p, int64_t n, int64_t head_dim) {
   int64_t d = 0;
-  for (; d + 64 <= head_dim; d += 64) accumulate_slices_heads<4, R>(acc, g, v, p, n, d);
-  switch ((head_dim - d) / 16) {
+  for (; d + 4 * kLanes <= head_dim; d += 4 * kLanes)
+    accumulate_slices_heads<4, R>(acc, g, v, p, n, d);
+  switch ((head_dim - d) / kLanes) {
     case 3: accumulate_slices_heads<3, R>(acc, g, v, p, n, d); break;
     case 2: accumulate_slices_heads<2, R>(acc, g, v, p, n, d); break;
     case 1: accumulate_slices_heads<1, R>(acc, g, v, p, n, d); break;
     default: break;
   }
-  for (d += (head_dim - d) / 16 * 16; d < head_dim; ++d) {
+  for (d += (head_dim - d) / kLanes * kLanes; d < head_dim; ++d) {
     for (int r = 0; r < g; ++r)
       for (int64_t i = 0; i < n; ++i) acc[r][d] += p[r][i] * static_cast<float>(v[i][d]);
   }
 }
 
 // How the decode tile reads a cache row: float32 and bfloat16 rows where they lie
-// (`load_row16` widens bfloat16 with one shift as it loads); float16 and fp8 rows, whose
+// (`load_rowv` widens bfloat16 with one shift as it loads); float16 and fp8 rows, whose
 // widening takes ~10 vector ops, converted once into a float32 copy that every query row
 // of the tile then reads (widening in place, once per query row, measured 1.5-2x slower);
 // float64 (tests only) likewise.
@@ -345,7 +359,12 @@ void attend_tile(
                 s[i] += opt.alibi_slopes[head] * static_cast<float>(key - query_pos);
             }
           }
-          block_max = std::max(block_max, horizontal_max(load16(s)));
+          floatv group_max = loadv(s);
+          for (int i = kLanes; i < 16; i += kLanes) {
+            const floatv x = loadv(s + i);
+            group_max = group_max > x ? group_max : x;
+          }
+          block_max = std::max(block_max, horizontal_max(group_max));
         }
         if (block_max == neg_inf) {  // every key of this block is masked for the row: it
           std::fill(ss[r], ss[r] + padded, 0.0f);  // adds nothing (its values weigh 0)
@@ -359,10 +378,10 @@ void attend_tile(
           for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
           row_max[row] = new_max;
         }
-        float16v sum = {};
-        for (int64_t i = 0; i < n; i += 16) {
-          const float16v e = exp_nonpositive(load16(ss[r] + i) - new_max);
-          store16(ss[r] + i, e);
+        floatv sum = {};
+        for (int64_t i = 0; i < n; i += kLanes) {
+          const floatv e = exp_nonpositive(loadv(ss[r] + i) - new_max);
+          storev(ss[r] + i, e);
           sum += e;
         }
         row_sum[row] += horizontal_sum(sum);

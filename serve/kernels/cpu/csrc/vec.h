@@ -42,27 +42,31 @@ inline void storev(float* p, floatv v) { __builtin_memcpy(p, &v, sizeof(v)); }
 // (n rounded to nearest as trunc(x log2e - 1/2), right for x <= 0), a degree-6 polynomial
 // for exp(r) (relative error ~1e-7, float32's own), and 2^n built in the exponent bits.
 // Lanes below -87 (past float's smallest normal), -inf among them, give 0.
-inline float16v exp_nonpositive(float16v x) {
-  const int16v underflow = x < -87.0f;
+// For any float vector type (float16v, or floatv at the target's width).
+template <typename V>
+inline V exp_nonpositive(V x) {
+  using I = decltype(x < x);  // int32 lanes, as many
+  const I underflow = x < -87.0f;
   x = x < -87.0f ? -87.0f : x;
-  const int16v n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, int16v);
-  const float16v nf = __builtin_convertvector(n, float16v);
-  float16v r = x - nf * 0.693359375f;
+  const I n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, I);
+  const V nf = __builtin_convertvector(n, V);
+  V r = x - nf * 0.693359375f;
   r = r - nf * -2.12194440e-4f;
-  float16v p = 1.9875691500e-4f + r * 0.0f;
+  V p = 1.9875691500e-4f + r * 0.0f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const float16v two_n = (float16v)((n + 127) << 23);
-  return (float16v)((int16v)(p * two_n) & ~underflow);
+  const V two_n = (V)((n + 127) << 23);
+  return (V)((I)(p * two_n) & ~underflow);
 }
 
 // 1 / (1 + exp(-x)) lane by lane, from exp of the non-positive -|x| alone.
-inline float16v sigmoid(float16v x) {
-  const float16v e = exp_nonpositive(x < 0.0f ? x : -x);
+template <typename V>
+inline V sigmoid(V x) {
+  const V e = exp_nonpositive(x < 0.0f ? x : -x);
   return (x < 0.0f ? e : 1.0f) / (1.0f + e);
 }
 
@@ -80,6 +84,14 @@ inline float16v load16_bf16(const uint16_t* p) {
   uint16x16 h;
   __builtin_memcpy(&h, p, sizeof(h));
   return (float16v)(__builtin_convertvector(h, int16v) << 16);
+}
+
+// kLanes bfloat16 values widened to floatv.
+typedef uint16_t uint16v __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+inline floatv loadv_bf16(const uint16_t* p) {
+  uint16v h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return (floatv)(__builtin_convertvector(h, intv) << 16);
 }
 
 typedef uint8_t uint8x16 __attribute__((vector_size(16)));
@@ -167,6 +179,18 @@ inline float horizontal_max(float16v v) {
   return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
 }
 
+// The same for 8 and 4 lanes (floatv's other widths).
+inline float horizontal_max(float8v v) {
+  const float4v b0 = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+  const float4v b1 = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const float4v b = b0 > b1 ? b0 : b1;
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
+inline float horizontal_max(float4v b) {
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
 // Lane i of the result is the sum of v[i]'s lanes, for 16 vectors at once: a transposing
 // tree of shuffles and adds (30 shuffles, 15 adds), where 16 separate horizontal sums
 // take ~100 instructions. Each level halves the lanes per vector and pairs the vectors up;
@@ -198,6 +222,44 @@ inline float16v transpose_sum16(const float16v* v) {
       __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
                               15, 31);
   return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// transpose_sum16's tree for 8 vectors of 8 lanes (lane i: the sum of v[i]'s lanes): two
+// levels of pairing, the sums left in bit-reversed order, then one permutation.
+inline float8v transpose_sum8(const float8v* v) {
+  float8v a[4], b[2];
+  for (int j = 0; j < 4; ++j)  // a[j]: 4 partial sums of v[2j], then 4 of v[2j + 1]
+    a[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 2; ++j)  // b[j]: pairs of partials, v[4j + (0 2 1 3)]
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  // c: whole sums, lane l holding v[bit_reverse(l)]
+  const float8v c = __builtin_shufflevector(b[0], b[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+                    __builtin_shufflevector(b[0], b[1], 1, 9, 3, 11, 5, 13, 7, 15);
+  return __builtin_shufflevector(c, c, 0, 4, 2, 6, 1, 5, 3, 7);
+}
+
+// And for 4 vectors of 4 lanes.
+inline float4v transpose_sum4(const float4v* v) {
+  const float4v a0 = __builtin_shufflevector(v[0], v[1], 0, 1, 4, 5) +
+                     __builtin_shufflevector(v[0], v[1], 2, 3, 6, 7);
+  const float4v a1 = __builtin_shufflevector(v[2], v[3], 0, 1, 4, 5) +
+                     __builtin_shufflevector(v[2], v[3], 2, 3, 6, 7);
+  const float4v c = __builtin_shufflevector(a0, a1, 0, 4, 2, 6) +
+                    __builtin_shufflevector(a0, a1, 1, 5, 3, 7);
+  return __builtin_shufflevector(c, c, 0, 2, 1, 3);
+}
+
+// kLanes vectors' sums in one floatv, at the target's width.
+inline floatv transpose_sumv(const floatv* v) {
+#if defined(__AVX512F__)
+  return transpose_sum16(v);
+#elif defined(__AVX2__)
+  return transpose_sum8(v);
+#else
+  return transpose_sum4(v);
+#endif
 }
 
 }  // namespace serve_cpu
