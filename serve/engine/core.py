@@ -53,6 +53,7 @@ from serve.scheduler.output_deltas import RequestDelta
 from serve.scheduler.scheduler import Scheduler
 from serve.sequence import SequenceGroup
 from serve.step import ModelRunnerOutput, SchedulerOutput
+from serve.worker.draft_model import draft_max_len
 from serve.worker.model_runner import check_cpu_memory_before_loading
 from serve.worker.structured_output import LazyStructuredOutput, StructuredOutputManager
 from serve.worker.worker import WorkerConfig, resolve_device
@@ -98,6 +99,9 @@ class EngineCore:
             check_gpu_count(tp_size, torch.cuda.device_count())
         if device_type == "cpu":
             check_cpu_memory_before_loading(config, self.model_path, hf_config)
+        # A draft model's context bounds max_model_len too; read before any model loads.
+        spec = config.speculative.method
+        draft_limit = draft_max_len(spec, config.model) if spec is not None and spec.model else None
         worker_config = WorkerConfig(
             config, str(self.model_path), tuple(sorted(self.eos_token_ids)), world_size=tp_size
         )
@@ -106,7 +110,10 @@ class EngineCore:
             block_size = config.cache.block_size
             num_blocks = self.executor.num_blocks
             self.max_model_len = fit_max_model_len(
-                config.model.max_model_len, model_max_len(arch), num_blocks * block_size
+                config.model.max_model_len,
+                model_max_len(arch),
+                num_blocks * block_size,
+                draft_limit,
             )
             self.max_num_batched_tokens = fit_max_num_batched_tokens(
                 config.scheduler.max_num_batched_tokens,

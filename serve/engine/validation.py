@@ -83,8 +83,30 @@ def check_priority(priority: int, scheduling_policy: str) -> None:
         )
 
 
-def fit_max_model_len(requested: int | None, model_limit: int, cache_tokens: int) -> int:
-    """The context window the engine can honour: the user's, or the model's fitted to the cache."""
+def fit_max_model_len(
+    requested: int | None, model_limit: int, cache_tokens: int, draft_limit: int | None = None
+) -> int:
+    """The context window the engine can honour: the user's, or the model's fitted to the cache.
+    A draft model (speculative decoding) runs at the target's positions, so its context
+    (`draft_limit`) bounds the window too, as vLLM's does."""
+    if draft_limit is not None and draft_limit < model_limit:
+        if requested is not None and requested > draft_limit:
+            raise ValueError(
+                f"max_model_len={requested} is longer than the draft model supports "
+                f"({draft_limit}, its max_position_embeddings; the target supports "
+                f"{model_limit}): the draft runs at every position of the context. Lower "
+                f"--max-model-len to at most {draft_limit}, or use a draft model with a "
+                "longer context."
+            )
+        if requested is None:
+            logger.info(
+                "The draft model's context of %d tokens is shorter than the target's %d: "
+                "max_model_len is limited to %d by the draft (speculative decoding).",
+                draft_limit,
+                model_limit,
+                draft_limit,
+            )
+        model_limit = draft_limit
     if requested is not None:
         if requested > model_limit:
             raise ValueError(

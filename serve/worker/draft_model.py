@@ -38,6 +38,7 @@ starts the draft at the target's `start`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,11 +48,28 @@ from serve.config import ModelConfig, SpeculativeMethod
 from serve.distributed.parallel_state import get_tp_group
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.forward_context import forward_context
-from serve.models.loader import load_hf_config, load_model, resolve_model_path
+from serve.models.loader import load_hf_config, load_model, model_max_len, resolve_model_path
+from serve.models.registry import get_arch_config
 from serve.step import SchedulerOutput
 from serve.worker.model_inputs import QuerySpan, paged_attention_inputs
 from serve.worker.model_kv import ModelKV
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
+
+
+def draft_model_path(method: SpeculativeMethod, load_format: str) -> Path:
+    """The draft's checkpoint directory; a missing one is named as the draft."""
+    assert method.model is not None
+    try:
+        return resolve_model_path(method.model, load_format)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"speculative_config's draft model: {e}") from None
+
+
+def draft_max_len(method: SpeculativeMethod, model_config: ModelConfig) -> int:
+    """The longest context the draft supports. It runs at the target's positions, so the
+    engine core fits max_model_len to it too (`fit_max_model_len`)."""
+    hf_config = load_hf_config(draft_model_path(method, model_config.load_format))
+    return model_max_len(get_arch_config(hf_config, model_config.model_impl))
 
 
 @dataclass
@@ -74,11 +92,7 @@ class DraftModelProposer:
         device: torch.device,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        assert method.model is not None
-        try:
-            path = resolve_model_path(method.model, model_config.load_format)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"speculative_config's draft model: {e}") from None
+        path = draft_model_path(method, model_config.load_format)
         hf_config = load_hf_config(path)
         draft_vocab, target_vocab = int(hf_config.vocab_size), int(target_hf_config.vocab_size)
         if draft_vocab != target_vocab:

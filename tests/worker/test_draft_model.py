@@ -3,7 +3,8 @@ to the target proposes what the target decodes (every proposal accepted, through
 prefill and swapping, whose moves must carry the draft's KV too); a random draft is
 mostly rejected, and greedy output stays the tokens of decoding without speculation
 through chunking and preemption by recompute; two tensor-parallel ranks propose alike;
-bad drafts are refused at start-up."""
+bad drafts are refused at start-up, and a draft with a shorter context than the target's
+bounds max_model_len (it runs at the target's positions)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,48 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llama, tiny_model_factory
     draft = tiny_model_factory("llama", num_hidden_layers=1, vocab_size=600)
     with pytest.raises(ValueError, match=r"vocabulary of 600 tokens, the target model 512"):
         LLM(model=str(tiny_llama), speculative_config=_spec(draft))
+
+
+def test_a_draft_with_a_shorter_context_bounds_max_model_len(
+    tiny_llama, tiny_model_factory, prompts, expected
+):
+    """A 64-token draft for a 512-token target: max_model_len is fitted to 64, so no draft
+    forward runs past the draft's position table (before, the CPU rotary kernel failed
+    the worker with "position 64 out of range", ending the engine)."""
+    draft = tiny_model_factory("llama", seed=5, num_hidden_layers=1, max_position_embeddings=64)
+    llm = LLM(model=str(tiny_llama), speculative_config=_spec(draft), kv_cache_memory="8MiB")
+    assert llm.engine.max_model_len == 64
+    # A prompt past the context is refused, as any prompt longer than max_model_len is.
+    long_prompt = random_prompts(512, 1, 80, 80, seed=3)[0]
+    with pytest.raises(ValueError, match=r"80 tokens.*max_model_len\) is 64"):
+        llm.generate({"prompt_token_ids": long_prompt}, GREEDY, use_tqdm=False)
+    # Inside it: the greedy tokens of decoding without speculation.
+    assert _generate(llm, prompts) == expected
+    # Up to its last position (60 + 4 = 64): the output stops there, by length.
+    edge_prompt = random_prompts(512, 1, 60, 60, seed=4)[0]
+    out = llm.generate({"prompt_token_ids": edge_prompt}, GREEDY, use_tqdm=False)[0].outputs[0]
+    plain = LLM(model=str(tiny_llama), kv_cache_memory="8MiB")
+    assert (
+        out.token_ids
+        == _generate(
+            plain, [edge_prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )[0]
+    )
+    assert out.finish_reason == "length"
+    spec = llm.stats().spec_decode
+    assert spec is not None and spec.num_draft_tokens > 0
+    _assert_all_blocks_free(llm)
+
+
+def test_max_model_len_past_the_drafts_context_is_refused(tiny_llama, tiny_model_factory):
+    draft = tiny_model_factory("llama", seed=5, num_hidden_layers=1, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"max_model_len=128 .*draft model supports \(64"):
+        LLM(
+            model=str(tiny_llama),
+            speculative_config=_spec(draft),
+            max_model_len=128,
+            kv_cache_memory="8MiB",
+        )
 
 
 def test_missing_draft_is_refused(tiny_llama, tmp_path):
