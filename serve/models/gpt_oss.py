@@ -68,6 +68,10 @@ class GptOssExperts(nn.Module):
     """Every expert's projections and biases, stacked, this rank's intermediate slice;
     `forward` returns this rank's partial sums (the caller all-reduces)."""
 
+    # Its experts run one at a time (`routed_experts`), sized on the host from each step's
+    # routing: decode steps run eagerly, not as CUDA graphs (cuda_graphs.host_reader).
+    reads_host = True
+
     def __init__(self, hf: Any, hidden_size: int) -> None:
         super().__init__()
         tp = get_tp_group()

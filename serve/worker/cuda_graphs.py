@@ -54,7 +54,9 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
-def ineligibility(model_impl: str, world_size: int, device: torch.device) -> str | None:
+def ineligibility(
+    model_impl: str, world_size: int, device: torch.device, model: nn.Module | None = None
+) -> str | None:
     """Why this model's decode steps cannot be captured, or None if they can."""
     if device.type != "cuda":
         return f"they need a CUDA device, and this engine runs on {device.type}"
@@ -64,6 +66,22 @@ def ineligibility(model_impl: str, world_size: int, device: torch.device) -> str
         return "transformers' modeling code may read tensors on the host mid-forward"
     if ops_for(device) is reference:  # on CUDA the one other backend than Triton
         return "SERVE_KERNEL_BACKEND=reference: its attention reads the host's metadata"
+    reader = None if model is None else host_reader(model)
+    if reader is not None:
+        return (
+            f"{reader} reads a tensor on the host every step (its experts run one at a "
+            "time, as many rows as routed to each), which a capture cannot hold"
+        )
+    return None
+
+
+def host_reader(model: nn.Module) -> str | None:
+    """The first module whose forward waits on the device for a value every step (its
+    `reads_host` is true: routed experts run one at a time, `kernels.reference.
+    routed_experts`), or None. A capture fails on such a wait."""
+    for name, module in model.named_modules():
+        if getattr(module, "reads_host", False):
+            return name
     return None
 
 

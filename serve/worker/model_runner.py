@@ -22,7 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from serve.config import EngineConfig, GiB, available_memory_bytes
+from serve.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+    GiB,
+    available_memory_bytes,
+)
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
 from serve.kv_cache.cache_engine import CacheEngine
@@ -294,7 +299,7 @@ class ModelRunner:
         with the reason logged when this model cannot replay them."""
         engine = self.config.engine
         arch = get_arch_config(self.hf_config, engine.model.model_impl)
-        reason = ineligibility(arch.model_impl, self.config.world_size, self.device)
+        reason = ineligibility(arch.model_impl, self.config.world_size, self.device, self.model)
         if reason is None and hasattr(self.model, "multimodal_positions"):
             reason = "M-RoPE positions differ per sequence (a graph replays plain ones)"
         if reason is not None:
@@ -330,7 +335,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         engine = self.config.engine
-        self._dummy_forward(engine.scheduler.max_num_batched_tokens or 8192)
+        self._dummy_forward(self._step_tokens_at_most())
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         activations = peak - torch.cuda.memory_allocated(self.device)
@@ -348,15 +353,31 @@ class ModelRunner:
             self.device,
         )
 
+    def _longest_prompt(self) -> int:
+        """The longest sequence the engine can take: --max-model-len, else the model's
+        context (the engine core may fit it shorter, to the cache or a draft model)."""
+        engine = self.config.engine
+        context = model_max_len(get_arch_config(self.hf_config, engine.model.model_impl))
+        return max(1, min(engine.model.max_model_len or context, context))
+
+    def _step_tokens_at_most(self) -> int:
+        """The most tokens a step can hold on a GPU, as the engine core fits its budget
+        (engine/validation.fit_max_num_batched_tokens): --max-num-batched-tokens, else the
+        GPU's default; with chunked prefill off and no budget given, a whole prompt of the
+        longest sequence, if that is more."""
+        scheduler = self.config.engine.scheduler
+        tokens = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]
+        if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens is None:
+            tokens = max(tokens, self._longest_prompt())
+        return tokens
+
     def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
         """`num_tokens` of prompts through the model over a one-block scratch cache, with the
         logits of every row. Each prompt is at most the model's context long: a position past
         it would index past the model's position tables (on CUDA an illegal memory access
         that poisons the context, or a device-side assert). Under tensor parallelism every
         rank must run it."""
-        engine = self.config.engine
-        context = model_max_len(get_arch_config(self.hf_config, engine.model.model_impl))
-        longest = max(1, min(engine.model.max_model_len or context, context))
+        longest = self._longest_prompt()
         lens = [longest] * (num_tokens // longest) + [num_tokens % longest] * (
             num_tokens % longest > 0
         )
@@ -452,10 +473,16 @@ class ModelRunner:
         sampled = [seq for row in rows if not _is_beam(row[0]) for seq in row]
         if self.step_sampler is not None:
             assert output is not None and self.pooler is not None
-            prompt = None if prompt_logits is None else prompt_logits.float()
+            # The prompt's rows stay in the model's dtype: token_logprobs converts a few
+            # hundred at a time (a whole chunk's in float32 outgrew the profiled memory).
             sampled_logits = None if logits is None else logits.float()
             self.step_sampler.sample(
-                sampled_logits, rows, prompt, inputs.prompt_spans, output, inputs.draft_token_ids
+                sampled_logits,
+                rows,
+                prompt_logits,
+                inputs.prompt_spans,
+                output,
+                inputs.draft_token_ids,
             )
             if inputs.pool_spans:  # timed with sampling: the driver's work after the forward
                 pool_start = time.perf_counter()

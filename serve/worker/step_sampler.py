@@ -91,7 +91,7 @@ class StepSampler:
         self,
         logits: torch.Tensor | None,  # [num_sampled, vocab] float32, row i rows[i]'s (or none)
         rows: list[list[MirroredSequence]],  # per logits row: who samples it (forks share one)
-        prompt_logits: torch.Tensor | None,  # [sum of span counts, vocab]
+        prompt_logits: torch.Tensor | None,  # [sum of span counts, vocab], the model dtype
         prompt_spans: list[PromptSpan],
         output: ModelRunnerOutput,
         drafts: list[list[int]] | None = None,

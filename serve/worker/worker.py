@@ -95,15 +95,31 @@ class Worker:
 
     def determine_num_blocks(self) -> tuple[int, int]:
         assert self.model_runner is not None
+        self._make_device_current()
         return self.model_runner.determine_num_blocks()
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         assert self.model_runner is not None
+        self._make_device_current()
         self.model_runner.initialize_cache(num_blocks, num_cpu_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         assert self.model_runner is not None
+        self._make_device_current()
         return self.model_runner.execute_model(scheduler_output)
+
+    def _make_device_current(self) -> None:
+        """Triton launches a kernel on the calling thread's current CUDA device, not on its
+        tensors' (torch's ops follow the tensors). A step may run on another thread than
+        the one that built the engine (AsyncEngine's loop), and another engine in the
+        process may have made another GPU current: on a wrong device a kernel reads another
+        GPU's addresses (an illegal memory access) or runs unordered with torch's ops."""
+        assert self.model_runner is not None
+        device = self.model_runner.device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
 
     def shutdown(self) -> None:
         if self.config.world_size > 1:

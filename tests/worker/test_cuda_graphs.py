@@ -45,6 +45,37 @@ def test_only_native_models_on_one_cuda_rank_on_triton_are_captured():
     assert "transformers" in ineligibility("transformers", 1, cuda)
 
 
+@pytest.mark.parametrize(
+    ("family", "quantized", "reader"),
+    [
+        ("llama", False, None),
+        ("mixtral", False, None),  # the fused MoE kernel routes on the device
+        ("mixtral", True, "model.layers.0.mlp.experts"),
+        ("gpt-oss", False, "model.layers.0.mlp.experts"),
+    ],
+)
+def test_models_whose_experts_run_one_at_a_time_decode_eagerly(
+    tiny_model_factory, tmp_path, family, quantized, reader
+):
+    """Experts that run one at a time (GPT-OSS's; a quantized checkpoint's) count each
+    expert's rows on the host every step, which a CUDA graph capture refuses: such a model
+    failed to start on a GPU with the default --cuda-graphs. Its decode steps run eagerly,
+    with the reason logged."""
+    from quantized_models import quantize_checkpoint
+
+    model_dir = tiny_model_factory(family)
+    if quantized:
+        model_dir, _ = quantize_checkpoint(model_dir, tmp_path, "gptq")
+    llm = LLM(model=str(model_dir), device="cpu", kv_cache_memory="4MiB")
+    model = llm.engine.executor.worker.model_runner.model
+    reason = ineligibility("native", 1, torch.device("cuda", 0), model)
+    if reader is None:
+        assert reason is None
+    else:
+        assert reason is not None and reason.startswith(reader) and "host" in reason
+    llm.shutdown()
+
+
 def test_the_reference_backend_is_not_captured(monkeypatch):
     monkeypatch.setenv(backend.BACKEND_ENV_VAR, "reference")
     backend.ops_for.cache_clear()

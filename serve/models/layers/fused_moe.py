@@ -89,6 +89,12 @@ class FusedMoE(nn.Module):
 
         self.quantized = False
 
+    @property
+    def reads_host(self) -> bool:
+        """Quantized experts run one at a time (`routed_experts`), sized on the host from
+        each step's routing: a CUDA graph cannot capture that (cuda_graphs.host_reader)."""
+        return self.quantized
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
