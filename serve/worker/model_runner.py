@@ -14,6 +14,7 @@ forward pass, and (on the driver) the step's sampled tokens.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -306,8 +307,7 @@ class ModelRunner:
             logger.info("Decode steps run eagerly, not as CUDA graphs, because %s.", reason)
             return None
         # The engine's max_model_len, as the engine core fits it (and refuses one longer).
-        limit = min(model_max_len(arch), num_blocks * self.block_size)
-        longest = min(engine.model.max_model_len or limit, limit)
+        longest = min(self._longest_prompt(), num_blocks * self.block_size)
         max_batch = min(engine.scheduler.max_num_seqs, MAX_CAPTURED_BATCH)
         graphs = DecodeGraphs(
             self.model,
@@ -383,16 +383,13 @@ class ModelRunner:
         )
         dummy = self.kv.attach_cache(self.model, 1, self.block_size, self.device)
         layers = attention_layers(self.model)
-        starts = [0]
-        for n in lens:
-            starts.append(starts[-1] + n)
         meta = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
             block_tables=torch.zeros(
                 (len(lens), -(-longest // self.block_size)), dtype=torch.long, device=self.device
             ),
             seq_lens=torch.tensor(lens, device=self.device),
-            query_start_loc=torch.tensor(starts, device=self.device),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(lens)], device=self.device),
             seq_lens_cpu=lens,
             query_lens_cpu=list(lens),
             num_decode_seqs=0,

@@ -22,14 +22,10 @@ namespace {
 // bfloat16; more run in oneDNN: serve/kernels/cpu/__init__.py `NATIVE_MAX_ROWS`).
 constexpr int64_t kMaxRows = 4;
 
-// The weights a register at a time, widened to float32 (bfloat16: the upper half of a
-// float's bits).
-typedef uint16_t uint16v __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+// The weights a register at a time, widened to float32.
 inline floatv load_weights(const float* p) { return loadv(p); }
 inline floatv load_weights(const at::BFloat16* p) {
-  uint16v h;
-  __builtin_memcpy(&h, p, sizeof(h));
-  return (floatv)(__builtin_convertvector(h, intv) << 16);
+  return loadv_bf16(reinterpret_cast<const uint16_t*>(p));
 }
 
 // Float32 x and accumulators; the weights float32 or bfloat16 (widened as they stream in,
