@@ -225,7 +225,7 @@ class LlamaModel(nn.Module):
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         stack = self._native_stack()
-        if stack is not None and stack.takes(x):  # one or two tokens on CPU: one native call
+        if stack is not None and stack.takes(x):  # on CPU: the layers in one native call
             x, residual = stack(positions, x)
         else:
             for layer in self.layers:

@@ -1,11 +1,12 @@
-"""Llama-style decoder layers run as one native call on CPU, for steps of one or two tokens.
+"""Llama-style decoder layers run as one native call on CPU.
 
-At such a step every linear is a pass over its weights through the few-row native kernel,
-and the rest of a layer (two norms, rotary, the cache write, attention, the activation)
-is cheap to compute but not to call: ~10 ops a layer from Python, each through a module,
-the kernel interface and the dispatcher, were 3-5 ms of the default model's 14-21 ms step.
-`serve_cpu::decoder_layers` (kernels/cpu/csrc/decoder.cpp) runs the same kernels in the
-same order from C++, so a step's output is the Python loop's bit for bit.
+A layer is ~10 ops from Python, each through a module, the kernel interface and the
+dispatcher. At a step of one or two tokens (every linear a pass over its weights through
+the few-row native kernel) those calls were 3-5 ms of the default model's 14-21 ms step;
+at a decode step of 64 rows, ~7% of it. `serve_cpu::decoder_layers`
+(kernels/cpu/csrc/decoder.cpp) runs the same kernels in the same order from C++ (the
+linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
+`serve.kernels.cpu.linear` runs them), so a step's output is the Python loop's bit for bit.
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
 Qwen2, Mistral, SmolLM, ...) with RMSNorm, a plain rotary embedding, SiLU-gated MLP, no
@@ -49,6 +50,7 @@ class NativeLayerStack:
 
     layers: list[nn.Module]  # LlamaDecoderLayer
     weights: list[torch.Tensor | None]
+    linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what oneDNN packs
     cos_sin_caches: list[torch.Tensor]
     is_neox_style: bool
     scales: list[float]
@@ -63,7 +65,9 @@ class NativeLayerStack:
         """Whether this step's hidden states [T, hidden] go through the stack."""
         return (
             x.dim() == 2
-            and 1 <= x.shape[0] <= NATIVE_MAX_ROWS  # the loop's linears run the few-row kernel
+            and x.shape[0] >= 1
+            # the loop's linears run the few-row kernel, or oneDNN on packed weights
+            and (x.shape[0] <= NATIVE_MAX_ROWS or cpu.weights_packed(self.dtype))
             and x.dtype == self.dtype
             and x.device.type == "cpu"
             and all(layer.self_attn.attn.kv_cache is not None for layer in self.layers)
@@ -76,10 +80,14 @@ class NativeLayerStack:
         """(x, residual) after the last layer, as the loop leaves them."""
         meta = get_forward_context()
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        packed = []  # none: every linear runs the few-row kernel
+        if x.shape[0] > NATIVE_MAX_ROWS:
+            packed = [cpu.onednn_weight(w) for w in self.linear_weights]
         return torch.ops.serve_cpu.decoder_layers(
             x.contiguous(),
             positions,
             self.weights,
+            packed,
             [k for k, _ in caches],
             [v for _, v in caches],
             self.cos_sin_caches,
@@ -109,6 +117,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     if ops_for(torch.device("cpu")) is not cpu:  # SERVE_KERNEL_BACKEND=reference: its ops
         return None
     weights: list[torch.Tensor | None] = []
+    linear_weights: list[torch.Tensor] = []
     eps: set[float] = set()
     attention_shapes: set[tuple[int, int, int]] = set()
     neox: set[bool] = set()
@@ -149,6 +158,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
             return None
         if any(lin.packed_weight is not None for lin in linears):  # a quantized checkpoint
             return None
+        linear_weights.extend(lin.weight for lin in linears)
         for norm, linear_pair in zip(norms, (linears[:2], linears[2:]), strict=True):
             weights.append(norm.weight)
             for lin in linear_pair:
@@ -171,6 +181,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     return NativeLayerStack(
         list(layers),
         weights,
+        linear_weights,
         cos_sin,
         neox.pop(),
         scales,

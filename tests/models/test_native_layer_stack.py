@@ -1,7 +1,8 @@
-"""The native layer stack: a Llama-style model's layers in one C++ call at steps of one or
-two tokens on CPU. It must change nothing a user sees: the same tokens and the same
-logprobs, bit for bit, as the per-layer Python loop, and it must leave alone every model
-whose layers compute something it does not."""
+"""The native layer stack: a Llama-style model's layers in one C++ call on CPU, at steps of
+one or two tokens (the few-row linear) and of more (oneDNN's packed weights). It must
+change nothing a user sees: the same tokens and the same logprobs, bit for bit, as the
+per-layer Python loop, and it must leave alone every model whose layers compute something
+it does not."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from tiny_models import random_prompts
 
 from serve import LLM, SamplingParams
+from serve.kernels import cpu
 from serve.kernels.backend import BACKEND_ENV_VAR, ops_for
 from serve.models.native_layer_stack import ENV_VAR, NativeLayerStack, build_layer_stack
 
@@ -38,12 +40,17 @@ def stack_calls(monkeypatch):
     return calls
 
 
+PROMPTS = random_prompts(VOCAB, 8, 5, 40, seed=11)
+# Two prompts decoding together (two-row steps), one alone (one-row steps), then five
+# (five-row steps: oneDNN's linears); each run's prompts are one step of their summed length.
+RUNS = [PROMPTS[:2], PROMPTS[2:3], PROMPTS[3:]]
+MAX_TOKENS = 10
+
+
 def _decode(llm: LLM) -> list:
-    """Two prompts decoding together (two-row steps), then one alone (one-row steps):
-    each sequence's tokens, top-3 logprobs at every step, and cumulative logprob."""
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
-    prompts = random_prompts(VOCAB, 3, 5, 40, seed=11)
-    runs = [prompts[:2], prompts[2:]]
+    """Each sequence's tokens, top-3 logprobs at every step, and cumulative logprob."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+    runs = RUNS
     results = []
     for batch in runs:
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -70,9 +77,29 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     monkeypatch.delenv(ENV_VAR)
     with LLM(model=model_dir, **engine) as llm:
         stacked = _decode(llm)
-    # Every decode step (9 after each first token) went through the stack, at its rows.
-    assert stack_calls.count(2) == 9 and stack_calls.count(1) == 9, stack_calls
+    # Every step went through the stack at its rows: each run's prompts, then its decode
+    # steps (9 after the first tokens).
+    expected = []
+    for run in RUNS:
+        expected += [sum(map(len, run))] + [len(run)] * (MAX_TOKENS - 1)
+    assert stack_calls == expected
     assert stacked == looped
+
+
+def test_without_packed_weights_the_stack_takes_only_few_row_steps(
+    tiny_model_factory, monkeypatch, stack_calls
+):
+    """`SERVE_CPU_PREPACK=0`: the loop's linears from three rows are torch's, not oneDNN's
+    packed ones, which the stack has no other way to run."""
+    monkeypatch.setenv(cpu.PREPACK_ENV_VAR, "0")
+    cpu.prepack_enabled.cache_clear()
+    try:
+        with LLM(model=str(tiny_model_factory("llama")), **ENGINE) as llm:
+            _decode(llm)
+    finally:
+        monkeypatch.delenv(cpu.PREPACK_ENV_VAR)
+        cpu.prepack_enabled.cache_clear()
+    assert stack_calls == [2] * (MAX_TOKENS - 1) + [1] * (MAX_TOKENS - 1)
 
 
 @pytest.mark.parametrize(

@@ -190,7 +190,7 @@ def weights_packed(dtype: torch.dtype) -> bool:
     return dtype in _PACKABLE and prepack_enabled()
 
 
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` in oneDNN's layout, reordered on first use and again whenever the weight is
     written in place (its version counter moves); None where it cannot be. Writes through
     `.data`, as the weight loaders make, are not seen: models load before their first
@@ -243,7 +243,7 @@ def linear(
         out = x.new_empty(rows, weight.shape[0])
         torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
         return out
-    packed = _packed_weight(weight)
+    packed = onednn_weight(weight)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

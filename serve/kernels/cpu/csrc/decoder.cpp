@@ -1,11 +1,13 @@
-// A stack of Llama-style decoder layers in one call, for steps of one or two tokens.
+// A stack of Llama-style decoder layers in one call.
 //
-// Such a step is a pass over the weights (the few-row linear streams each once), and the
-// ~10 ops a layer cost more from Python than they do to run: their dispatch, wrappers and
-// module calls were 3-5 ms of a 14-21 ms step for the default model. Here the same ops
-// run in the same order on the same tensors, called as C++ functions, so the output is
-// the Python loop's bit for bit (serve/models/native_layer_stack.py decides which models
-// and steps qualify, and holds the contract).
+// The ~10 ops a layer cost more from Python than some of them take to run: their
+// dispatch, wrappers and module calls were 3-5 ms of a 14-21 ms one-token step for the
+// default model, and ~7% of a 64-row decode step. Here the same ops run in the same order
+// on the same tensors, called as C++ functions, so the output is the Python loop's bit for
+// bit (serve/models/native_layer_stack.py decides which models and steps qualify, and
+// holds the contract). The linears run as `serve.kernels.cpu.linear` runs them: the
+// few-row kernel on the weights, or, where the caller passes oneDNN's packed copies (steps
+// of more rows), oneDNN's `_linear_pointwise` on those.
 //
 // A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); rotate q and k;
 // write k, v into the layer's cache; attend; x = o W_o^T + b; h = rms_norm(x + residual);
@@ -13,6 +15,7 @@
 // layer in that order, the biases None where the model has none.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -27,8 +30,26 @@ namespace {
 // input norm, qkv W, qkv b, o W, o b, post-attention norm, gate_up W, gate_up b, down W, down b
 constexpr int64_t kWeightsPerLayer = 10;
 
+// Per layer: qkv, o, gate_up, down.
+constexpr int64_t kLinearsPerLayer = 4;
+
+// oneDNN's linear on a weight `torch.ops.mkldnn._reorder_linear_weight` packed, as Python
+// calls it (no post-op, no algorithm).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& packed) {
+  if (packed.has_value()) return onednn_linear(x, *packed, bias);
   TORCH_CHECK(weight.has_value(), "a linear layer without its weight");
   at::Tensor out = at::empty({x.size(0), weight->size(0)}, x.options());
   ops::linear_few_rows(out, x, *weight, bias);
@@ -36,9 +57,11 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x_in, const at::Tensor& positions, const c10::List<std::optional<at::Tensor>>& weights,
-    at::TensorList key_caches, at::TensorList value_caches, at::TensorList cos_sin_caches,
-    bool is_neox_style, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& x_in, const at::Tensor& positions,
+    const c10::List<std::optional<at::Tensor>>& weights,
+    const c10::List<std::optional<at::Tensor>>& packed_weights, at::TensorList key_caches,
+    at::TensorList value_caches, at::TensorList cos_sin_caches, bool is_neox_style,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
     at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double eps) {
@@ -50,6 +73,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                   static_cast<int64_t>(scales.size()) == num_layers &&
                   static_cast<int64_t>(sliding_windows.size()) == num_layers,
               "decoder_layers: one cache pair, rotary cache, scale and window a layer");
+  const bool packed = !packed_weights.empty();
+  TORCH_CHECK(
+      !packed || static_cast<int64_t>(packed_weights.size()) == num_layers * kLinearsPerLayer,
+      "decoder_layers: no packed weights, or ", kLinearsPerLayer, " a layer");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x: [T, hidden], contiguous");
   const int64_t tokens = x_in.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -57,13 +84,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   std::optional<at::Tensor> residual;  // the first layer's input is the residual
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const auto w = [&](int64_t i) { return weights.get(layer * kWeightsPerLayer + i); };
+    const auto p = [&](int64_t i) -> std::optional<at::Tensor> {
+      if (!packed) return std::nullopt;
+      return packed_weights.get(layer * kLinearsPerLayer + i);
+    };
     // The input norm, adding the residual from the second layer on.
     at::Tensor h = at::empty_like(x);
     at::Tensor total = residual.has_value() ? at::empty_like(x) : x;
     ops::rms_norm(h, total, x, residual, *w(0), eps);
     residual = total;
 
-    const at::Tensor qkv = linear(h, w(1), w(2));  // [T, q_size + 2 kv_size]
+    const at::Tensor qkv = linear(h, w(1), w(2), p(0));  // [T, q_size + 2 kv_size]
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
@@ -78,17 +109,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     ops::paged_attention(attended, q_rot, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, scales[layer], std::nullopt, sliding_windows[layer],
                          0.0, std::nullopt);
-    const at::Tensor o = linear(attended.view({tokens, q_size}), w(3), w(4));
+    const at::Tensor o = linear(attended.view({tokens, q_size}), w(3), w(4), p(1));
 
     at::Tensor h2 = at::empty_like(o);
     at::Tensor total2 = at::empty_like(o);
     ops::rms_norm(h2, total2, o, residual, *w(5), eps);
     residual = total2;
 
-    const at::Tensor gate_up = linear(h2, w(6), w(7));
+    const at::Tensor gate_up = linear(h2, w(6), w(7), p(2));
     at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
     ops::silu_and_mul(act, gate_up);
-    x = linear(act, w(8), w(9));
+    x = linear(act, w(8), w(9), p(3));
   }
   TORCH_CHECK(residual.has_value(), "decoder_layers: no layers");
   return {x, *residual};
@@ -98,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 
 TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
   m.def(
-      "decoder_layers(Tensor x, Tensor positions, Tensor?[] weights, "
+      "decoder_layers(Tensor x, Tensor positions, Tensor?[] weights, Tensor?[] packed_weights, "
       "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] cos_sin_caches, "
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
@@ -107,5 +138,8 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
+// oneDNN's packed weights are tensors of the MkldnnCPU backend: a call that carries them
+// dispatches there.
+TORCH_LIBRARY_IMPL(serve_cpu, MkldnnCPU, m) { m.impl("decoder_layers", &decoder_layers); }
 
 }  // namespace serve_cpu
