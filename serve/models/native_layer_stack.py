@@ -9,8 +9,8 @@ linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
 `serve.kernels.cpu.linear` runs them), so a step's output is the Python loop's bit for bit.
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
-Qwen2, Mistral, SmolLM, ...) with RMSNorm, a plain rotary embedding, SiLU-gated MLP, no
-q/k norms, no ALiBi, no soft-cap, no attention sinks, no residual multiplier, one rank,
+Qwen2, Mistral, SmolLM, Qwen3's q/k norms, ...) with RMSNorm, a plain rotary embedding,
+SiLU-gated MLP, no ALiBi, no soft-cap, no attention sinks, no residual multiplier, one rank,
 float32 or bfloat16, and the native kernels built. Everything else runs the loop.
 `SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
 """
@@ -51,6 +51,7 @@ class NativeLayerStack:
     layers: list[nn.Module]  # LlamaDecoderLayer
     weights: list[torch.Tensor | None]
     linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what oneDNN packs
+    qk_norm_weights: list[torch.Tensor]  # q norm, k norm a layer (Qwen3), or none
     cos_sin_caches: list[torch.Tensor]
     is_neox_style: bool
     scales: list[float]
@@ -88,6 +89,7 @@ class NativeLayerStack:
             positions,
             self.weights,
             packed,
+            self.qk_norm_weights,
             [k for k, _ in caches],
             [v for _, v in caches],
             self.cos_sin_caches,
@@ -118,6 +120,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         return None
     weights: list[torch.Tensor | None] = []
     linear_weights: list[torch.Tensor] = []
+    qk_norm_weights: list[torch.Tensor] = []
     eps: set[float] = set()
     attention_shapes: set[tuple[int, int, int]] = set()
     neox: set[bool] = set()
@@ -131,7 +134,8 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
             return None
         if any(type(norm) is not RMSNorm for norm in norms):
             return None
-        if attn.q_norm is not None or attn.k_norm is not None:
+        head_norms = [norm for norm in (attn.q_norm, attn.k_norm) if norm is not None]
+        if head_norms and (len(head_norms) != 2 or any(type(n) is not RMSNorm for n in head_norms)):
             return None
         if type(attn.rotary_emb) is not RotaryEmbedding:
             return None
@@ -163,7 +167,8 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
             weights.append(norm.weight)
             for lin in linear_pair:
                 weights.extend((lin.weight, lin.bias))
-        eps.update(norm.eps for norm in norms)
+        qk_norm_weights.extend(norm.weight for norm in head_norms)
+        eps.update(norm.eps for norm in (*norms, *head_norms))
         attention_shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         neox.add(attn.rotary_emb.is_neox_style)
         cos_sin.append(table)
@@ -171,8 +176,10 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         windows.append(int(inner.sliding_window or 0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1:
         return None
+    if qk_norm_weights and len(qk_norm_weights) != 2 * len(layers):  # some layers without
+        return None
     dtype = weights[0].dtype
-    tensors = [w for w in weights if w is not None]
+    tensors = [w for w in weights if w is not None] + qk_norm_weights
     if dtype not in _DTYPES or any(w.dtype != dtype or not w.is_contiguous() for w in tensors):
         return None
     if any(w.device.type != "cpu" for w in tensors) or not native.available():
@@ -182,6 +189,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         list(layers),
         weights,
         linear_weights,
+        qk_norm_weights,
         cos_sin,
         neox.pop(),
         scales,

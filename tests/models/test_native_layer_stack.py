@@ -61,12 +61,12 @@ def _decode(llm: LLM) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     tiny_model_factory, monkeypatch, stack_calls, arch, dtype
 ):
-    """Llama (tied head), Qwen2 (QKV biases) and Mistral (a sliding window of 12, which
-    the 40-token prompts cross), in both CPU dtypes."""
+    """Llama (tied head), Qwen2 (QKV biases), Mistral (a sliding window of 12, which the
+    40-token prompts cross) and Qwen3 (each head's q and k normed), in both CPU dtypes."""
     model_dir = str(tiny_model_factory(arch))
     engine = {**ENGINE, "dtype": dtype}
     monkeypatch.setenv(ENV_VAR, "0")
@@ -105,7 +105,6 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
 @pytest.mark.parametrize(
     "arch",
     [
-        "qwen3",  # q/k norms
         "granite",  # residual multiplier
         "mixtral",  # a sparse MoE block for an MLP
         "gemma2",  # its own layers: soft-caps, norms around each block

@@ -9,10 +9,12 @@
 // few-row kernel on the weights, or, where the caller passes oneDNN's packed copies (steps
 // of more rows), oneDNN's `_linear_pointwise` on those.
 //
-// A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); rotate q and k;
+// A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
+// rms_norm'd per head where the model has q/k norms (Qwen3); rotate q and k;
 // write k, v into the layer's cache; attend; x = o W_o^T + b; h = rms_norm(x + residual);
 // x = silu_and_mul(h W_gu^T + b) W_down^T + b. `weights` holds kWeightsPerLayer entries a
-// layer in that order, the biases None where the model has none.
+// layer in that order, the biases None where the model has none; `qk_norm_weights` the q
+// and k norms' weights a layer, or nothing.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -32,6 +34,15 @@ constexpr int64_t kWeightsPerLayer = 10;
 
 // Per layer: qkv, o, gate_up, down.
 constexpr int64_t kLinearsPerLayer = 4;
+
+// RMSNorm over each head's [head_dim] row, as the loop's `norm(t.reshape(-1, head_dim))`:
+// a contiguous copy of the strided heads, normed into a new tensor of their shape.
+at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double eps) {
+  const at::Tensor rows = heads.reshape({-1, heads.size(2)});
+  at::Tensor out = at::empty_like(rows);
+  ops::rms_norm(out, out, rows, std::nullopt, weight, eps);
+  return out.view(heads.sizes());
+}
 
 // oneDNN's linear on a weight `torch.ops.mkldnn._reorder_linear_weight` packed, as Python
 // calls it (no post-op, no algorithm).
@@ -59,7 +70,8 @@ at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& x_in, const at::Tensor& positions,
     const c10::List<std::optional<at::Tensor>>& weights,
-    const c10::List<std::optional<at::Tensor>>& packed_weights, at::TensorList key_caches,
+    const c10::List<std::optional<at::Tensor>>& packed_weights, at::TensorList qk_norm_weights,
+    at::TensorList key_caches,
     at::TensorList value_caches, at::TensorList cos_sin_caches, bool is_neox_style,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
@@ -77,6 +89,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   TORCH_CHECK(
       !packed || static_cast<int64_t>(packed_weights.size()) == num_layers * kLinearsPerLayer,
       "decoder_layers: no packed weights, or ", kLinearsPerLayer, " a layer");
+  const bool qk_norm = !qk_norm_weights.empty();
+  TORCH_CHECK(!qk_norm || static_cast<int64_t>(qk_norm_weights.size()) == num_layers * 2,
+              "decoder_layers: no q/k norms, or two a layer");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x: [T, hidden], contiguous");
   const int64_t tokens = x_in.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
@@ -95,10 +110,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     residual = total;
 
     const at::Tensor qkv = linear(h, w(1), w(2), p(0));  // [T, q_size + 2 kv_size]
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
         qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
+    if (qk_norm) {
+      q = head_norm(q, qk_norm_weights[layer * 2], eps);
+      k = head_norm(k, qk_norm_weights[layer * 2 + 1], eps);
+    }
     at::Tensor q_rot = at::empty(q.sizes(), q.options());
     at::Tensor k_rot = at::empty(k.sizes(), k.options());
     ops::rotary_embedding(q_rot, k_rot, positions, q, k, cos_sin_caches[layer], is_neox_style);
@@ -130,6 +149,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
   m.def(
       "decoder_layers(Tensor x, Tensor positions, Tensor?[] weights, Tensor?[] packed_weights, "
+      "Tensor[] qk_norm_weights, "
       "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] cos_sin_caches, "
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
