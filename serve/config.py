@@ -449,6 +449,20 @@ class CacheConfig:
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cuda": 8192, "cpu": 512}
 
 
+def fit_max_num_batched_tokens(
+    requested: int | None, default: int, max_model_len: int, enable_chunked_prefill: bool
+) -> int:
+    """The step's token budget: --max-num-batched-tokens, else the device's default, which
+    with chunked prefill off grows to hold a whole prompt of max_model_len (a budget given
+    below that is refused: `engine/validation.check_max_num_batched_tokens`). The engine
+    core fits its budget here, and the model runner the step it profiles on a GPU, for the
+    longest max_model_len the core may fit (it fits it once the cache is sized)."""
+    budget = requested or default
+    if enable_chunked_prefill or requested is not None:
+        return budget
+    return max(budget, max_model_len)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """What each step may hold, and how requests give way when the cache is full."""

@@ -96,9 +96,10 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE  # or vLLM's RequestOutputKind (by name)
     _stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
-    # Each bad word's token ids, with and without a leading space (update_from_tokenizer).
-    _bad_words_token_ids: list[list[int]] = field(
-        init=False, repr=False, compare=False, default_factory=list
+    # Each bad word's token ids, with and without a leading space (update_from_tokenizer);
+    # None until tokenized.
+    _bad_words_token_ids: list[list[int]] | None = field(
+        init=False, repr=False, compare=False, default=None
     )
     # A beam search of width 1, run as greedy search: it still reports its score (the
     # cumulative logprob), as every beam search does.
@@ -240,25 +241,36 @@ class SamplingParams:
             *(self.allowed_token_ids or []),
         ]
 
-    def update_from_tokenizer(self, tokenizer: Any) -> None:
-        """Tokenize `bad_words`; the engine calls this when a request arrives. A word is
-        banned in both the forms it takes in a text: at its start and after a space.
-        Idempotent, so one params object may serve many requests."""
-        if not self.bad_words or self._bad_words_token_ids:
+    def update_from_tokenizer(self, tokenizer: Any, vocab_size: int | None = None) -> None:
+        """Tokenize `bad_words`; the engine calls this when a request arrives, with its
+        model's vocabulary size (the logits' width). A word is banned in both the forms it
+        takes in a text: at its start and after a space. A form with a token past the
+        model's vocabulary (a tokenizer larger than the model's embedding) can never be
+        generated, so it is dropped: there is nothing to mask, and masking a token past the
+        logits indexes out of bounds. Idempotent, so one params object may serve many
+        requests."""
+        if not self.bad_words:
             return
-        token_ids: list[list[int]] = []
-        for word in self.bad_words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                ids = list(tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in token_ids:
-                    token_ids.append(ids)
-        self._bad_words_token_ids = token_ids
+        if self._bad_words_token_ids is None:
+            token_ids: list[list[int]] = []
+            for word in self.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = list(tokenizer.encode(text, add_special_tokens=False))
+                    if ids and ids not in token_ids:
+                        token_ids.append(ids)
+            self._bad_words_token_ids = token_ids
+        if vocab_size is not None:  # also for words tokenized before without it
+            self._bad_words_token_ids = [
+                ids for ids in self._bad_words_token_ids if max(ids) < vocab_size
+            ]
 
     @property
     def bad_words_token_ids(self) -> list[list[int]]:
         """The token-id sequences the sampler bans (see `update_from_tokenizer`)."""
-        if self.bad_words and not self._bad_words_token_ids:
-            raise RuntimeError("bad_words are not tokenized: call update_from_tokenizer first.")
+        if self._bad_words_token_ids is None:
+            if self.bad_words:
+                raise RuntimeError("bad_words are not tokenized: call update_from_tokenizer first.")
+            return []
         return self._bad_words_token_ids
 
     @property

@@ -12,7 +12,13 @@ import pytest
 from setting_examples import EXAMPLES, config_fields
 
 from serve import config as serve_config
-from serve.config import EngineConfig, GiB, InvalidSettingError, engine_settings
+from serve.config import (
+    EngineConfig,
+    GiB,
+    InvalidSettingError,
+    engine_settings,
+    fit_max_num_batched_tokens,
+)
 
 
 def test_every_config_field_has_an_example():
@@ -305,3 +311,23 @@ def test_image_settings_read_vllms_forms(tmp_path):
     assert EngineConfig.create(allowed_local_media_path=str(tmp_path)).multimodal
     with pytest.raises(InvalidSettingError, match="must be an existing directory"):
         EngineConfig.create(allowed_local_media_path=str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize(
+    ("requested", "max_model_len", "chunked", "budget"),
+    [
+        (None, 4096, True, 512),  # the device's default
+        (None, 4096, False, 4096),  # unchunked: a whole prompt of max_model_len
+        (None, 64, False, 512),
+        (100, 4096, True, 100),
+        (100, 64, False, 100),
+        # Below max_model_len unchunked: the engine refuses it, but only once it has fitted
+        # max_model_len to the cache (maybe to 100 or less); the model runner, profiling a
+        # step before that, takes the budget as given.
+        (100, 4096, False, 100),
+    ],
+)
+def test_the_step_budget_is_the_flag_else_the_default_grown_to_a_whole_prompt(
+    requested, max_model_len, chunked, budget
+):
+    assert fit_max_num_batched_tokens(requested, 512, max_model_len, chunked) == budget

@@ -199,6 +199,33 @@ def test_stop_token_ids_none_becomes_empty_list():
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
 
 
+class _WordTokenizer:
+    """`sea` is three tokens, ` sea` one; `bay` one token either way."""
+
+    ids = {"sea": [85, 71, 67], " sea": [393], "bay": [70], " bay": [70]}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.ids[text]
+
+
+def test_bad_words_past_the_models_vocabulary_are_dropped():
+    """A tokenizer may be larger than the model's vocabulary: a form of a bad word with a
+    token past the logits can never be generated, and masking it indexed past them."""
+    params = SamplingParams(bad_words=["sea", "bay"])
+    params.update_from_tokenizer(_WordTokenizer(), vocab_size=256)
+    assert params.bad_words_token_ids == [[85, 71, 67], [70]]
+
+    tokenized_before = SamplingParams(bad_words=["sea"])
+    tokenized_before.update_from_tokenizer(_WordTokenizer())  # as a vLLM script may
+    assert tokenized_before.bad_words_token_ids == [[85, 71, 67], [393]]
+    tokenized_before.update_from_tokenizer(_WordTokenizer(), vocab_size=256)  # the engine's
+    assert tokenized_before.bad_words_token_ids == [[85, 71, 67]]
+
+    none_left = SamplingParams(bad_words=["sea"])
+    none_left.update_from_tokenizer(_WordTokenizer(), vocab_size=80)
+    assert none_left.bad_words_token_ids == []  # tokenized: nothing to ban
+
+
 @pytest.mark.parametrize(
     ("kwargs", "needs"),
     [

@@ -21,16 +21,21 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from serve.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from serve.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+    fit_max_num_batched_tokens,
+)
 from serve.engine.lora_check import AdapterChecker
 from serve.engine.multimodal import image_layout
+from serve.engine.protocol import EngineDeadError
 from serve.engine.validation import (
     check_gpu_count,
+    check_max_num_batched_tokens,
     check_params,
     check_priority,
     check_token_ids,
     fit_max_model_len,
-    fit_max_num_batched_tokens,
 )
 from serve.executor.base import DEFAULT_WORKER_CLASS, Executor
 from serve.kv_cache.block_manager import BlockManager
@@ -121,6 +126,11 @@ class EngineCore:
                 self.max_model_len,
                 config.scheduler.enable_chunked_prefill,
             )
+            check_max_num_batched_tokens(
+                self.max_num_batched_tokens,
+                self.max_model_len,
+                config.scheduler.enable_chunked_prefill,
+            )
             self.block_manager = BlockManager(
                 num_blocks,
                 block_size,
@@ -154,6 +164,7 @@ class EngineCore:
         self._helper = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="engine-helper"
         )
+        self.is_shut_down = False
         model_dtype = dtype_name(resolve_dtype(config.model.dtype, hf_config, device, log=False))
         logger.info(
             "Model %s (%s) in %s on %s, tensor parallel size %d (%s); KV cache (%s): %d blocks x "
@@ -194,6 +205,11 @@ class EngineCore:
         """Queue a request (ValueError if it is invalid). One with a grammar joins the
         scheduler's queue once its grammar has compiled. `mm_inputs`: its prompt's images,
         processed (`engine/multimodal.py`)."""
+        if self.is_shut_down:
+            raise EngineDeadError(
+                "The engine was shut down, its model and KV cache freed: start a new one "
+                "(a new LLM) to run more requests."
+            )
         self.check_token_ids(prompt_token_ids, "Prompt token ids")
         self.check_params(params)
         self.adapters.check(lora_request)
@@ -251,7 +267,7 @@ class EngineCore:
                 )
 
     def check_params(self, params: SamplingParams) -> None:
-        params.update_from_tokenizer(self.tokenizer)  # its bad words, which the check reads
+        params.update_from_tokenizer(self.tokenizer, self.vocab_size)  # bad words, for the check
         check_params(
             params,
             self.vocab_size,
@@ -332,7 +348,9 @@ class EngineCore:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Stop the workers. Idempotent."""
+        """Stop the workers (an in-process one frees the model and the KV cache); requests
+        are refused from now on. Idempotent."""
+        self.is_shut_down = True
         self._helper.shutdown(wait=True)
         self.scheduler.policy.close()
         self.executor.shutdown()

@@ -112,7 +112,7 @@ class EngineCoreClient(EngineFrontEnd):
         check_token_ids(token_ids, self.vocab_size, what)
 
     def check_params(self, params: SamplingParams) -> None:
-        params.update_from_tokenizer(self.tokenizer)  # its bad words, which the check reads
+        params.update_from_tokenizer(self.tokenizer, self.vocab_size)  # bad words, for the check
         check_params(params, self.vocab_size, self.max_logprobs, self.pooling, self.eos_token_ids)
 
     async def check_lora(self, lora: LoRARequest) -> None:

@@ -132,24 +132,18 @@ def fit_max_model_len(
     return model_limit
 
 
-def fit_max_num_batched_tokens(
-    requested: int | None, default: int, max_model_len: int, enable_chunked_prefill: bool
-) -> int:
-    """The step's token budget. Unchunked, a prompt runs whole in one step: a step must
-    hold the longest one."""
-    budget = requested or default
-    if enable_chunked_prefill:
-        return budget
-    if requested is None:
-        return max(budget, max_model_len)
-    if budget < max_model_len:
+def check_max_num_batched_tokens(
+    budget: int, max_model_len: int, enable_chunked_prefill: bool
+) -> None:
+    """Unchunked, a prompt runs whole in one step: a step must hold the longest one. The
+    budget is `config.fit_max_num_batched_tokens`'s."""
+    if not enable_chunked_prefill and budget < max_model_len:
         raise ValueError(
             f"max_num_batched_tokens={budget} is less than max_model_len={max_model_len}: "
             "with chunked prefill off a prompt is computed whole in one step, so a long one "
             f"could never run. Raise --max-num-batched-tokens to at least {max_model_len}, "
             "lower --max-model-len, or turn chunked prefill on (--enable-chunked-prefill)."
         )
-    return budget
 
 
 def check_gpu_count(tensor_parallel_size: int, num_gpus: int) -> None:

@@ -28,6 +28,7 @@ from serve.config import (
     EngineConfig,
     GiB,
     available_memory_bytes,
+    fit_max_num_batched_tokens,
 )
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
 from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
@@ -361,15 +362,16 @@ class ModelRunner:
         return max(1, min(engine.model.max_model_len or context, context))
 
     def _step_tokens_at_most(self) -> int:
-        """The most tokens a step can hold on a GPU, as the engine core fits its budget
-        (engine/validation.fit_max_num_batched_tokens): --max-num-batched-tokens, else the
-        GPU's default; with chunked prefill off and no budget given, a whole prompt of the
-        longest sequence, if that is more."""
+        """The most tokens a step can hold on a GPU: the engine core's budget, fitted for
+        the longest sequence it may allow (it may fit max_model_len shorter, to the cache
+        or a draft model, once this profile has sized the cache)."""
         scheduler = self.config.engine.scheduler
-        tokens = scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"]
-        if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens is None:
-            tokens = max(tokens, self._longest_prompt())
-        return tokens
+        return fit_max_num_batched_tokens(
+            scheduler.max_num_batched_tokens,
+            DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"],
+            self._longest_prompt(),
+            scheduler.enable_chunked_prefill,
+        )
 
     def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
         """`num_tokens` of prompts through the model over a one-block scratch cache, with the

@@ -15,6 +15,7 @@ order. Nothing here decides who runs: the SchedulerOutput says, the worker compu
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -122,6 +123,17 @@ class Worker:
             torch.cuda.set_device(device)
 
     def shutdown(self) -> None:
+        """Let the model runner go (the model, the KV cache, the CUDA graphs) and leave the
+        process group. Idempotent. With `uniproc` this process outlives the engine (an
+        `LLM` still referenced after `shutdown()`), and a next engine here needs the memory."""
+        runner, self.model_runner = self.model_runner, None
+        is_cuda = runner is not None and runner.device.type == "cuda"
+        del runner  # the last reference to it
+        if is_cuda:
+            import torch
+
+            gc.collect()  # tensors held in reference cycles, then torch's cached blocks
+            torch.cuda.empty_cache()
         if self.config.world_size > 1:
             from serve.distributed.parallel_state import destroy_tensor_parallel
 

@@ -7,6 +7,7 @@ from tiny_models import hf_greedy
 from tqdm import tqdm
 
 from serve import LLM, SamplingParams
+from serve.engine.protocol import EngineDeadError
 from serve.outputs import Logprob
 
 
@@ -433,3 +434,14 @@ def test_beam_search_in_vllms_form(llm):
     with pytest.raises(ValueError, match="must be a LoRARequest"):
         llm.beam_search(prompts, params, lora_request=object())
     assert not llm.has_unfinished_requests()
+
+
+def test_requests_after_shutdown_are_refused_by_name(tiny_llama):
+    """The weights are freed at shutdown; a generate after it said only "cannot schedule
+    new futures after shutdown". A second shutdown does nothing."""
+    llm = LLM(model=str(tiny_llama), num_gpu_blocks_override=64, block_size=4, swap_space=0.001)
+    llm.shutdown()
+    llm.shutdown()
+    with pytest.raises(EngineDeadError, match="The engine was shut down"):
+        llm.generate("The sea is wide", SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

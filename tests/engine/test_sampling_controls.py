@@ -201,3 +201,18 @@ def test_mixed_batch_equals_each_request_alone(llm, prompts):
     order = [3, 0, 5, 2, 4, 1]
     reordered = _tokens(llm, [batch_prompts[i] for i in order], [MIXED[i] for i in order])
     assert reordered == [alone[i] for i in order]
+
+
+def test_a_bad_word_past_the_models_vocabulary_bans_nothing(tiny_model_factory):
+    """The tiny tokenizer has 512 tokens, this model's logits 256. " sea" is token 393: a
+    word the model can never write. Masking it indexed past the logits: the request
+    failed on CPU, and on CUDA a device-side assert ended the engine."""
+    model = tiny_model_factory("llama", vocab_size=256, check_degenerate=False)
+    llm = LLM(model=str(model), num_gpu_blocks_override=64, block_size=4, swap_space=0.001)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.encode(" sea", add_special_tokens=False) == [393]
+    prompt = {"prompt_token_ids": random_prompts(256, 1, 8, 8, seed=3)[0]}
+    base = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    plain = _tokens(llm, [prompt], SamplingParams(**base))
+    assert _tokens(llm, [prompt], SamplingParams(**base, bad_words=["sea"])) == plain
+    llm.shutdown()

@@ -47,3 +47,24 @@ def test_the_profiled_forward_keeps_every_position_inside_the_models_context(
     assert logits.shape[0] == 1300
     assert torch.isfinite(logits).all()
     llm.shutdown()
+
+
+def test_the_profiled_step_is_the_engines_budget_where_the_cache_shortens_the_context(
+    tiny_llama,
+):
+    """Chunked prefill off, --max-num-batched-tokens 64 and a cache of 64 tokens: the
+    engine core fits max_model_len to the cache (64, not the model's 512), so the budget is
+    taken. The GPU profile's step is that budget too, though it runs before the core fits
+    max_model_len, when the longest sequence it knows of is 512 tokens."""
+    llm = LLM(
+        model=str(tiny_llama),
+        device="cpu",
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=64,
+        num_gpu_blocks_override=16,
+        block_size=4,
+        swap_space=0.001,
+    )
+    assert (llm.engine.max_model_len, llm.engine.max_num_batched_tokens) == (64, 64)
+    assert llm.engine.executor.worker.model_runner._step_tokens_at_most() == 64
+    llm.shutdown()
