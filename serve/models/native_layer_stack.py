@@ -10,7 +10,7 @@ linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, ...) with RMSNorm, a plain rotary embedding,
-SiLU-gated MLP, no ALiBi, no soft-cap, no attention sinks, no residual multiplier, one rank,
+SiLU-gated MLP, Granite's residual multiplier, no ALiBi, no soft-cap, no attention sinks, no residual multiplier, one rank,
 float32 or bfloat16, and the native kernels built. Everything else runs the loop.
 `SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
 """
@@ -60,6 +60,7 @@ class NativeLayerStack:
     num_kv_heads: int
     head_dim: int
     eps: float
+    residual_multiplier: float  # each block's output scaled by it (Granite; 1.0 elsewhere)
     dtype: torch.dtype
 
     def takes(self, x: torch.Tensor) -> bool:
@@ -104,6 +105,7 @@ class NativeLayerStack:
             self.num_kv_heads,
             self.head_dim,
             self.eps,
+            self.residual_multiplier,
         )
 
 
@@ -125,9 +127,11 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     attention_shapes: set[tuple[int, int, int]] = set()
     neox: set[bool] = set()
     cos_sin, scales, windows = [], [], []
+    multipliers: set[float] = set()
     for layer in layers:
-        if type(layer) is not LlamaDecoderLayer or layer.residual_multiplier != 1.0:
+        if type(layer) is not LlamaDecoderLayer:
             return None
+        multipliers.add(float(layer.residual_multiplier))
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
@@ -174,7 +178,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         cos_sin.append(table)
         scales.append(float(inner.scale))
         windows.append(int(inner.sliding_window or 0))
-    if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1:
+    if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1 or len(multipliers) != 1:
         return None
     if qk_norm_weights and len(qk_norm_weights) != 2 * len(layers):  # some layers without
         return None
@@ -198,5 +202,6 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         num_kv_heads,
         head_dim,
         eps.pop(),
+        multipliers.pop(),
         dtype,
     )

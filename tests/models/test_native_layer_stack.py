@@ -61,12 +61,13 @@ def _decode(llm: LLM) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "granite"])
 def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     tiny_model_factory, monkeypatch, stack_calls, arch, dtype
 ):
     """Llama (tied head), Qwen2 (QKV biases), Mistral (a sliding window of 12, which the
-    40-token prompts cross) and Qwen3 (each head's q and k normed), in both CPU dtypes."""
+    40-token prompts cross), Qwen3 (each head's q and k normed) and Granite (each block's
+    output scaled by the residual multiplier), in both CPU dtypes."""
     model_dir = str(tiny_model_factory(arch))
     engine = {**ENGINE, "dtype": dtype}
     monkeypatch.setenv(ENV_VAR, "0")
@@ -105,7 +106,6 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
 @pytest.mark.parametrize(
     "arch",
     [
-        "granite",  # residual multiplier
         "mixtral",  # a sparse MoE block for an MLP
         "gemma2",  # its own layers: soft-caps, norms around each block
         "phi3",  # LongRoPE

@@ -12,7 +12,8 @@
 // A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
 // rms_norm'd per head where the model has q/k norms (Qwen3); rotate q and k;
 // write k, v into the layer's cache; attend; x = o W_o^T + b; h = rms_norm(x + residual);
-// x = silu_and_mul(h W_gu^T + b) W_down^T + b. `weights` holds kWeightsPerLayer entries a
+// x = silu_and_mul(h W_gu^T + b) W_down^T + b; each block's x scaled by the residual
+// multiplier where it is not 1 (Granite). `weights` holds kWeightsPerLayer entries a
 // layer in that order, the biases None where the model has none; `qk_norm_weights` the q
 // and k norms' weights a layer, or nothing.
 
@@ -76,7 +77,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
     at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps) {
+    double eps, double residual_multiplier) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights a layer");
@@ -128,7 +129,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     ops::paged_attention(attended, q_rot, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, scales[layer], std::nullopt, sliding_windows[layer],
                          0.0, std::nullopt);
-    const at::Tensor o = linear(attended.view({tokens, q_size}), w(3), w(4), p(1));
+    at::Tensor o = linear(attended.view({tokens, q_size}), w(3), w(4), p(1));
+    if (residual_multiplier != 1.0) o = o.mul(residual_multiplier);  // Granite
 
     at::Tensor h2 = at::empty_like(o);
     at::Tensor total2 = at::empty_like(o);
@@ -139,6 +141,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
     ops::silu_and_mul(act, gate_up);
     x = linear(act, w(8), w(9), p(3));
+    if (residual_multiplier != 1.0) x = x.mul(residual_multiplier);
   }
   TORCH_CHECK(residual.has_value(), "decoder_layers: no layers");
   return {x, *residual};
@@ -154,7 +157,7 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float[] scales, int[] sliding_windows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps) -> (Tensor, Tensor)");
+      "float eps, float residual_multiplier) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
