@@ -9,10 +9,10 @@ linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
 `serve.kernels.cpu.linear` runs them), so a step's output is the Python loop's bit for bit.
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
-Qwen2, Mistral, SmolLM, Qwen3's q/k norms, ...) with RMSNorm, a plain rotary embedding,
-SiLU-gated MLP, Granite's residual multiplier, no ALiBi, no soft-cap, no attention sinks, no residual multiplier, one rank,
-float32 or bfloat16, and the native kernels built. Everything else runs the loop.
-`SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
+Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, ...) with
+RMSNorm, a plain rotary embedding, SiLU-gated MLP, no ALiBi, no soft-cap, no attention
+sinks, one rank, float32 or bfloat16, and the native kernels built. Everything else runs
+the loop. `SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
 """
 
 from __future__ import annotations
