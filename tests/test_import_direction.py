@@ -37,6 +37,7 @@ LEAVES = frozenset(
         "vllm_arguments",
         "lora_request",
         "multimodal_inputs",
+        "process_exit",
     }
 )
 LAYERS = frozenset(
@@ -274,6 +275,11 @@ TORCH_FREE_AT_RUNTIME = [
     "serve.kv_cache.block_pool",
     "serve.kv_cache.block_manager",
     "serve.chat.rendering",
+    # The API process imports these before it spawns the engine core: the core's seconds
+    # of torch, transformers and the model's modules load in the core alone, while the API
+    # process imports its own (core_client.py).
+    "serve.engine.core_client",
+    "serve.engine.core_process",
 ]
 
 _PROBE = """

@@ -22,6 +22,7 @@ from serve.chat.reasoning_parsers import REASONING_PARSERS
 from serve.chat.tool_parsers import TOOL_PARSERS
 from serve.config import InvalidSettingError
 from serve.engine.protocol import EngineStartError
+from serve.process_exit import exit_now
 
 if TYPE_CHECKING:
     from serve.api.served_models import ServedModels
@@ -666,11 +667,18 @@ def main(argv: list[str] | None = None) -> None:
         )
         engine, admission = app.state.engine, app.state.admission
         server = GracefulServer(config, engine, admission, args.shutdown_timeout)
-        server.run(sockets=[sock])
-        if server.engine_died:
-            sys.exit(1)
+        try:
+            server.run(sockets=[sock])
+        except SystemExit as stopped:  # SIGTERM, raised again once uvicorn has shut down
+            code = stopped.code if isinstance(stopped.code, int) else 1
+        except KeyboardInterrupt:
+            code = 130  # Ctrl-C: stopped as asked, no traceback
+        else:
+            code = 1 if server.engine_died else 0
     except KeyboardInterrupt:
-        sys.exit(130)  # Ctrl-C: stopped as asked, no traceback
+        sys.exit(130)
+    # uvicorn and the engine (its lifespan's shutdown) are down: nothing is left to close.
+    exit_now(code)
 
 
 def check_tls_files(args: argparse.Namespace) -> None:
@@ -726,6 +734,16 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     sys.exit(0)
 
 
+def _import_app_code() -> None:
+    """The API's modules (FastAPI, the app, its models: ~1.5 s), imported while the engine
+    core's process loads the model rather than before it starts."""
+    import serve.api.request_log  # noqa: F401
+    import serve.api.served_models  # noqa: F401
+    import serve.api.server  # noqa: F401
+    import serve.engine.image_inputs  # noqa: F401
+    import serve.models.generation_config  # noqa: F401
+
+
 def _load(args: argparse.Namespace):
     from pathlib import Path
 
@@ -745,13 +763,6 @@ def _load(args: argparse.Namespace):
     except OSError as e:
         raise OSError(f"cannot listen on {args.host}:{args.port}: {e}") from None
 
-    from serve.api.request_log import RequestLog
-    from serve.api.served_models import ServedModels
-    from serve.api.server import build_app
-    from serve.api.settings import ServerSettings
-    from serve.engine.image_inputs import ImageInputs
-    from serve.models.generation_config import generation_defaults
-
     if args.disable_frontend_multiprocessing:
         from serve.engine.async_engine import AsyncEngine
 
@@ -759,7 +770,14 @@ def _load(args: argparse.Namespace):
     else:
         from serve.engine.core_client import EngineCoreClient
 
-        engine = EngineCoreClient(config)
+        engine = EngineCoreClient(config, while_core_loads=_import_app_code)
+    from serve.api.request_log import RequestLog
+    from serve.api.served_models import ServedModels
+    from serve.api.server import build_app
+    from serve.api.settings import ServerSettings
+    from serve.engine.image_inputs import ImageInputs
+    from serve.models.generation_config import generation_defaults
+
     model_path = str(engine.model_path)
     names = args.served_model_name or [args.model or Path(model_path).name]
     generation = generation_defaults(

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import signal
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,7 @@ from serve.engine.output_streams import EngineFrontEnd
 from serve.engine.protocol import EngineDeadError, EngineStartError, RequestError
 from serve.engine.validation import check_params, check_token_ids
 from serve.lora_request import LoRARequest
-from serve.models.loader import load_hf_config
-from serve.models.tokenizer import load_tokenizer
 from serve.sampling_params import SamplingParams, StructuredOutputsParams
-from serve.worker.structured_output import LazyStructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +57,12 @@ _STARTUP_ERRORS = {kind.__name__: kind for kind in STARTUP_ERROR_TYPES}
 
 
 class EngineCoreClient(EngineFrontEnd):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, while_core_loads: Callable[[], None] | None = None
+    ) -> None:
+        """Start the core and wait until it is ready. This module imports nothing heavy
+        before the core's process starts; its own (and `while_core_loads`: the caller's
+        imports, say) load while the core loads the model."""
         self._threads: list[threading.Thread] = []  # the receiver and the sender, once ready
         self._core_error: str | None = None  # the cause a dying core sent, if it could
         self._is_stopping = False
@@ -78,8 +81,12 @@ class EngineCoreClient(EngineFrontEnd):
         output_writer.close()
         atexit.register(self.shutdown)  # before multiprocessing's exit hook joins the child
         try:
-            _import_tokenizer_code()  # seconds, spent while the core loads
+            _import_front_end_code()
+            if while_core_loads is not None:
+                while_core_loads()
             ready = self._wait_ready()
+            from serve.models.tokenizer import load_tokenizer
+
             self.tokenizer: Any = load_tokenizer(config.model.tokenizer or ready.model_path)
         except BaseException:
             self.shutdown()
@@ -91,6 +98,9 @@ class EngineCoreClient(EngineFrontEnd):
         self.max_logprobs = ready.max_logprobs
         self.eos_token_ids = ready.eos_token_ids
         self.pooling = ready.pooling
+        from serve.models.loader import load_hf_config
+        from serve.worker.structured_output import LazyStructuredOutput
+
         self._grammars = LazyStructuredOutput(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
         )
@@ -226,8 +236,14 @@ def _exit_cause(process: multiprocessing.process.BaseProcess) -> str:
     return f"exit code {code}"
 
 
-def _import_tokenizer_code() -> None:
+def _import_front_end_code() -> None:
+    """What the client reads once the core is ready (the tokenizer's code, the model's
+    config, the grammar compiler's): seconds of imports, taken while the core loads."""
     from transformers import AutoTokenizer  # noqa: F401
+
+    import serve.models.loader  # noqa: F401
+    import serve.models.tokenizer  # noqa: F401
+    import serve.worker.structured_output  # noqa: F401
 
 
 def _logging_setup() -> tuple[int, str | None]:

@@ -16,7 +16,9 @@ child ignores SIGINT and SIGTERM: Ctrl-C reaches the whole process group, and so
 service manager's SIGTERM (systemd's default), and the parent decides when the core stops
 (Stop once it has drained, or SIGKILL). When the parent dies, its pipe ends close: the
 child's next read or write fails and it exits.
-Nothing here imports FastAPI or the API.
+Nothing here imports FastAPI or the API, and nothing heavy at import: the API process
+imports this module for `run_core_process` before it starts the child, and the model's
+modules (torch, transformers, xgrammar: seconds) load in the child alone.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ import sys
 from multiprocessing.connection import Connection
 
 from serve.config import EngineConfig
-from serve.engine.core import EngineCore
-from serve.engine.core_loop import run_core_loop
 from serve.engine.messages import (
     Command,
     CoreFailed,
@@ -38,6 +38,7 @@ from serve.engine.messages import (
     encode_step,
 )
 from serve.engine.protocol import request_error_message
+from serve.process_exit import exit_now
 from serve.scheduler.output_deltas import RequestDelta
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ def run_core_process(
     logging.basicConfig(level=log_level, **({"format": log_format} if log_format else {}))
 
     try:
+        from serve.engine.core import EngineCore
+        from serve.engine.core_loop import run_core_loop
+
         core = EngineCore(config)
     except BaseException as e:
         kind = next((t for t in STARTUP_ERROR_TYPES if isinstance(e, t)), None)
@@ -106,13 +110,14 @@ def run_core_process(
         outputs.send(ready)
         run_core_loop(core, _PipeCommands(commands), _PipeReplies(outputs))
     except (EOFError, BrokenPipeError, ConnectionResetError):
-        return  # the parent is gone: nobody to serve
+        pass  # the parent is gone: nobody to serve
     except BaseException as e:
         logger.exception("The engine core loop died")
         send_quietly(outputs, CoreFailed(type(e).__name__, repr(e)))
+        core.shutdown()
         sys.exit(1)
-    finally:
-        core.shutdown()  # its workers go with it
+    core.shutdown()  # its workers go with it
+    exit_now(0)  # not the interpreter's teardown: nothing is left to close
 
 
 def send_quietly(conn: Connection, message: object) -> None:

@@ -46,6 +46,7 @@ from serve.executor.messages import (
     decode_command,
     encode,
 )
+from serve.process_exit import exit_now
 from serve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,8 @@ def run_worker_process(args: WorkerProcessArgs) -> None:
         while True:
             command = decode_command(args.commands.recv_bytes())
             reply = runner.run(command)
-            if isinstance(command, Shutdown):
-                return
+            if isinstance(command, Shutdown):  # the worker has let go of what it held
+                exit_now(0)
             if reply is not None:
                 args.replies.send_bytes(encode(reply))
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -54,7 +54,9 @@ def test_sigterm_lets_running_requests_finish(long_context_model, tmp_path):
     args = ("--max-model-len", "4096", "--shutdown-timeout", "120")  # a loaded CI machine
     server = start_server(long_context_model, args, {}, tmp_path)
     try:
-        streams = _start_streams(server, 4, max_tokens=500)
+        # ~3 s of decoding at 4 sequences: still running when the probes below arrive (500
+        # tokens took 0.5-0.9 s, and the probes raced the drain's end)
+        streams = _start_streams(server, 4, max_tokens=2000)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         refused = httpx.post(
@@ -75,7 +77,7 @@ def test_sigterm_lets_running_requests_finish(long_context_model, tmp_path):
     for _, events in streams:
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
-        assert usage["completion_tokens"] == 500  # every stream ran to its end
+        assert usage["completion_tokens"] == 2000  # every stream ran to its end
 
 
 def test_requests_past_the_shutdown_timeout_end_with_an_error(long_context_model, tmp_path):
