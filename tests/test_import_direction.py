@@ -291,14 +291,11 @@ sys.exit(1 if loaded else 0)
 """
 
 
-@pytest.mark.parametrize("module", TORCH_FREE_AT_RUNTIME)
-def test_importing_loads_no_torch(module):
-    if module not in serve_modules():
-        pytest.skip(f"{module} is not written yet")
+def _assert_import_loads_none(module: str, names: set[str]) -> None:
     pythonpath = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": pythonpath}
     result = subprocess.run(
-        [sys.executable, "-c", _PROBE.format(names=set(TORCH_MODULES)), module],
+        [sys.executable, "-c", _PROBE.format(names=names), module],
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
@@ -308,3 +305,15 @@ def test_importing_loads_no_torch(module):
     assert result.returncode == 0, (
         f"`import {module}` loaded {result.stdout.strip() or '(import failed)'}\n{result.stderr}"
     )
+
+
+@pytest.mark.parametrize("module", TORCH_FREE_AT_RUNTIME)
+def test_importing_loads_no_torch(module):
+    if module not in serve_modules():
+        pytest.skip(f"{module} is not written yet")
+    _assert_import_loads_none(module, set(TORCH_MODULES))
+
+
+def test_the_engine_imports_no_xgrammar_before_a_grammar():
+    """xgrammar (~0.6 s) loads with the first grammar, not with every core and rank."""
+    _assert_import_loads_none("serve.engine.core", {"xgrammar"})

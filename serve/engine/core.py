@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from serve.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -59,9 +60,12 @@ from serve.scheduler.scheduler import Scheduler
 from serve.sequence import SequenceGroup
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.draft_model import draft_max_len
+from serve.worker.lazy_structured_output import LazyStructuredOutput
 from serve.worker.model_runner import check_cpu_memory_before_loading
-from serve.worker.structured_output import LazyStructuredOutput, StructuredOutputManager
 from serve.worker.worker import WorkerConfig, resolve_device
+
+if TYPE_CHECKING:
+    from serve.worker.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 

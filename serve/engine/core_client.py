@@ -99,7 +99,7 @@ class EngineCoreClient(EngineFrontEnd):
         self.eos_token_ids = ready.eos_token_ids
         self.pooling = ready.pooling
         from serve.models.loader import load_hf_config
-        from serve.worker.structured_output import LazyStructuredOutput
+        from serve.worker.lazy_structured_output import LazyStructuredOutput
 
         self._grammars = LazyStructuredOutput(
             lambda: self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -238,12 +238,12 @@ def _exit_cause(process: multiprocessing.process.BaseProcess) -> str:
 
 def _import_front_end_code() -> None:
     """What the client reads once the core is ready (the tokenizer's code, the model's
-    config, the grammar compiler's): seconds of imports, taken while the core loads."""
+    config): seconds of imports, taken while the core loads. xgrammar waits for the first
+    grammar (lazy_structured_output.py)."""
     from transformers import AutoTokenizer  # noqa: F401
 
     import serve.models.loader  # noqa: F401
     import serve.models.tokenizer  # noqa: F401
-    import serve.worker.structured_output  # noqa: F401
 
 
 def _logging_setup() -> tuple[int, str | None]:

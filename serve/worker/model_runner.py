@@ -50,6 +50,7 @@ from serve.models.tokenizer import load_tokenizer
 from serve.step import ModelRunnerOutput, SchedulerOutput
 from serve.worker.cuda_graphs import DecodeGraphs, ineligibility
 from serve.worker.draft_model import DraftModelProposer
+from serve.worker.lazy_structured_output import LazyStructuredOutput
 from serve.worker.lora_manager import LoRAManager
 from serve.worker.model_inputs import ModelInputs, build_model_inputs
 from serve.worker.model_kv import ModelKV
@@ -58,7 +59,6 @@ from serve.worker.pooler import Pooler
 from serve.worker.sequence_mirror import MirroredSequence, SequenceMirror
 from serve.worker.speculative import before_grammar_start, make_proposer
 from serve.worker.step_sampler import StepSampler
-from serve.worker.structured_output import LazyStructuredOutput
 
 if TYPE_CHECKING:
     from serve.worker.worker import WorkerConfig

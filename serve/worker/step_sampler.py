@@ -27,12 +27,12 @@ import torch
 from serve.outputs import request_error_message
 from serve.step import BeamCandidates, ModelRunnerOutput, PromptLogprobs
 from serve.worker.grammar_start import GrammarStart
+from serve.worker.lazy_structured_output import LazyStructuredOutput
 from serve.worker.logprobs import token_logprobs
 from serve.worker.model_inputs import PromptSpan
 from serve.worker.sampler import Sampler
 from serve.worker.sequence_mirror import MirroredSequence
 from serve.worker.speculative import verify
-from serve.worker.structured_output import LazyStructuredOutput
 
 logger = logging.getLogger(__name__)
 

@@ -377,27 +377,3 @@ def _serialized_size(future: Future) -> int:
 
 def _has_failed(future: Future) -> bool:
     return future.done() and (future.cancelled() or future.exception() is not None)
-
-
-class LazyStructuredOutput:
-    """A StructuredOutputManager built on first use: importing xgrammar and indexing the
-    vocabulary take seconds that servers without grammars should not pay at start-up.
-    Thread-safe: the engine loop and the API's thread may both be first. `make_tokenizer`
-    is called then, once (a worker loads the tokenizer only if a grammar comes)."""
-
-    def __init__(
-        self, make_tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: Iterable[int]
-    ) -> None:
-        self._make_tokenizer = make_tokenizer
-        self._vocab_size = vocab_size
-        self._eos_token_ids = tuple(eos_token_ids)
-        self._lock = threading.Lock()
-        self.built: StructuredOutputManager | None = None  # None until first use
-
-    def get(self) -> StructuredOutputManager:
-        with self._lock:
-            if self.built is None:
-                self.built = StructuredOutputManager(
-                    self._make_tokenizer(), self._vocab_size, self._eos_token_ids
-                )
-        return self.built

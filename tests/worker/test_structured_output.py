@@ -647,8 +647,8 @@ class Waiting:
 
     def __init__(self, start_after: tuple[int, ...]) -> None:
         from serve.sampling_params import SamplingParams
+        from serve.worker.lazy_structured_output import LazyStructuredOutput
         from serve.worker.step_sampler import StepSampler
-        from serve.worker.structured_output import LazyStructuredOutput
 
         self.tokenizer = build_tokenizer()
         spec = Spec(choice=("Paris",), start_after_token_ids=start_after)
