@@ -376,7 +376,7 @@ def test_deepseek_r1_needs_the_markers_as_tokens(
     stopped = []
 
     class Engine:  # what serve reads of an engine before it serves
-        def __init__(self, config):
+        def __init__(self, config, while_core_loads=None):
             self.tokenizer, self.model_path, self.max_model_len = tokenizer, tiny_llama, 512
 
         def shutdown(self):
