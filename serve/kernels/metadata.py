@@ -29,6 +29,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     num_decode_seqs: int
+    # The rows of the model's output the step reads (its sampled tokens'), where the model
+    # runner lets the model return those alone: a model may then run its last layer past
+    # attention for them only (native_layer_stack.py). None: every row.
+    output_rows: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

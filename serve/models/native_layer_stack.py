@@ -79,12 +79,16 @@ class NativeLayerStack:
     def __call__(
         self, positions: torch.Tensor, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) after the last layer, as the loop leaves them."""
+        """(x, residual) after the last layer, as the loop leaves them; where the step
+        names its `output_rows` (and the linears run on oneDNN, whose rows do not depend
+        on each other), those rows alone, in that order."""
         meta = get_forward_context()
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
         packed = []  # none: every linear runs the few-row kernel
+        output_rows = None
         if x.shape[0] > NATIVE_MAX_ROWS:
             packed = [cpu.onednn_weight(w) for w in self.linear_weights]
+            output_rows = meta.output_rows
         return torch.ops.serve_cpu.decoder_layers(
             x.contiguous(),
             positions,
@@ -106,6 +110,7 @@ class NativeLayerStack:
             self.head_dim,
             self.eps,
             self.residual_multiplier,
+            output_rows,
         )
 
 

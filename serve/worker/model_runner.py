@@ -457,12 +457,16 @@ class ModelRunner:
             positions = inputs.positions
             if self.mrope:  # three per token: frame, row, column (Qwen2-VL)
                 positions = self.model.multimodal_positions(positions, inputs.mm_rows)
+            inputs.meta.output_rows = self._rows_read_alone(inputs)
             with forward_context(inputs.meta), lora_batch(adapters):
-                # [num_tokens, hidden]
+                # [num_tokens, hidden], or the output rows' alone
                 hidden = self.model(inputs.input_ids, positions, **images)
         logits = None  # [num_sampled, vocab]; None: only prefill-only sequences, none sampled
         if inputs.sampled_seqs:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            narrowed = hidden.shape[0] != inputs.input_ids.shape[0]
+            logits = self.model.compute_logits(
+                hidden if narrowed else hidden[inputs.logits_indices]
+            )
         prompt_logits = None
         if inputs.prompt_logits_indices is not None:
             prompt_logits = self.model.compute_logits(hidden[inputs.prompt_logits_indices])
@@ -501,6 +505,25 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.settle(out, self.mirror)
         return output
+
+    def _rows_read_alone(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """The rows the step reads after the model where they are all it reads: a model may
+        then return those alone (on CPU, the native layer stack runs its last layer's o_proj
+        and MLP for them only: a prompt chunk's other rows need just their K/V). None where
+        every row is read (prompt logprobs, pooling, sjf's prompt states), where nothing is
+        left out, and off the CPU, or under three rows, where a linear's rows may depend on
+        how many run together (oneDNN's do not from three)."""
+        rows = inputs.logits_indices
+        if (
+            self.device.type != "cpu"
+            or not inputs.sampled_seqs
+            or inputs.prompt_logits_indices is not None
+            or inputs.pool_spans
+            or self.config.engine.scheduler.scheduling_policy == "sjf"
+            or not ONEDNN_MIN_ROWS <= rows.shape[0] < inputs.input_ids.shape[0]
+        ):
+            return None
+        return rows
 
     @staticmethod
     def _record_prompt_hidden_states(

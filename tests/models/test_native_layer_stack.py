@@ -28,13 +28,15 @@ def _model(llm: LLM):
 
 @pytest.fixture
 def stack_calls(monkeypatch):
-    """How many forwards went through a native stack, in this test."""
+    """The forwards that went through a native stack in this test: (rows in, rows out)."""
     calls = []
     original = NativeLayerStack.__call__
 
     def counted(self, positions, x):
-        calls.append(x.shape[0])
-        return original(self, positions, x)
+        out, residual = original(self, positions, x)
+        assert residual.shape == out.shape
+        calls.append((x.shape[0], out.shape[0]))
+        return out, residual
 
     monkeypatch.setattr(NativeLayerStack, "__call__", counted)
     return calls
@@ -79,11 +81,35 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     with LLM(model=model_dir, **engine) as llm:
         stacked = _decode(llm)
     # Every step went through the stack at its rows: each run's prompts, then its decode
-    # steps (9 after the first tokens).
+    # steps (9 after the first tokens). The five prompts' step returned their five last
+    # rows alone (the last layer's MLP for those only); under three rows every row comes
+    # back (a few-row linear's rows are not oneDNN's), as for decode steps.
     expected = []
     for run in RUNS:
-        expected += [sum(map(len, run))] + [len(run)] * (MAX_TOKENS - 1)
+        prompt_rows = sum(map(len, run))
+        expected.append((prompt_rows, len(run) if len(run) >= 3 else prompt_rows))
+        expected += [(len(run), len(run))] * (MAX_TOKENS - 1)
     assert stack_calls == expected
+    assert stacked == looped
+
+
+def test_prompt_logprobs_keep_every_row(tiny_model_factory, monkeypatch, stack_calls):
+    """A step that reads every prompt row (prompt logprobs) gets them all back, and the
+    same prompt logprobs as the loop."""
+    model_dir = str(tiny_model_factory("llama"))
+    prompts = [{"prompt_token_ids": p} for p in RUNS[2]]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+
+    def prompt_logprobs() -> list:
+        with LLM(model=model_dir, **ENGINE) as llm:
+            return [o.prompt_logprobs for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    monkeypatch.setenv(ENV_VAR, "0")
+    looped = prompt_logprobs()
+    monkeypatch.delenv(ENV_VAR)
+    stacked = prompt_logprobs()
+    rows = sum(map(len, RUNS[2]))
+    assert stack_calls == [(rows, rows), (len(prompts), len(prompts))]
     assert stacked == looped
 
 
@@ -100,7 +126,7 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
     finally:
         monkeypatch.delenv(cpu.PREPACK_ENV_VAR)
         cpu.prepack_enabled.cache_clear()
-    assert stack_calls == [2] * (MAX_TOKENS - 1) + [1] * (MAX_TOKENS - 1)
+    assert stack_calls == [(2, 2)] * (MAX_TOKENS - 1) + [(1, 1)] * (MAX_TOKENS - 1)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,10 @@
 // rms_norm'd per head where the model has q/k norms (Qwen3); rotate q and k;
 // write k, v into the layer's cache; attend; x = o W_o^T + b; h = rms_norm(x + residual);
 // x = silu_and_mul(h W_gu^T + b) W_down^T + b; each block's x scaled by the residual
-// multiplier where it is not 1 (Granite). `weights` holds kWeightsPerLayer entries a
+// multiplier where it is not 1 (Granite). With `output_rows` (the rows the step reads
+// after the model: its sampled tokens), the last layer's o_proj, norm and MLP run for
+// those rows alone, and the stack returns them in that order: a prompt chunk's other rows
+// need only their K/V, which every layer has written by then. `weights` holds kWeightsPerLayer entries a
 // layer in that order, the biases None where the model has none; `qk_norm_weights` the q
 // and k norms' weights a layer, or nothing.
 
@@ -77,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
     at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double residual_multiplier) {
+    double eps, double residual_multiplier, const std::optional<at::Tensor>& output_rows) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights a layer");
@@ -94,7 +97,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   TORCH_CHECK(!qk_norm || static_cast<int64_t>(qk_norm_weights.size()) == num_layers * 2,
               "decoder_layers: no q/k norms, or two a layer");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x: [T, hidden], contiguous");
-  const int64_t tokens = x_in.size(0);
+  if (output_rows.has_value()) {
+    TORCH_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong,
+                "decoder_layers: output_rows, int64 row indices");
+    TORCH_CHECK(packed && output_rows->numel() > 2,
+                "decoder_layers: output_rows only with packed weights and three rows or more "
+                "(oneDNN's rows do not depend on the others' there)");
+  }
+  int64_t tokens = x_in.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   at::Tensor x = x_in;
   std::optional<at::Tensor> residual;  // the first layer's input is the residual
@@ -129,7 +139,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     ops::paged_attention(attended, q_rot, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, scales[layer], std::nullopt, sliding_windows[layer],
                          0.0, std::nullopt);
-    at::Tensor o = linear(attended.view({tokens, q_size}), w(3), w(4), p(1));
+    at::Tensor attended_rows = attended.view({tokens, q_size});
+    if (output_rows.has_value() && layer == num_layers - 1) {
+      // Past the last attention, only the rows read after the model are computed.
+      attended_rows = attended_rows.index_select(0, *output_rows);
+      residual = residual->index_select(0, *output_rows);
+      tokens = output_rows->numel();
+    }
+    at::Tensor o = linear(attended_rows, w(3), w(4), p(1));
     if (residual_multiplier != 1.0) o = o.mul(residual_multiplier);  // Granite
 
     at::Tensor h2 = at::empty_like(o);
@@ -157,7 +174,7 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float[] scales, int[] sliding_windows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float residual_multiplier) -> (Tensor, Tensor)");
+      "float eps, float residual_multiplier, Tensor? output_rows=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
