@@ -3,8 +3,10 @@
 With torch, transformers and the model's modules loaded, Python's exit (module by module,
 every custom op library's finalizer) takes ~0.5-0.8 s on a 2-core machine: time a
 stopping server would spend after everything that matters is closed. The API process (once
-uvicorn and the engine have shut down) and the engine core's process (once its workers
-have) end here instead; each flushes its logs and standard streams first.
+uvicorn and the engine have shut down), the engine core's process (once its workers have)
+and each `mp` rank (after `Shutdown`) end here instead; each flushes its logs and standard
+streams first. Nothing registered with `atexit` runs: a process that ends here closes what
+it holds in its own shutdown.
 """
 
 from __future__ import annotations

@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> None:
             code = 130  # Ctrl-C: stopped as asked, no traceback
         else:
             code = 1 if server.engine_died else 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C while loading
         sys.exit(130)
     # uvicorn and the engine (its lifespan's shutdown) are down: nothing is left to close.
     exit_now(code)

@@ -16,9 +16,9 @@
 // multiplier where it is not 1 (Granite). With `output_rows` (the rows the step reads
 // after the model: its sampled tokens), the last layer's o_proj, norm and MLP run for
 // those rows alone, and the stack returns them in that order: a prompt chunk's other rows
-// need only their K/V, which every layer has written by then. `weights` holds kWeightsPerLayer entries a
-// layer in that order, the biases None where the model has none; `qk_norm_weights` the q
-// and k norms' weights a layer, or nothing.
+// need only their K/V, which every layer has written by then. `weights` holds
+// kWeightsPerLayer entries a layer in that order, the biases None where the model has
+// none; `qk_norm_weights` the q and k norms' weights a layer, or nothing.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
