@@ -465,7 +465,9 @@ class ModelRunner:
         if inputs.sampled_seqs:
             narrowed = hidden.shape[0] != inputs.input_ids.shape[0]
             logits = self.model.compute_logits(
-                hidden if narrowed else hidden[inputs.logits_indices]
+                hidden[: inputs.logits_indices.shape[0]]
+                if narrowed
+                else hidden[inputs.logits_indices]
             )
         prompt_logits = None
         if inputs.prompt_logits_indices is not None:
@@ -509,20 +511,25 @@ class ModelRunner:
     def _rows_read_alone(self, inputs: ModelInputs) -> torch.Tensor | None:
         """The rows the step reads after the model where they are all it reads: a model may
         then return those alone (on CPU, the native layer stack runs its last layer's o_proj
-        and MLP for them only: a prompt chunk's other rows need just their K/V). None where
-        every row is read (prompt logprobs, pooling, sjf's prompt states), where nothing is
-        left out, and off the CPU, or under three rows, where a linear's rows may depend on
-        how many run together (oneDNN's do not from three)."""
+        and MLP for them only: a prompt chunk's other rows need just their K/V), and the
+        logits take the first `len(logits_indices)` of them. None where every row is read
+        (prompt logprobs, pooling, sjf's prompt states), where nothing is left out, and off
+        the CPU. A linear's rows may depend on how many run together under three rows
+        (oneDNN's do not from three), so one or two sampled rows (a lone prompt) are named
+        with the last repeated up to three."""
         rows = inputs.logits_indices
+        num_rows = max(rows.shape[0], ONEDNN_MIN_ROWS)
         if (
             self.device.type != "cpu"
             or not inputs.sampled_seqs
             or inputs.prompt_logits_indices is not None
             or inputs.pool_spans
             or self.config.engine.scheduler.scheduling_policy == "sjf"
-            or not ONEDNN_MIN_ROWS <= rows.shape[0] < inputs.input_ids.shape[0]
+            or num_rows >= inputs.input_ids.shape[0]
         ):
             return None
+        if num_rows > rows.shape[0]:
+            rows = torch.cat([rows, rows[-1:].expand(num_rows - rows.shape[0])])
         return rows
 
     @staticmethod
