@@ -516,12 +516,12 @@ class ModelRunner:
         (prompt logprobs, pooling, sjf's prompt states), where nothing is left out, and off
         the CPU. A linear's rows may depend on how many run together under three rows
         (oneDNN's do not from three), so one or two sampled rows (a lone prompt) are named
-        with the last repeated up to three."""
+        with the last repeated up to three, and a step that samples nothing (a long
+        prompt's chunks before its last) names its first row three times, for nobody."""
         rows = inputs.logits_indices
         num_rows = max(rows.shape[0], ONEDNN_MIN_ROWS)
         if (
             self.device.type != "cpu"
-            or not inputs.sampled_seqs
             or inputs.prompt_logits_indices is not None
             or inputs.pool_spans
             or self.config.engine.scheduler.scheduling_policy == "sjf"
@@ -529,7 +529,8 @@ class ModelRunner:
         ):
             return None
         if num_rows > rows.shape[0]:
-            rows = torch.cat([rows, rows[-1:].expand(num_rows - rows.shape[0])])
+            last = rows[-1:] if rows.shape[0] else rows.new_zeros(1)
+            rows = torch.cat([rows, last.expand(num_rows - rows.shape[0])])
         return rows
 
     @staticmethod

@@ -114,6 +114,28 @@ def test_prompt_logprobs_keep_every_row(tiny_model_factory, monkeypatch, stack_c
     assert stacked == looped
 
 
+def test_a_long_prompt_s_chunks_return_three_rows(tiny_model_factory, monkeypatch, stack_calls):
+    """A 40-token prompt in chunks of 16: the chunks that sample nothing need no row past
+    the last attention (three come back, for oneDNN's sake), the last chunk its sampled
+    row (repeated up to three); the tokens and logprobs are the loop's."""
+    model_dir = str(tiny_model_factory("llama"))
+    engine = {**ENGINE, "max_num_batched_tokens": 16, "max_num_seqs": 1}
+    prompt = {"prompt_token_ids": random_prompts(VOCAB, 1, 40, 40, seed=12)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+
+    def decode() -> list:
+        with LLM(model=model_dir, **engine) as llm:
+            seq = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            return [seq.token_ids, seq.logprobs, seq.cumulative_logprob]
+
+    monkeypatch.setenv(ENV_VAR, "0")
+    looped = decode()
+    monkeypatch.delenv(ENV_VAR)
+    stacked = decode()
+    assert stack_calls == [(16, 3), (16, 3), (8, 3), (1, 1), (1, 1)]
+    assert stacked == looped
+
+
 def test_without_packed_weights_the_stack_takes_only_few_row_steps(
     tiny_model_factory, monkeypatch, stack_calls
 ):
