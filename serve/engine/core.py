@@ -358,6 +358,7 @@ class EngineCore:
         self._helper.shutdown(wait=True)
         self.scheduler.policy.close()
         self.executor.shutdown()
+        self._grammars.close()
 
     # -- the step ------------------------------------------------------------------------
 

@@ -27,9 +27,21 @@ class LazyStructuredOutput:
         self._eos_token_ids = tuple(eos_token_ids)
         self._lock = threading.Lock()
         self.built: StructuredOutputManager | None = None  # None until first use
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop the compile thread and drop the compiled grammars, if any were built: an
+        `LLM` kept after its shutdown would hold them. Idempotent."""
+        with self._lock:
+            self._closed = True
+            built, self.built = self.built, None
+        if built is not None:
+            built.shutdown()
 
     def get(self) -> StructuredOutputManager:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar manager is closed (its engine shut down)")
             if self.built is None:
                 from serve.worker.structured_output import StructuredOutputManager
 

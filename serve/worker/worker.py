@@ -127,6 +127,8 @@ class Worker:
         process group. Idempotent. With `uniproc` this process outlives the engine (an
         `LLM` still referenced after `shutdown()`), and a next engine here needs the memory."""
         runner, self.model_runner = self.model_runner, None
+        if runner is not None and runner.step_sampler is not None:
+            runner.step_sampler.grammars.close()
         is_cuda = runner is not None and runner.device.type == "cuda"
         del runner  # the last reference to it
         if is_cuda:

@@ -445,3 +445,28 @@ def test_requests_after_shutdown_are_refused_by_name(tiny_llama):
     with pytest.raises(EngineDeadError, match="The engine was shut down"):
         llm.generate("The sea is wide", SamplingParams(max_tokens=4), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_shutdown_stops_the_grammar_compile_threads(tiny_llama):
+    """An `LLM` kept after `shutdown()` (a notebook's variable) holds no grammar thread
+    nor compiled grammar: the engine closes its grammar managers."""
+    import threading
+
+    from serve.sampling_params import StructuredOutputsParams
+
+    before = set(threading.enumerate())
+    llm = LLM(model=str(tiny_llama), kv_cache_memory="8MiB")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    assert llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids
+    compiling = [
+        t for t in threading.enumerate() if t not in before and t.name.startswith("grammar-compile")
+    ]
+    assert compiling  # the grammar was compiled on the manager's own thread
+    llm.shutdown()
+    for thread in compiling:
+        thread.join(timeout=5)
+    assert not any(thread.is_alive() for thread in compiling)
+    assert llm.engine._grammars.built is None
