@@ -6,7 +6,8 @@ step page-faults its activations in afresh: about a fifth of a prefill's time on
 default model (2 cores). With a high trim threshold and the largest mmap threshold glibc
 allows, freed activations stay in the heap and the next step reuses them. The cost is
 that the process keeps its peak heap, as it would under tcmalloc or jemalloc (vLLM's CPU
-backend asks for one of those to be preloaded for the same reason).
+backend asks for one of those to be preloaded for the same reason), until an engine that
+shuts down in a process that goes on (an `LLM`) hands it back: `release_freed_memory`.
 """
 
 from __future__ import annotations
@@ -40,3 +41,16 @@ def keep_freed_memory() -> bool:
     if not done:
         logger.debug("mallopt refused the heap thresholds; freed memory goes back to the OS")
     return done
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim), which the
+    thresholds above otherwise keep for good. Returns whether any were released (False
+    off glibc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return malloc_trim(0) == 1
