@@ -9,8 +9,8 @@ linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
 `serve.kernels.cpu.linear` runs them), so a step's output is the Python loop's bit for bit.
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
-Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, ...) with
-RMSNorm, a plain rotary embedding, SiLU-gated MLP, no ALiBi, no soft-cap, no attention
+Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
+RoPE or LongRoPE, ...) with RMSNorm, SiLU-gated MLP, no ALiBi, no soft-cap, no attention
 sinks, one rank, float32 or bfloat16, and the native kernels built. Everything else runs
 the loop. `SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
 """
@@ -36,7 +36,7 @@ from serve.models.layers.linear import (
     RowParallelLinear,
 )
 from serve.models.layers.lora import current_lora_batch
-from serve.models.layers.rotary import RotaryEmbedding
+from serve.models.layers.rotary import LongRopeRotaryEmbedding, RotaryEmbedding
 
 ENV_VAR = "SERVE_CPU_LAYER_STACK"
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -62,6 +62,9 @@ class NativeLayerStack:
     eps: float
     residual_multiplier: float  # each block's output scaled by it (Granite; 1.0 elsewhere)
     dtype: torch.dtype
+    # LongRoPE (Phi-3): (original_max_position, max_position). A sequence past the original
+    # context rotates by the cache's long half, rows max_position on (rotary.py).
+    long_rope: tuple[int, int] | None = None
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether this step's hidden states [T, hidden] go through the stack."""
@@ -84,6 +87,13 @@ class NativeLayerStack:
         on each other), those rows alone, in that order."""
         meta = get_forward_context()
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        if self.long_rope is not None:  # the rotary cache's rows, as LongRopeRotaryEmbedding
+            original_max_position, max_position = self.long_rope
+            is_long = meta.seq_lens > original_max_position
+            per_token = torch.repeat_interleave(
+                is_long, meta.query_start_loc.diff(), output_size=positions.shape[0]
+            )
+            positions = positions + per_token.to(positions.dtype) * max_position
         packed = []  # none: every linear runs the few-row kernel
         output_rows = None
         if x.shape[0] > NATIVE_MAX_ROWS:
@@ -133,6 +143,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     neox: set[bool] = set()
     cos_sin, scales, windows = [], [], []
     multipliers: set[float] = set()
+    long_ropes: set[tuple[int, int] | None] = set()
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer:
             return None
@@ -146,9 +157,16 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         head_norms = [norm for norm in (attn.q_norm, attn.k_norm) if norm is not None]
         if head_norms and (len(head_norms) != 2 or any(type(n) is not RMSNorm for n in head_norms)):
             return None
-        if type(attn.rotary_emb) is not RotaryEmbedding:
+        rotary = attn.rotary_emb
+        if type(rotary) is LongRopeRotaryEmbedding:
+            long_ropes.add((rotary.original_max_position, rotary.max_position))
+            neox.add(True)  # as its forward calls the kernel
+        elif type(rotary) is RotaryEmbedding:
+            long_ropes.add(None)
+            neox.add(rotary.is_neox_style)
+        else:
             return None
-        table = attn.rotary_emb.cos_sin_cache  # the native rotary's: float32, contiguous
+        table = rotary.cos_sin_cache  # the native rotary's: float32, contiguous
         if table.dtype != torch.float32 or not table.is_contiguous():
             return None
         inner = attn.attn
@@ -179,11 +197,12 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         qk_norm_weights.extend(norm.weight for norm in head_norms)
         eps.update(norm.eps for norm in (*norms, *head_norms))
         attention_shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
-        neox.add(attn.rotary_emb.is_neox_style)
         cos_sin.append(table)
         scales.append(float(inner.scale))
         windows.append(int(inner.sliding_window or 0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1 or len(multipliers) != 1:
+        return None
+    if len(long_ropes) != 1:
         return None
     if qk_norm_weights and len(qk_norm_weights) != 2 * len(layers):  # some layers without
         return None
@@ -209,4 +228,5 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         eps.pop(),
         multipliers.pop(),
         dtype,
+        long_ropes.pop(),
     )

@@ -63,13 +63,14 @@ def _decode(llm: LLM) -> list:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "granite", "phi3"])
 def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     tiny_model_factory, monkeypatch, stack_calls, arch, dtype
 ):
     """Llama (tied head), Qwen2 (QKV biases), Mistral (a sliding window of 12, which the
-    40-token prompts cross), Qwen3 (each head's q and k normed) and Granite (each block's
-    output scaled by the residual multiplier), in both CPU dtypes."""
+    40-token prompts cross), Qwen3 (each head's q and k normed), Granite (each block's
+    output scaled by the residual multiplier) and Phi-3 (LongRoPE's short factors, its
+    own head, a window of 12), in both CPU dtypes."""
     model_dir = str(tiny_model_factory(arch))
     engine = {**ENGINE, "dtype": dtype}
     monkeypatch.setenv(ENV_VAR, "0")
@@ -91,6 +92,27 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
         expected.append((prompt_rows, max(len(run), 3)))
         expected += [(len(run), len(run))] * (MAX_TOKENS - 1)
     assert stack_calls == expected
+    assert stacked == looped
+
+
+def test_long_rope_past_the_original_context(tiny_model_factory, monkeypatch, stack_calls):
+    """Phi-3's LongRoPE (the tiny model's original context: 64): a 70-token prompt rotates
+    by the long factors throughout, a 58-token one crosses to them while it decodes, and
+    decoding beside each other each sequence keeps its own set, as in the loop."""
+    model_dir = str(tiny_model_factory("phi3"))
+    prompts = [{"prompt_token_ids": random_prompts(VOCAB, 1, n, n, seed=n)[0]} for n in (58, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def decode() -> list:
+        with LLM(model=model_dir, **ENGINE) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    monkeypatch.setenv(ENV_VAR, "0")
+    looped = decode()
+    monkeypatch.delenv(ENV_VAR)
+    stacked = decode()
+    assert len(stack_calls) == 12  # the prompts' step, then 11 decode steps
     assert stacked == looped
 
 
@@ -157,7 +179,7 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
     [
         "mixtral",  # a sparse MoE block for an MLP
         "gemma2",  # its own layers: soft-caps, norms around each block
-        "phi3",  # LongRoPE
+        "olmo2",  # norms after each block, q and k normed across their heads
     ],
 )
 def test_stack_leaves_layers_it_does_not_compute(tiny_model_factory, stack_calls, arch):
