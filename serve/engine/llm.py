@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
@@ -43,6 +44,7 @@ from serve.outputs import (
 from serve.pooling_params import PoolingParams
 from serve.sampling_params import BeamSearchParams, SamplingParams
 from serve.scheduler.output_deltas import RequestDelta
+from serve.worker.cpu_malloc import release_freed_memory
 
 Message = dict[str, Any]
 
@@ -401,9 +403,15 @@ class LLM:
                 completion.text = ""
 
     def shutdown(self) -> None:
-        """Stop the engine's workers (their processes, with tensor parallelism). Idempotent;
-        it also happens at exit."""
+        """Stop the engine's workers (their processes, with tensor parallelism) and hand the
+        memory they freed back to the OS: on CPU the process heap keeps freed blocks for
+        the next step (`worker/cpu_malloc.py`), the weights and the KV cache among them
+        (~2 GB on the default model). Idempotent; the workers also stop at exit."""
+        if self.engine.is_shut_down:
+            return
         self.engine.shutdown()
+        gc.collect()  # tensors in reference cycles, before their blocks are handed back
+        release_freed_memory()
 
     def __enter__(self) -> LLM:
         return self

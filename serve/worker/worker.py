@@ -129,20 +129,13 @@ class Worker:
         runner, self.model_runner = self.model_runner, None
         if runner is not None and runner.step_sampler is not None:
             runner.step_sampler.grammars.close()
-        device_type = runner.device.type if runner is not None else None
+        is_cuda = runner is not None and runner.device.type == "cuda"
         del runner  # the last reference to it
-        if device_type == "cuda":
+        if is_cuda:
             import torch
 
             gc.collect()  # tensors held in reference cycles, then torch's cached blocks
             torch.cuda.empty_cache()
-        elif device_type == "cpu":
-            from serve.worker.cpu_malloc import release_freed_memory
-
-            # The weights, their packed copies and the KV cache were heap blocks that
-            # keep_freed_memory keeps after their free: gigabytes, until handed back.
-            gc.collect()
-            release_freed_memory()
         if self.config.world_size > 1:
             from serve.distributed.parallel_state import destroy_tensor_parallel
 

@@ -129,7 +129,7 @@ print(json.dumps([{"running": running, "shut_down": process.memory_info().rss}])
 def test_an_engine_s_shutdown_hands_its_memory_back(tiny_llama):
     """Tensors under glibc's mmap ceiling (here the KV cache's, a layer's keys or values
     each; in the default model the weights and their packed copies, ~1 GB) are heap
-    blocks the worker keeps after their free: shutting the engine down returns them to
-    the OS, as a notebook that goes on after it expects."""
+    blocks the CPU worker keeps after their free: `LLM.shutdown` returns them to the OS,
+    as a notebook that goes on after it expects."""
     ((rss,),) = [run_python(_ENGINE, str(tiny_llama))]
     assert rss["running"] - rss["shut_down"] > 64 * MIB, rss
