@@ -62,9 +62,10 @@ class NativeLayerStack:
     eps: float
     residual_multiplier: float  # each block's output scaled by it (Granite; 1.0 elsewhere)
     dtype: torch.dtype
-    # LongRoPE (Phi-3): (original_max_position, max_position). A sequence past the original
-    # context rotates by the cache's long half, rows max_position on (rotary.py).
-    long_rope: tuple[int, int] | None = None
+    # LongRoPE (Phi-3), every layer's alike: the first layer's, which turns the step's
+    # positions into rows of the cache (its long half for sequences past the original
+    # context). None: the positions are the rows.
+    long_rope: LongRopeRotaryEmbedding | None = None
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether this step's hidden states [T, hidden] go through the stack."""
@@ -87,13 +88,8 @@ class NativeLayerStack:
         on each other), those rows alone, in that order."""
         meta = get_forward_context()
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
-        if self.long_rope is not None:  # the rotary cache's rows, as LongRopeRotaryEmbedding
-            original_max_position, max_position = self.long_rope
-            is_long = meta.seq_lens > original_max_position
-            per_token = torch.repeat_interleave(
-                is_long, meta.query_start_loc.diff(), output_size=positions.shape[0]
-            )
-            positions = positions + per_token.to(positions.dtype) * max_position
+        if self.long_rope is not None:
+            positions = self.long_rope.cache_rows(positions)
         packed = []  # none: every linear runs the few-row kernel
         output_rows = None
         if x.shape[0] > NATIVE_MAX_ROWS:
@@ -228,5 +224,5 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         eps.pop(),
         multipliers.pop(),
         dtype,
-        long_ropes.pop(),
+        layers[0].self_attn.rotary_emb if long_ropes.pop() is not None else None,
     )

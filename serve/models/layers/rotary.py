@@ -193,16 +193,21 @@ class LongRopeRotaryEmbedding(nn.Module):
             halves.append(torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1))
         self.register_buffer("cos_sin_cache", torch.cat(halves), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
+    def cache_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T] positions -> [T] rows of `cos_sin_cache`: the long half's for the tokens of
+        sequences past the original context at this step (the forward context's)."""
         meta = get_forward_context()
         is_long = meta.seq_lens > self.original_max_position  # [num_seqs]
         per_token = torch.repeat_interleave(
             is_long, meta.query_start_loc.diff(), output_size=positions.shape[0]
         )  # [T]
-        rows = positions + per_token.to(positions.dtype) * self.max_position
+        return positions + per_token.to(positions.dtype) * self.max_position
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, heads, head_dim]; k: [T, kv_heads, head_dim]
+        rows = self.cache_rows(positions)
         return kernels.rotary_embedding(rows, q, k, self.cos_sin_cache, True)
 
 
