@@ -38,9 +38,8 @@ def main() -> None:
         kv_cache_memory="4GiB",
         max_model_len=2048,
     )
-    model = llm.engine.executor.worker.model_runner.model.model  # LlamaModel
-    stack = model._native_stack()
-    if stack is None:
+    model = llm.engine.executor.worker.model_runner.model.model  # LlamaModel, GemmaModel
+    if model.run_layers.stack(model.layers) is None:
         raise SystemExit("this model's layers do not qualify for the native stack")
     spec = workload.WorkloadSpec.from_args(args)
     requests = workload.make_requests(spec, workload.ordinary_token_ids(llm.get_tokenizer()))
@@ -54,7 +53,7 @@ def main() -> None:
     tokens: dict[str, list] = {}
     for round_ in range(args.rounds):
         for side in ("loop", "stack") if round_ % 2 == 0 else ("stack", "loop"):
-            model._stack = stack if side == "stack" else None
+            model.run_layers.use_stack = side == "stack"
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - start

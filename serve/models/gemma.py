@@ -30,6 +30,7 @@ from serve.models.layers.layernorm import RMSNorm
 from serve.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from serve.models.llama import LLAMA_PACKED, LlamaMLP
+from serve.models.native_layer_stack import LayerRunner
 from serve.models.weights import WeightSpec
 
 
@@ -122,12 +123,11 @@ class GemmaModel(nn.Module):
             GemmaDecoderLayer(config, i, qk_norm, attn_softcap) for i in range(config.num_layers)
         )
         self.norm = _gemma_norm(config.hidden_size, config.hf)
+        self.run_layers = LayerRunner()  # on CPU, the layers in one native call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        x, residual = x * self.normalizer.to(x.dtype), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+        x, residual = self.run_layers(self.layers, positions, x * self.normalizer.to(x.dtype))
         x, _ = self.norm(x, residual)
         return x
 

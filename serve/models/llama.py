@@ -35,7 +35,7 @@ from serve.models.layers.linear import (
     RowParallelLinear,
 )
 from serve.models.layers.rotary import get_rope, rope_parameters
-from serve.models.native_layer_stack import NativeLayerStack, build_layer_stack
+from serve.models.native_layer_stack import LayerRunner
 from serve.models.weights import FusedRows, WeightSpec
 
 LLAMA_PACKED = {
@@ -217,28 +217,15 @@ class LlamaModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.hf.rms_norm_eps)
-        self._stack: NativeLayerStack | None = None
-        self._stack_built = False
+        self.run_layers = LayerRunner()  # on CPU, the layers in one native call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
-        stack = self._native_stack()
-        if stack is not None and stack.takes(x):  # on CPU: the layers in one native call
-            x, residual = stack(positions, x)
-        else:
-            for layer in self.layers:
-                x, residual = layer(positions, x, residual)
+        x, residual = self.run_layers(self.layers, positions, x)
         x, _ = self.norm(x, residual)
         return x
-
-    def _native_stack(self) -> NativeLayerStack | None:
-        """Built at the first forward, once the weights are loaded and placed."""
-        if not self._stack_built:
-            self._stack = build_layer_stack(self.layers)
-            self._stack_built = True
-        return self._stack
 
 
 class LlamaForCausalLM(nn.Module):

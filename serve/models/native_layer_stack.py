@@ -1,4 +1,4 @@
-"""Llama-style decoder layers run as one native call on CPU.
+"""Llama- and Gemma-style decoder layers run as one native call on CPU.
 
 A layer is ~10 ops from Python, each through a module, the kernel interface and the
 dispatcher. At a step of one or two tokens (every linear a pass over its weights through
@@ -10,9 +10,11 @@ linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
-RoPE or LongRoPE, ...) with RMSNorm, SiLU-gated MLP, no ALiBi, no soft-cap, no attention
-sinks, one rank, float32 or bfloat16, and the native kernels built. Everything else runs
-the loop. `SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
+RoPE or LongRoPE, ...) and Gemma 2/3's (a norm on each block's output, GeGLU, Gemma 2's
+soft-capped scores, Gemma 3's q/k norms and rope per layer type), with RMSNorm, a SiLU- or
+GeLU-gated MLP, no ALiBi, no attention sinks, one rank, float32 or bfloat16, and the
+native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it
+off (to compare, or to rule it out).
 """
 
 from __future__ import annotations
@@ -51,16 +53,20 @@ class NativeLayerStack:
     layers: list[nn.Module]  # LlamaDecoderLayer
     weights: list[torch.Tensor | None]
     linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what oneDNN packs
-    qk_norm_weights: list[torch.Tensor]  # q norm, k norm a layer (Qwen3), or none
+    qk_norm_weights: list[torch.Tensor]  # q norm, k norm a layer (Qwen3, Gemma 3), or none
+    # The norms of attention's and the MLP's outputs a layer (Gemma's sandwich), or none.
+    block_norm_weights: list[torch.Tensor]
     cos_sin_caches: list[torch.Tensor]
     is_neox_style: bool
     scales: list[float]
     sliding_windows: list[int]
+    logit_softcaps: list[float]  # 0.0: none
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
     residual_multiplier: float  # each block's output scaled by it (Granite; 1.0 elsewhere)
+    activation: str  # the MLP gate's: silu, gelu or gelu_tanh
     dtype: torch.dtype
     # LongRoPE (Phi-3), every layer's alike: the first layer's, which turns the step's
     # positions into rows of the cache (its long half for sequences past the original
@@ -101,6 +107,7 @@ class NativeLayerStack:
             self.weights,
             packed,
             self.qk_norm_weights,
+            self.block_norm_weights,
             [k for k, _ in caches],
             [v for _, v in caches],
             self.cos_sin_caches,
@@ -111,20 +118,64 @@ class NativeLayerStack:
             meta.query_start_loc,
             self.scales,
             self.sliding_windows,
+            self.logit_softcaps,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             self.eps,
             self.residual_multiplier,
+            self.activation,
             output_rows,
         )
+
+
+# The MLP gate's activation by its `ActAndMul` name, as the native call names it: the names
+# whose function is torch's silu or gelu (exact, or its tanh approximation).
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+@dataclass
+class _LayerParts:
+    """One layer's modules in the stack's terms."""
+
+    attn: nn.Module  # LlamaAttention or GemmaAttention
+    mlp: nn.Module  # LlamaMLP
+    attn_norm: nn.Module  # before attention, adding the residual
+    mlp_norm: nn.Module  # before the MLP, adding the residual
+    block_norms: tuple[nn.Module, ...]  # on attention's and the MLP's outputs (Gemma), or ()
+    residual_multiplier: float
+
+
+def _layer_parts(layer: nn.Module) -> _LayerParts | None:
+    """The layer's parts where it is one of the layers the stack computes, else None."""
+    from serve.models.gemma import GemmaAttention, GemmaDecoderLayer
+    from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    kinds = {LlamaDecoderLayer: LlamaAttention, GemmaDecoderLayer: GemmaAttention}
+    if kinds.get(type(layer)) is not type(layer.self_attn) or type(layer.mlp) is not LlamaMLP:
+        return None
+    if type(layer) is LlamaDecoderLayer:
+        return _LayerParts(
+            layer.self_attn,
+            layer.mlp,
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            (),
+            float(layer.residual_multiplier),
+        )
+    return _LayerParts(
+        layer.self_attn,
+        layer.mlp,
+        layer.input_layernorm,
+        layer.pre_feedforward_layernorm,
+        (layer.post_attention_layernorm, layer.post_feedforward_layernorm),
+        1.0,
+    )
 
 
 def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     """The stack for these layers, or None where any of them computes something the native
     call does not (or the native kernels are off or missing)."""
-    from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-
     if os.environ.get(ENV_VAR, "1") == "0" or not layers or get_tp_group().world_size != 1:
         return None
     if next(layers.parameters()).device.type != "cpu":  # a CPU kernel: not for CUDA weights
@@ -134,21 +185,22 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     weights: list[torch.Tensor | None] = []
     linear_weights: list[torch.Tensor] = []
     qk_norm_weights: list[torch.Tensor] = []
+    block_norm_weights: list[torch.Tensor] = []
     eps: set[float] = set()
     attention_shapes: set[tuple[int, int, int]] = set()
     neox: set[bool] = set()
-    cos_sin, scales, windows = [], [], []
+    cos_sin, scales, windows, softcaps = [], [], [], []
     multipliers: set[float] = set()
+    activations: set[str] = set()
     long_ropes: set[tuple[int, int] | None] = set()
     for layer in layers:
-        if type(layer) is not LlamaDecoderLayer:
+        parts = _layer_parts(layer)
+        if parts is None:
             return None
-        multipliers.add(float(layer.residual_multiplier))
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
-            return None
-        if any(type(norm) is not RMSNorm for norm in norms):
+        multipliers.add(parts.residual_multiplier)
+        attn, mlp = parts.attn, parts.mlp
+        norms = (parts.attn_norm, parts.mlp_norm)
+        if any(type(norm) is not RMSNorm for norm in (*norms, *parts.block_norms)):
             return None
         head_norms = [norm for norm in (attn.q_norm, attn.k_norm) if norm is not None]
         if head_norms and (len(head_norms) != 2 or any(type(n) is not RMSNorm for n in head_norms)):
@@ -166,14 +218,11 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         if table.dtype != torch.float32 or not table.is_contiguous():
             return None
         inner = attn.attn
-        if (
-            inner.alibi_slopes is not None
-            or inner.logit_softcap is not None
-            or inner.sinks is not None
-        ):
+        if inner.alibi_slopes is not None or inner.sinks is not None or inner.shared_kv:
             return None
-        if type(mlp.act) is not ActAndMul or mlp.act.name not in ("silu", "swish"):
+        if type(mlp.act) is not ActAndMul or mlp.act.name not in _ACTIVATIONS:
             return None
+        activations.add(_ACTIVATIONS[mlp.act.name])
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         kinds = (
             QKVParallelLinear,
@@ -191,19 +240,24 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
             for lin in linear_pair:
                 weights.extend((lin.weight, lin.bias))
         qk_norm_weights.extend(norm.weight for norm in head_norms)
-        eps.update(norm.eps for norm in (*norms, *head_norms))
+        block_norm_weights.extend(norm.weight for norm in parts.block_norms)
+        eps.update(norm.eps for norm in (*norms, *head_norms, *parts.block_norms))
         attention_shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         cos_sin.append(table)
         scales.append(float(inner.scale))
         windows.append(int(inner.sliding_window or 0))
+        softcaps.append(float(inner.logit_softcap or 0.0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1 or len(multipliers) != 1:
         return None
-    if len(long_ropes) != 1:
+    if len(long_ropes) != 1 or len(activations) != 1:
         return None
-    if qk_norm_weights and len(qk_norm_weights) != 2 * len(layers):  # some layers without
+    # Every layer with them, or none.
+    if qk_norm_weights and len(qk_norm_weights) != 2 * len(layers):
+        return None
+    if block_norm_weights and len(block_norm_weights) != 2 * len(layers):
         return None
     dtype = weights[0].dtype
-    tensors = [w for w in weights if w is not None] + qk_norm_weights
+    tensors = [w for w in weights if w is not None] + qk_norm_weights + block_norm_weights
     if dtype not in _DTYPES or any(w.dtype != dtype or not w.is_contiguous() for w in tensors):
         return None
     if any(w.device.type != "cpu" for w in tensors) or not native.available():
@@ -214,15 +268,47 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         weights,
         linear_weights,
         qk_norm_weights,
+        block_norm_weights,
         cos_sin,
         neox.pop(),
         scales,
         windows,
+        softcaps,
         num_heads,
         num_kv_heads,
         head_dim,
         eps.pop(),
         multipliers.pop(),
+        activations.pop(),
         dtype,
         layers[0].self_attn.rotary_emb if long_ropes.pop() is not None else None,
     )
+
+
+class LayerRunner:
+    """How a model runs its decoder layers at a step: as one native call where the stack
+    takes the step, else one by one. The stack is built at the first step, once the weights
+    are loaded and placed; `use_stack = False` runs the loop (benchmarks' A/B)."""
+
+    def __init__(self) -> None:
+        self.use_stack = True
+        self._stack: NativeLayerStack | None = None
+        self._built = False
+
+    def stack(self, layers: nn.ModuleList) -> NativeLayerStack | None:
+        if not self._built:
+            self._stack = build_layer_stack(layers)
+            self._built = True
+        return self._stack
+
+    def __call__(
+        self, layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, residual) after the layers, from the embeddings x [T, hidden]."""
+        stack = self.stack(layers) if self.use_stack else None
+        if stack is not None and stack.takes(x):
+            return stack(positions, x)
+        residual = None
+        for layer in layers:
+            x, residual = layer(positions, x, residual)
+        return x, residual

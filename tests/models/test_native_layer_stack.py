@@ -62,17 +62,7 @@ def _decode(llm: LLM) -> list:
     return results
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "granite", "phi3"])
-def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
-    tiny_model_factory, monkeypatch, stack_calls, arch, dtype
-):
-    """Llama (tied head), Qwen2 (QKV biases), Mistral (a sliding window of 12, which the
-    40-token prompts cross), Qwen3 (each head's q and k normed), Granite (each block's
-    output scaled by the residual multiplier) and Phi-3 (LongRoPE's short factors, its
-    own head, a window of 12), in both CPU dtypes."""
-    model_dir = str(tiny_model_factory(arch))
-    engine = {**ENGINE, "dtype": dtype}
+def _assert_stack_is_the_loop(model_dir: str, engine: dict, monkeypatch, stack_calls) -> None:
     monkeypatch.setenv(ENV_VAR, "0")
     with LLM(model=model_dir, **engine) as llm:
         assert build_layer_stack(_model(llm).model.layers) is None
@@ -93,6 +83,33 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
         expected += [(len(run), len(run))] * (MAX_TOKENS - 1)
     assert stack_calls == expected
     assert stacked == looped
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "mistral", "qwen3", "granite", "phi3", "gemma2", "gemma3"]
+)
+def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
+    tiny_model_factory, monkeypatch, stack_calls, arch, dtype
+):
+    """Llama (tied head), Qwen2 (QKV biases), Mistral (a sliding window of 12, which the
+    40-token prompts cross), Qwen3 (each head's q and k normed), Granite (each block's
+    output scaled by the residual multiplier), Phi-3 (LongRoPE's short factors, its own
+    head, a window of 12), Gemma 2 (a norm on each block's output, GeGLU, soft-capped
+    scores, a local layer with a window of 8 and a global one) and Gemma 3 (q/k norms, a
+    rope per layer type), in both CPU dtypes."""
+    _assert_stack_is_the_loop(
+        str(tiny_model_factory(arch)), {**ENGINE, "dtype": dtype}, monkeypatch, stack_calls
+    )
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_one_kv_head_s_k_norm(tiny_model_factory, monkeypatch, stack_calls, arch):
+    """With one KV head, k cut from the QKV rows is one row a token, apart in memory: its
+    norm copies the rows together in the stack as in the loop (the native norm takes
+    contiguous rows), and the stack gives the loop's tokens."""
+    model_dir = str(tiny_model_factory(arch, num_key_value_heads=1))
+    _assert_stack_is_the_loop(model_dir, ENGINE, monkeypatch, stack_calls)
 
 
 def test_long_rope_past_the_original_context(tiny_model_factory, monkeypatch, stack_calls):
@@ -178,7 +195,6 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
     "arch",
     [
         "mixtral",  # a sparse MoE block for an MLP
-        "gemma2",  # its own layers: soft-caps, norms around each block
         "olmo2",  # norms after each block, q and k normed across their heads
     ],
 )

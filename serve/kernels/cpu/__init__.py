@@ -52,6 +52,10 @@ def rms_norm(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One pass per row, the residual add included, where torch takes seven ops."""
+    if x.dim() == 2 and x.stride(1) == 1 and not x.is_contiguous():
+        # rows apart in memory (a model's one KV head of k, cut from the QKV rows): copied
+        # together, so they take the same pass as everywhere else (the native layer stack's)
+        x = x.contiguous()
     fits = residual is None or (
         residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous()
     )

@@ -1,4 +1,4 @@
-// A stack of Llama-style decoder layers in one call.
+// A stack of Llama- or Gemma-style decoder layers in one call.
 //
 // The ~10 ops a layer cost more from Python than some of them take to run: their
 // dispatch, wrappers and module calls were 3-5 ms of a 14-21 ms one-token step for the
@@ -10,15 +10,19 @@
 // of more rows), oneDNN's `_linear_pointwise` on those.
 //
 // A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
-// rms_norm'd per head where the model has q/k norms (Qwen3); rotate q and k;
-// write k, v into the layer's cache; attend; x = o W_o^T + b; h = rms_norm(x + residual);
-// x = silu_and_mul(h W_gu^T + b) W_down^T + b; each block's x scaled by the residual
-// multiplier where it is not 1 (Granite). With `output_rows` (the rows the step reads
-// after the model: its sampled tokens), the last layer's o_proj, norm and MLP run for
+// rms_norm'd per head where the model has q/k norms (Qwen3, Gemma 3); rotate q and k;
+// write k, v into the layer's cache; attend (the scores soft-capped where the layer's cap
+// is not 0: Gemma 2); x = o W_o^T + b; h = rms_norm(x + residual);
+// x = act_and_mul(h W_gu^T + b) W_down^T + b, the gate's activation SiLU or GeLU (exact or
+// tanh's approximation: Gemma's GeGLU); each block's x scaled by the residual multiplier
+// where it is not 1 (Granite), or rms_norm'd alone before it joins the residual where the
+// model has `block_norm_weights` (Gemma's sandwich). With `output_rows` (the rows the step
+// reads after the model: its sampled tokens), the last layer's o_proj, norm and MLP run for
 // those rows alone, and the stack returns them in that order: a prompt chunk's other rows
 // need only their K/V, which every layer has written by then. `weights` holds
 // kWeightsPerLayer entries a layer in that order, the biases None where the model has
-// none; `qk_norm_weights` the q and k norms' weights a layer, or nothing.
+// none; `qk_norm_weights` the q and k norms' weights a layer, or nothing;
+// `block_norm_weights` the norms of attention's and the MLP's outputs a layer, or nothing.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -27,6 +31,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "ops.h"
 
@@ -40,9 +45,11 @@ constexpr int64_t kWeightsPerLayer = 10;
 constexpr int64_t kLinearsPerLayer = 4;
 
 // RMSNorm over each head's [head_dim] row, as the loop's `norm(t.reshape(-1, head_dim))`:
-// a contiguous copy of the strided heads, normed into a new tensor of their shape.
+// a contiguous copy of the strided heads (`reshape` returns a strided view of one head a
+// token: `serve.kernels.cpu.rms_norm` copies it too), normed into a new tensor of their
+// shape.
 at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double eps) {
-  const at::Tensor rows = heads.reshape({-1, heads.size(2)});
+  const at::Tensor rows = heads.reshape({-1, heads.size(2)}).contiguous();
   at::Tensor out = at::empty_like(rows);
   ops::rms_norm(out, out, rows, std::nullopt, weight, eps);
   return out.view(heads.sizes());
@@ -62,6 +69,36 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
                  c10::string_view(""));
 }
 
+// rms_norm of x's rows with no residual (a sandwich's norm of a block's output), as the loop's
+// `norm(x)`.
+at::Tensor norm_alone(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty_like(x);
+  ops::rms_norm(out, out, x, std::nullopt, weight, eps);
+  return out;
+}
+
+// The gated MLP's activation: act(gate) * up over [T, 2d] -> [T, d], as `ActAndMul`
+// computes it: the native kernel for SiLU, torch's gelu and mul on the halves otherwise.
+enum class Activation { kSilu, kGelu, kGeluTanh };
+
+Activation parse_activation(c10::string_view name) {
+  if (name == "silu") return Activation::kSilu;
+  if (name == "gelu") return Activation::kGelu;
+  if (name == "gelu_tanh") return Activation::kGeluTanh;
+  TORCH_CHECK(false, "decoder_layers: activation silu, gelu or gelu_tanh, not ", name);
+}
+
+at::Tensor act_and_mul(const at::Tensor& gate_up, Activation activation) {
+  if (activation == Activation::kSilu) {
+    at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    ops::silu_and_mul(out, gate_up);
+    return out;
+  }
+  const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], activation == Activation::kGeluTanh ? "tanh" : "none")
+      .mul(halves[1]);
+}
+
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& packed) {
   if (packed.has_value()) return onednn_linear(x, *packed, bias);
@@ -75,20 +112,22 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& x_in, const at::Tensor& positions,
     const c10::List<std::optional<at::Tensor>>& weights,
     const c10::List<std::optional<at::Tensor>>& packed_weights, at::TensorList qk_norm_weights,
-    at::TensorList key_caches, at::TensorList value_caches, at::TensorList cos_sin_caches,
-    bool is_neox_style,
+    at::TensorList block_norm_weights, at::TensorList key_caches, at::TensorList value_caches,
+    at::TensorList cos_sin_caches, bool is_neox_style,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
-    at::IntArrayRef sliding_windows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double residual_multiplier, const std::optional<at::Tensor>& output_rows) {
+    at::IntArrayRef sliding_windows, at::ArrayRef<double> logit_softcaps, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, double eps, double residual_multiplier,
+    c10::string_view activation_name, const std::optional<at::Tensor>& output_rows) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights a layer");
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == num_layers &&
                   static_cast<int64_t>(cos_sin_caches.size()) == num_layers &&
                   static_cast<int64_t>(scales.size()) == num_layers &&
-                  static_cast<int64_t>(sliding_windows.size()) == num_layers,
-              "decoder_layers: one cache pair, rotary cache, scale and window a layer");
+                  static_cast<int64_t>(sliding_windows.size()) == num_layers &&
+                  static_cast<int64_t>(logit_softcaps.size()) == num_layers,
+              "decoder_layers: one cache pair, rotary cache, scale, window and soft-cap a layer");
   const bool packed = !packed_weights.empty();
   TORCH_CHECK(
       !packed || static_cast<int64_t>(packed_weights.size()) == num_layers * kLinearsPerLayer,
@@ -96,6 +135,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const bool qk_norm = !qk_norm_weights.empty();
   TORCH_CHECK(!qk_norm || static_cast<int64_t>(qk_norm_weights.size()) == num_layers * 2,
               "decoder_layers: no q/k norms, or two a layer");
+  const bool block_norms = !block_norm_weights.empty();
+  TORCH_CHECK(!block_norms || static_cast<int64_t>(block_norm_weights.size()) == num_layers * 2,
+              "decoder_layers: no block output norms, or two a layer");
+  const Activation activation = parse_activation(activation_name);
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x: [T, hidden], contiguous");
   if (output_rows.has_value()) {
     TORCH_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong,
@@ -138,7 +181,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor attended = at::empty_like(q_rot);
     ops::paged_attention(attended, q_rot, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, scales[layer], std::nullopt, sliding_windows[layer],
-                         0.0, std::nullopt);
+                         logit_softcaps[layer], std::nullopt);
     at::Tensor attended_rows = attended.view({tokens, q_size});
     if (output_rows.has_value() && layer == num_layers - 1) {
       // Past the last attention, only the rows read after the model are computed.
@@ -148,6 +191,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     }
     at::Tensor o = linear(attended_rows, w(3), w(4), p(1));
     if (residual_multiplier != 1.0) o = o.mul(residual_multiplier);  // Granite
+    if (block_norms) o = norm_alone(o, block_norm_weights[layer * 2], eps);  // Gemma
 
     at::Tensor h2 = at::empty_like(o);
     at::Tensor total2 = at::empty_like(o);
@@ -155,10 +199,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     residual = total2;
 
     const at::Tensor gate_up = linear(h2, w(6), w(7), p(2));
-    at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
-    ops::silu_and_mul(act, gate_up);
-    x = linear(act, w(8), w(9), p(3));
+    x = linear(act_and_mul(gate_up, activation), w(8), w(9), p(3));
     if (residual_multiplier != 1.0) x = x.mul(residual_multiplier);
+    if (block_norms) x = norm_alone(x, block_norm_weights[layer * 2 + 1], eps);
   }
   TORCH_CHECK(residual.has_value(), "decoder_layers: no layers");
   return {x, *residual};
@@ -169,12 +212,13 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
   m.def(
       "decoder_layers(Tensor x, Tensor positions, Tensor?[] weights, Tensor?[] packed_weights, "
-      "Tensor[] qk_norm_weights, "
+      "Tensor[] qk_norm_weights, Tensor[] block_norm_weights, "
       "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] cos_sin_caches, "
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "float[] scales, int[] sliding_windows, int num_heads, int num_kv_heads, int head_dim, "
-      "float eps, float residual_multiplier, Tensor? output_rows=None) -> (Tensor, Tensor)");
+      "float[] scales, int[] sliding_windows, float[] logit_softcaps, int num_heads, "
+      "int num_kv_heads, int head_dim, float eps, float residual_multiplier, str activation, "
+      "Tensor? output_rows=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
