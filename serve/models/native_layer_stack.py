@@ -50,7 +50,7 @@ class NativeLayerStack:
     (the model runner binds them after the model is built, and unbinds them around its
     profiling forward)."""
 
-    layers: list[nn.Module]  # LlamaDecoderLayer
+    layers: list[nn.Module]  # LlamaDecoderLayer or GemmaDecoderLayer
     weights: list[torch.Tensor | None]
     linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what oneDNN packs
     qk_norm_weights: list[torch.Tensor]  # q norm, k norm a layer (Qwen3, Gemma 3), or none
