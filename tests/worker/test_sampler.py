@@ -10,6 +10,7 @@ import torch
 
 from serve import SamplingParams
 from serve.sequence import Sequence
+from serve.worker import sampler as sampler_module
 from serve.worker.sampler import Sampler
 
 VOCAB = 64
@@ -146,6 +147,68 @@ def test_min_p_goes_before_top_p_as_in_vllm():
     assert (top_p_only[0] > 0).nonzero().flatten().tolist() == [0, 1]
     min_p_only = Sampler(seed=0).probabilities(logits, [_seq(2, temperature=1.0, min_p=0.05)])
     assert (min_p_only[0] > 0).nonzero().flatten().tolist() == [0, 1]
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> list[int]:
+    """The reference: the fewest most likely tokens whose probability reaches top_p."""
+    order = probs.double().sort(descending=True)
+    count = int((order.values.cumsum(0) < top_p).sum()) + 1
+    return sorted(order.indices[:count].tolist())
+
+
+def test_top_p_finds_each_row_s_nucleus_among_its_likeliest_or_by_a_sort(monkeypatch):
+    """Top-p looks for a row's nucleus among its most likely tokens first (here 8 of 64),
+    and sorts the whole row only where the nucleus is wider: a peaked row and one with
+    top-k 3 are found among the candidates, a flat row is sorted, a row with top_p 1 keeps
+    every token; each keeps exactly the reference's nucleus, renormalised."""
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 8)
+    searched = []
+    nucleus_edge = sampler_module._nucleus_edge
+
+    def recorded(logits, top_p, count):
+        searched.append((logits.shape[0], count))
+        return nucleus_edge(logits, top_p, count)
+
+    monkeypatch.setattr(sampler_module, "_nucleus_edge", recorded)
+    gen = torch.Generator().manual_seed(3)
+    peaked = torch.randn(VOCAB, generator=gen) * 4
+    flat = torch.randn(VOCAB, generator=gen) * 0.3
+    logits = torch.stack([peaked, flat, peaked, flat])
+    params = [
+        {"top_p": 0.9},
+        {"top_p": 0.9},
+        {"top_p": 0.95, "top_k": 3},
+        {"top_p": 1.0},
+    ]
+    seqs = [_seq(i, temperature=1.0, **p) for i, p in enumerate(params)]
+    got = Sampler(seed=0).probabilities(logits, seqs)
+
+    full = logits.softmax(dim=-1)
+    three = peaked.topk(3).indices
+    top_three = torch.zeros(VOCAB).index_copy_(0, three, peaked.softmax(dim=0)[three])
+    expected = [
+        _nucleus(full[0], 0.9),
+        _nucleus(full[1], 0.9),
+        _nucleus(top_three / top_three.sum(), 0.95),
+        list(range(VOCAB)),
+    ]
+    assert len(expected[0]) < 8 < len(expected[1])  # the two paths, as the test means them
+    for row, tokens in enumerate(expected):
+        assert (got[row] > 0).nonzero().flatten().tolist() == tokens
+        kept = full[row, tokens] / full[row, tokens].sum()
+        torch.testing.assert_close(got[row, tokens], kept)
+    # Three rows limited by top_p, among 8 candidates; the flat one sorted whole.
+    assert searched == [(3, 8), (1, VOCAB)]
+
+
+def test_top_p_keeps_tokens_tied_at_its_edge_together():
+    """Two tokens equally likely at the nucleus' edge are both kept or both left out,
+    whichever one a sort would put first."""
+    probs = torch.tensor([0.5, 0.2, 0.2] + [0.1 / 61] * 61)
+    seq = _seq(0, temperature=1.0, top_p=0.6)
+    got = Sampler(seed=0).probabilities(probs.log()[None, :], [seq])[0]
+    assert (got > 0).nonzero().flatten().tolist() == [0, 1, 2]
+    assert got[1] == got[2]
 
 
 def test_a_row_whose_allowed_tokens_are_all_banned_raises_rather_than_escape_them():
