@@ -18,8 +18,8 @@ max model len 2048, prefix caching off, a 4 GiB KV cache (`--kv-cache-gib`), lis
 127.0.0.1 only; everything else is each server's default. Each server is started in turn
 (serve first; `--vllm-first` turns the order round), warmed with a few short requests,
 measured on the chosen loads with serve's own load client (serve/bench/client.py:
-streamed completions, output lengths forced with ignore_eos) and the same seeded request
-set, and stopped.
+streamed completions, output lengths forced with ignore_eos, greedy unless `--temperature`
+and `--top-p` are given) and the same seeded request set, and stopped.
 
 Loads (`--loads`, comma-separated):
   burst    `--num-requests` (64) completions sent at once, prompts of 32-512 random token
@@ -113,6 +113,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="both servers'"
     )
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    p.add_argument("--top-p", type=float, default=None, help="every request's, where given")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="each server's KV cache")
     p.add_argument("--serve-flags", default="", help='extra serve flags, as --serve-flags="--x y"')
     p.add_argument("--serve-tree", type=Path, default=None, help="run serve from this checkout")
@@ -203,13 +205,21 @@ async def warm_up(url: str, model: str) -> None:
 
 
 async def run_load(
-    url: str, model: str, requests: list[Request], rate: float, concurrency: int | None
+    url: str, model: str, requests: list[Request], rate: float, concurrency: int | None, args
 ) -> dict:
     limits = httpx.Limits(max_connections=len(requests))
+    extra = {} if args.top_p is None else {"top_p": args.top_p}
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         served, _ = await get_model(client, model)
         results, duration = await replay(
-            client, served, requests, request_rate=rate, max_concurrency=concurrency, seed=0
+            client,
+            served,
+            requests,
+            request_rate=rate,
+            max_concurrency=concurrency,
+            seed=0,
+            temperature=args.temperature,
+            extra=extra,
         )
     return summarize(results, duration)
 
@@ -222,7 +232,7 @@ def measure(name: str, url: str, model: str, request_sets: dict, args) -> dict:
         rate = args.rate if load == "poisson" else float("inf")
         concurrency = 1 if load == "single" else None
         start = time.perf_counter()
-        summary = asyncio.run(run_load(url, model, requests, rate, concurrency))
+        summary = asyncio.run(run_load(url, model, requests, rate, concurrency, args))
         bad = summary["num_failed"] + summary["num_mismatched"]
         print(
             f"  {name} {load}: {summary['output_tokens_per_s']:.1f} output tok/s, "

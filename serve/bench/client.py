@@ -148,16 +148,18 @@ async def replay(
     temperature: float = 0.0,
     ignore_eos: bool = True,
     on_done: Callable[[RequestResult], None] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every request at its arrival time: all at once (`inf`), or as a seeded
     Poisson process of `request_rate` per second; at most `max_concurrency` in flight.
-    Returns the results in request order and the duration in seconds."""
+    `extra`: more body fields for every request (`send`'s). Returns the results in request
+    order and the duration in seconds."""
     arrivals = random.Random(seed + 1)  # independent of the request set's RNG stream
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
 
     async def limited(request: Request) -> RequestResult:
         async with limit:
-            result = await send(client, model, request, temperature, ignore_eos)
+            result = await send(client, model, request, temperature, ignore_eos, extra)
         if on_done is not None:
             on_done(result)
         return result
