@@ -151,8 +151,10 @@ def _layer_parts(layer: nn.Module) -> _LayerParts | None:
     from serve.models.gemma import GemmaAttention, GemmaDecoderLayer
     from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
-    kinds = {LlamaDecoderLayer: LlamaAttention, GemmaDecoderLayer: GemmaAttention}
-    if kinds.get(type(layer)) is not type(layer.self_attn) or type(layer.mlp) is not LlamaMLP:
+    attention = {LlamaDecoderLayer: LlamaAttention, GemmaDecoderLayer: GemmaAttention}
+    if type(layer) not in attention or type(layer.self_attn) is not attention[type(layer)]:
+        return None
+    if type(layer.mlp) is not LlamaMLP:
         return None
     if type(layer) is LlamaDecoderLayer:
         return _LayerParts(
