@@ -281,14 +281,18 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     rows = (top_p < 1.0).nonzero().flatten()
     if rows.numel() == 0:
         return logits
-    limited, limits = logits[rows], top_p[rows]
+    every_row = rows.numel() == logits.shape[0]
+    limited, limits = (logits, top_p) if every_row else (logits[rows], top_p[rows])
     vocab = logits.shape[1]
     cut, complete = _nucleus_edge(limited, limits, min(TOP_P_CANDIDATES, vocab))
     if not bool(complete.all()):
         wider = (~complete).nonzero().flatten()
         cut[wider] = _nucleus_edge(limited[wider], limits[wider], vocab)[0]
+    narrowed = limited.masked_fill(limited < cut, float("-inf"))
+    if every_row:
+        return narrowed
     out = logits.clone()
-    out[rows] = limited.masked_fill(limited < cut, float("-inf"))
+    out[rows] = narrowed
     return out
 
 
