@@ -27,12 +27,18 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "swap_blocks",
+    "top_p_cut",
 ]
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
     """Greedy sampling's pick: each row's largest value's index, by torch.argmax's rules."""
     return ops_for(x.device).argmax(x)
+
+
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # -> [rows, 1]
+    """Each row's top-p edge: the least likely logit of its nucleus (reference.py)."""
+    return ops_for(logits.device).top_p_cut(logits, top_p)
 
 
 def linear(

@@ -373,6 +373,42 @@ def _attend_sdpa(
     return out[0].transpose(0, 1)  # [q_len, num_heads, head_dim]
 
 
+# The reference looks for a row's nucleus among its most likely tokens first: picking them
+# (topk) costs a small part of sorting the whole vocabulary, which took 110 ms at 64 rows
+# of a 49k vocabulary and 720 ms of a 262k one on two CPU cores. The default model's
+# nucleus at top_p 0.95 and temperature 1 held at most 43 tokens over 300 sampled steps of
+# chat; a row whose nucleus is wider (a flat distribution) is sorted whole.
+TOP_P_CANDIDATES = 256
+
+
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # -> [rows, 1]
+    """Each row's top-p edge: the least likely logit of its nucleus, the fewest most likely
+    tokens whose probability reaches its top_p (0 < top_p <= 1); the tokens at least as
+    likely as the edge are the nucleus, ties at the edge included."""
+    vocab = logits.shape[1]
+    cut, complete = _nucleus_edge(logits, top_p, min(TOP_P_CANDIDATES, vocab))
+    if not bool(complete.all()):
+        wider = (~complete).nonzero().flatten()
+        cut[wider] = _nucleus_edge(logits[wider], top_p[wider], vocab)[0]
+    return cut
+
+
+def _nucleus_edge(
+    logits: torch.Tensor, top_p: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's edge [rows, 1], looked for among its `count` most likely tokens, and
+    whether the nucleus ends among them [rows]."""
+    if count < logits.shape[1]:
+        values = logits.topk(count, dim=-1).values  # most likely first
+    else:
+        values = logits.sort(dim=-1, descending=True).values
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
+    kept = (mass_before < top_p[:, None]).sum(dim=-1).clamp_(min=1)  # a prefix of each row
+    complete = (kept < count) | (count == logits.shape[1])
+    return values.gather(1, (kept - 1)[:, None]), complete
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
     """Each row's largest value's index: the first where several tie; a NaN counts as larger
     than any number (torch.argmax's rules, which greedy decoding's exactness rests on)."""

@@ -265,48 +265,19 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-# A row's nucleus is looked for among its most likely tokens first: picking them (topk)
-# costs a small part of sorting the whole vocabulary, which took 110 ms at 64 rows of a
-# 49k vocabulary and 720 ms of a 262k one on two cores, longer than the model's decode
-# step. The default model's nucleus at top_p 0.95 and temperature 1 held at most 43 tokens
-# over 300 sampled steps; a row whose nucleus is wider (a flat distribution) is sorted
-# whole, as every row was before.
-TOP_P_CANDIDATES = 256
-
-
 def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep each row's smallest set of most likely tokens whose probability reaches its
     top_p, and every token as likely as the least likely of them (ties at the edge stay
-    together, whatever order a sort would give them); rows with top_p 1 keep every token."""
+    together, whatever order a sort would give them); rows with top_p 1 keep every token.
+    The edge is found without sorting the vocabulary (`kernels.top_p_cut`)."""
     rows = (top_p < 1.0).nonzero().flatten()
     if rows.numel() == 0:
         return logits
     every_row = rows.numel() == logits.shape[0]
     limited, limits = (logits, top_p) if every_row else (logits[rows], top_p[rows])
-    vocab = logits.shape[1]
-    cut, complete = _nucleus_edge(limited, limits, min(TOP_P_CANDIDATES, vocab))
-    if not bool(complete.all()):
-        wider = (~complete).nonzero().flatten()
-        cut[wider] = _nucleus_edge(limited[wider], limits[wider], vocab)[0]
-    narrowed = limited.masked_fill(limited < cut, float("-inf"))
+    narrowed = limited.masked_fill(limited < kernels.top_p_cut(limited, limits), float("-inf"))
     if every_row:
         return narrowed
     out = logits.clone()
     out[rows] = narrowed
     return out
-
-
-def _nucleus_edge(
-    logits: torch.Tensor, top_p: torch.Tensor, count: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's least likely logit inside its nucleus [rows, 1], looked for among its
-    `count` most likely tokens, and whether the nucleus ends among them [rows]."""
-    if count < logits.shape[1]:
-        values = logits.topk(count, dim=-1).values  # most likely first
-    else:
-        values = logits.sort(dim=-1, descending=True).values
-    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly more likely tokens
-    kept = (mass_before < top_p[:, None]).sum(dim=-1).clamp_(min=1)  # a prefix of each row
-    complete = (kept < count) | (count == logits.shape[1])
-    return values.gather(1, (kept - 1)[:, None]), complete

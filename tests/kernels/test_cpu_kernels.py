@@ -609,3 +609,44 @@ def test_argmax_leaves_other_layouts_and_dtypes_to_torch():
     x = torch.randn(6, 40, generator=seeded("argmax layouts"))
     for other in (x.t(), x.to(torch.bfloat16), x[:, ::2], x.to(torch.float64)):
         assert torch.equal(cpu.argmax(other), other.argmax(dim=-1))
+
+
+def _exact_top_p_edge(row: torch.Tensor, top_p: float) -> float:
+    """The oracle: the least likely logit of the fewest most likely tokens whose
+    probability reaches top_p, by a float64 sort."""
+    values = row.double().sort(descending=True).values
+    probs = values.softmax(dim=0)
+    kept = int(((probs.cumsum(0) - probs) < top_p).sum())
+    return float(values[max(kept, 1) - 1])
+
+
+@pytest.mark.parametrize("n", [1, 7, 100, 5000, 49155])
+def test_top_p_cut_finds_the_nucleus_edge(n):
+    """Each row's top-p edge as a float64 sort finds it, on fresh random rows: flat and
+    peaked, ties at and around the edge, masked (-inf) tokens, one unmasked token, every
+    logit equal, top_p from tiny to 1; the reference (float32 masses) agrees but where a
+    mass lands within rounding of top_p."""
+    gen = seeded("top_p_cut", n)
+    rows = 24
+    x = torch.randn(rows, n, generator=gen) * torch.tensor([0.05, 0.5, 2.0, 8.0]).repeat(6)[:, None]
+    top_p = torch.rand(rows, generator=gen) * 0.999 + 0.0005
+    top_p[:3] = torch.tensor([1.0, 1e-4, 0.5])
+    picks = torch.randint(0, n, (rows, 4), generator=gen)
+    for r in range(rows):
+        kind = r % 6
+        if kind == 1:  # the same logit at four places
+            x[r, picks[r]] = x[r].max() - 0.1
+        elif kind == 2:  # most tokens masked
+            x[r, torch.rand(n, generator=gen) < 0.9] = float("-inf")
+            x[r, picks[r, 0]] = 0.0
+        elif kind == 3 and r > 12:  # one token left
+            x[r] = float("-inf")
+            x[r, picks[r, 0]] = 1.0
+        elif kind == 4 and r > 12:  # every logit the same
+            x[r] = 0.25
+    cut = cpu.top_p_cut(x, top_p)
+    assert cut.shape == (rows, 1)
+    expected = [_exact_top_p_edge(x[r], float(top_p[r])) for r in range(rows)]
+    assert cut.flatten().tolist() == expected
+    same = reference.top_p_cut(x, top_p).flatten() == cut.flatten()
+    assert int(same.sum()) >= rows - 2

@@ -576,3 +576,30 @@ def test_scaled_dot_product_reference_is_what_we_think():
     v = torch.cat([v, torch.randn(4, 1, 8, generator=gen)])
     expected = F.softmax((q[0] @ k[:, 0].T) * 0.3, dim=-1) @ v[:, 0]
     assert max_err(naive_causal_attention(q, k, v, 0.3)[0], expected) < ATOL
+
+
+def test_top_p_cut_sorts_only_the_rows_past_its_candidates(monkeypatch):
+    """The reference looks for each row's top-p edge among its likeliest tokens (here 8 of
+    64) and sorts only the rows whose nucleus is wider; either way the edge is the one a
+    float64 sort gives."""
+    monkeypatch.setattr(reference, "TOP_P_CANDIDATES", 8)
+    searched = []
+    nucleus_edge = reference._nucleus_edge
+
+    def recorded(logits, top_p, count):
+        searched.append((logits.shape[0], count))
+        return nucleus_edge(logits, top_p, count)
+
+    monkeypatch.setattr(reference, "_nucleus_edge", recorded)
+    gen = torch.Generator().manual_seed(5)
+    peaked = torch.randn(2, 64, generator=gen) * 6
+    flat = torch.randn(1, 64, generator=gen) * 0.2
+    logits = torch.cat([peaked, flat])
+    top_p = torch.tensor([0.9, 0.5, 0.9])
+    cut = reference.top_p_cut(logits, top_p).flatten().tolist()
+    assert searched == [(3, 8), (1, 64)]
+    for row, p in enumerate(top_p.tolist()):
+        values = logits[row].double().sort(descending=True).values
+        probs = values.softmax(dim=0)
+        kept = int(((probs.cumsum(0) - probs) < p).sum())
+        assert cut[row] == float(values[kept - 1])

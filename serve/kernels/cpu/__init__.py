@@ -34,6 +34,7 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "swap_blocks",
+    "top_p_cut",
 ]
 
 # The dtypes the native kernels other than attention take (attention also takes float16).
@@ -219,6 +220,16 @@ NATIVE_MAX_ROWS = 2
 # The fewest rows that run on oneDNN: a forward of this many reorders every weight it
 # touches (the model runner's start-up forward).
 ONEDNN_MIN_ROWS = NATIVE_MAX_ROWS + 1
+
+
+def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # -> [rows, 1]
+    """Native for float32 rows: a selection per row (a few passes), where the reference
+    sorts each row whose nucleus is wider than its candidates."""
+    if not (_native_rows(logits) and logits.dtype == torch.float32 and logits.shape[1] > 0):
+        return reference.top_p_cut(logits, top_p)
+    out = logits.new_empty(logits.shape[0], 1)
+    torch.ops.serve_cpu.top_p_cut(out, logits, top_p.float().contiguous())
+    return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64

@@ -2,11 +2,11 @@
 
 Loaded only through `serve.kernels.backend` (never at `import serve`). Under
 `TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how CI tests them.
-`linear` and `argmax` are torch's, as in the reference. `quantized_linear` is a Triton GEMM
+`linear`, `argmax` and `top_p_cut` are torch's, as in the reference. `quantized_linear` is a Triton GEMM
 that dequantizes the packed weight tile by tile in registers (quantized_linear.py).
 """
 
-from serve.kernels.reference import argmax, linear
+from serve.kernels.reference import argmax, linear, top_p_cut
 from serve.kernels.triton.activation import silu_and_mul
 from serve.kernels.triton.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from serve.kernels.triton.moe import moe_experts
@@ -27,4 +27,5 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "swap_blocks",
+    "top_p_cut",
 ]
