@@ -117,14 +117,15 @@ float top_p_edge(const float* row, int64_t n, double top_p, float* weights, int3
   for (; i < n; ++i) total += weights[i] = std::exp(row[i] - max);
   const double target = top_p * total;
   double mass[kBuckets] = {};
-  int64_t count[kBuckets] = {};
+  int64_t count[kBuckets] = {};  // tokens a bucket
   const float scale = (kBuckets - 1) / (max - min);
   for (i = 0; i < n; ++i) {
     if (weights[i] == 0.0f) {  // masked, or too unlikely to count
       buckets[i] = kBuckets;
       continue;
     }
-    const int32_t b = std::min<int32_t>(kBuckets - 1, static_cast<int32_t>((max - row[i]) * scale));
+    const int32_t b =
+        std::min<int32_t>(kBuckets - 1, static_cast<int32_t>((max - row[i]) * scale));
     buckets[i] = b;
     mass[b] += weights[i];
     ++count[b];
@@ -133,6 +134,7 @@ float top_p_edge(const float* row, int64_t n, double top_p, float* weights, int3
   int32_t edge = 0;
   while (edge < kBuckets - 1 && above + mass[edge] < target) above += mass[edge++];
   edge_bucket.clear();
+  edge_bucket.reserve(count[edge]);
   for (i = 0; i < n; ++i) {
     if (buckets[i] == edge) edge_bucket.emplace_back(row[i], weights[i]);
   }
