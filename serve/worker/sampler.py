@@ -269,7 +269,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep each row's smallest set of most likely tokens whose probability reaches its
     top_p, and every token as likely as the least likely of them (ties at the edge stay
     together, whatever order a sort would give them); rows with top_p 1 keep every token.
-    The edge is found without sorting the vocabulary (`kernels.top_p_cut`)."""
+    The edge is `kernels.top_p_cut`'s: on CPU a selection, never a sort of the vocabulary."""
     rows = (top_p < 1.0).nonzero().flatten()
     if rows.numel() == 0:
         return logits
