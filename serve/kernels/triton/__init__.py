@@ -2,8 +2,9 @@
 
 Loaded only through `serve.kernels.backend` (never at `import serve`). Under
 `TRITON_INTERPRET=1` the same kernels run on CPU tensors, which is how CI tests them.
-`linear`, `argmax` and `top_p_cut` are torch's, as in the reference. `quantized_linear` is a Triton GEMM
-that dequantizes the packed weight tile by tile in registers (quantized_linear.py).
+`linear`, `argmax` and `top_p_cut` are torch's, as in the reference. `quantized_linear` is
+a Triton GEMM that dequantizes the packed weight tile by tile in registers
+(quantized_linear.py).
 """
 
 from serve.kernels.reference import argmax, linear, top_p_cut
