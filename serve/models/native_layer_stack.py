@@ -5,8 +5,8 @@ dispatcher. At a step of one or two tokens (every linear a pass over its weights
 the few-row native kernel) those calls were 3-5 ms of the default model's 14-21 ms step;
 at a decode step of 64 rows, ~7% of it. `serve_cpu::decoder_layers`
 (kernels/cpu/csrc/decoder.cpp) runs the same kernels in the same order from C++ (the
-linears on oneDNN's packed weights from NATIVE_MAX_ROWS + 1 rows, as
-`serve.kernels.cpu.linear` runs them), so a step's output is the Python loop's bit for bit.
+linears on the packed weights from NATIVE_MAX_ROWS + 1 rows, as `serve.kernels.cpu.linear`
+runs them), so a step's output is the Python loop's bit for bit.
 
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
@@ -52,7 +52,7 @@ class NativeLayerStack:
 
     layers: list[nn.Module]  # LlamaDecoderLayer or GemmaDecoderLayer
     weights: list[torch.Tensor | None]
-    linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what oneDNN packs
+    linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what gets packed
     qk_norm_weights: list[torch.Tensor]  # q norm, k norm a layer (Qwen3, Gemma 3), or none
     # The norms of attention's and the MLP's outputs a layer (Gemma's sandwich), or none.
     block_norm_weights: list[torch.Tensor]
@@ -78,7 +78,7 @@ class NativeLayerStack:
         return (
             x.dim() == 2
             and x.shape[0] >= 1
-            # the loop's linears run the few-row kernel, or oneDNN on packed weights
+            # the loop's linears run the few-row kernel, or on packed weights
             and (x.shape[0] <= NATIVE_MAX_ROWS or cpu.weights_packed(self.dtype))
             and x.dtype == self.dtype
             and x.device.type == "cpu"
@@ -90,8 +90,8 @@ class NativeLayerStack:
         self, positions: torch.Tensor, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) after the last layer, as the loop leaves them; where the step
-        names its `output_rows` (and the linears run on oneDNN, whose rows do not depend
-        on each other), those rows alone, in that order."""
+        names its `output_rows` (and the linears run on the packed weights, whose rows do not
+        depend on each other), those rows alone, in that order."""
         meta = get_forward_context()
         caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
         if self.long_rope is not None:
@@ -99,7 +99,7 @@ class NativeLayerStack:
         packed = []  # none: every linear runs the few-row kernel
         output_rows = None
         if x.shape[0] > NATIVE_MAX_ROWS:
-            packed = [cpu.onednn_weight(w) for w in self.linear_weights]
+            packed = [cpu.packed_weight(w) for w in self.linear_weights]
             output_rows = meta.output_rows
         return torch.ops.serve_cpu.decoder_layers(
             x.contiguous(),

@@ -31,7 +31,7 @@ from serve.config import (
     fit_max_num_batched_tokens,
 )
 from serve.kernels import AttentionMetadata, copy_blocks, swap_blocks
-from serve.kernels.cpu import ONEDNN_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
+from serve.kernels.cpu import PACKED_MIN_ROWS, PREPACK_ENV_VAR, weights_packed
 from serve.kv_cache.cache_engine import CacheEngine
 from serve.models.arch_config import hf_text_config
 from serve.models.forward_context import forward_context
@@ -91,8 +91,8 @@ _LEAST_CACHE_ROOM = 256 << 20
 def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_config: Any) -> None:
     """Memory past what is free brings the OOM killer, which ends the engine without a
     word, after minutes of loading a large model. So before any weight is read: the
-    weights (at the dtype they will load as, twice over where oneDNN keeps a packed copy of
-    each linear's) and the KV cache (zero-filled at start) against the memory available,
+    weights (at the dtype they will load as, twice over where a packed copy of each linear's
+    is kept: serve.kernels.cpu.packed_weight) and the KV cache (zero-filled at start) against the memory available,
     refused with the numbers and what would fit. Every rank of a CPU engine runs on this
     host, so the weights are the whole checkpoint's."""
     dtype = resolve_dtype(engine.model.dtype, hf_config, torch.device("cpu"), log=False)
@@ -101,7 +101,7 @@ def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_c
     cache_bytes = 0  # a block count forced by hand: its bytes are known only once loaded
     if cache.num_gpu_blocks_override is None:
         cache_bytes = cache.cpu_kv_cache_bytes
-    # oneDNN's packed copies are of float linears: a quantized checkpoint's stay packed.
+    # The packed copies are of float linears: a quantized checkpoint's stay as they are.
     float_linears = quantization_config(hf_config) is None
     _check_memory_for(weights, cache_bytes, dtype, weights_packed(dtype) and float_linears)
 
@@ -117,7 +117,7 @@ def _check_memory_for(
         return
     held = f"{_size(weights)} in {dtype_name(dtype)}"
     if packed:
-        held += ", twice that with oneDNN's packed copy of each linear's"
+        held += ", twice that with the packed copy of each linear's"
     if in_memory + _LEAST_CACHE_ROOM <= available:
         fix = f"lower the cache, e.g. {_kv_cache_memory_flag(available - in_memory)}"
     else:
@@ -268,10 +268,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             budget = self._profile_cuda_kv_cache_bytes()
         else:
-            # A first forward of a few rows: the CPU linears reorder their weights for
-            # oneDNN now, not in the first request's time (~1 s for the default model).
-            # Fewer rows run on the native kernel, which needs no reorder.
-            self._dummy_forward(ONEDNN_MIN_ROWS)
+            # A first forward of a few rows: the CPU linears pack their weights now, not
+            # in the first request's time (~1 s for the default model). Fewer rows run on
+            # the few-row kernel, which needs no packing.
+            self._dummy_forward(PACKED_MIN_ROWS)
             total = cache.cpu_kv_cache_bytes
             check_cpu_cache_fits(total)
             budget = total / self.config.world_size
@@ -515,11 +515,11 @@ class ModelRunner:
         logits take the first `len(logits_indices)` of them. None where every row is read
         (prompt logprobs, pooling, sjf's prompt states), where nothing is left out, and off
         the CPU. A linear's rows may depend on how many run together under three rows
-        (oneDNN's do not from three), so one or two sampled rows (a lone prompt) are named
+        (the packed weights' do not from three), so one or two sampled rows (a lone prompt) are named
         with the last repeated up to three, and a step that samples nothing (a long
         prompt's chunks before its last) names its first row three times, for nobody."""
         rows = inputs.logits_indices
-        num_rows = max(rows.shape[0], ONEDNN_MIN_ROWS)
+        num_rows = max(rows.shape[0], PACKED_MIN_ROWS)
         if (
             self.device.type != "cpu"
             or inputs.prompt_logits_indices is not None

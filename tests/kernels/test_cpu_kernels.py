@@ -369,21 +369,21 @@ def test_linear_few_rows_matches_torch(rows, shape):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "rows", "on_onednn"),
+    ("dtype", "rows", "packed_as"),
     [
-        (torch.float32, 1, False),
-        (torch.float32, 2, False),  # oneDNN's float32 two-row product is its slowest
-        (torch.float32, 3, True),
-        (torch.float32, 7, True),
-        (torch.float32, 200, True),
-        (torch.bfloat16, 1, False),
-        (torch.bfloat16, 2, False),
-        (torch.bfloat16, 3, True),
+        (torch.float32, 1, None),
+        (torch.float32, 2, None),  # oneDNN's float32 two-row product is its slowest
+        (torch.float32, 3, "panels"),
+        (torch.float32, 7, "panels"),
+        (torch.float32, 200, "panels"),
+        (torch.bfloat16, 1, None),
+        (torch.bfloat16, 2, None),
+        (torch.bfloat16, 3, "onednn"),
     ],
 )
-def test_cpu_linear_matches_torch_on_every_path(dtype, rows, on_onednn):
-    """A row or two in the native kernel, more in oneDNN on the prepacked weight; every
-    path against float64 torch."""
+def test_cpu_linear_matches_torch_on_every_path(dtype, rows, packed_as):
+    """A row or two in the few-row kernel, more on the weight packed on first use (float32
+    in the native panels, bfloat16 in oneDNN's layout); every path against float64 torch."""
     gen = seeded("cpu-linear", rows)
     x, weight = torch.randn(rows, 300, generator=gen), torch.randn(200, 300, generator=gen)
     bias = torch.randn(200, generator=gen)
@@ -393,7 +393,64 @@ def test_cpu_linear_matches_torch_on_every_path(dtype, rows, on_onednn):
     assert out.dtype == dtype
     rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2 * 2**-8, 1e-2)
     assert torch.allclose(out.double(), expected, rtol=rtol, atol=atol)
-    assert hasattr(weight, "_serve_onednn") is on_onednn  # packed on first use by oneDNN
+    entry = getattr(weight, "_serve_packed", None)
+    if packed_as is None:
+        assert entry is None
+    else:
+        assert entry[0].is_mkldnn is (packed_as == "onednn")
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (3, 960, 576),  # the default model's qkv
+        (64, 576, 1536),  # its down_proj at a full decode batch
+        (5, 100, 37),  # a last panel of few columns; K under a vector
+        (13, 130, 2500),  # K in two blocks (the chain carries on through y)
+        (200, 64, 64),
+    ],
+)
+def test_panel_linear_against_float64(rows, out_features, in_features):
+    """The panel kernel (float32 weights from three rows) on shapes whose last panel is
+    partial and whose K runs past one block, with and without a bias."""
+    gen = seeded("panels", rows, out_features, in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    panels = torch.ops.serve_cpu.pack_panels(weight)
+    for b in (None, bias):
+        out = torch.full((rows, out_features), float("nan"))
+        torch.ops.serve_cpu.linear_panels(out, x, panels, b)
+        expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4 * in_features**0.5)
+
+
+def test_panel_linear_rows_do_not_depend_on_each_other():
+    """A row's output is the same to the bit alone, among 3 rows or among 70 (tiles, row
+    chunks and thread splits all differ): what lets the native stack run a prompt's last
+    layer for its sampled rows alone and still return the loop's logits."""
+    gen = seeded("panel-rows")
+    x = torch.randn(70, 576, generator=gen)
+    weight = torch.randn(576, 576, generator=gen)
+    panels = torch.ops.serve_cpu.pack_panels(weight)
+    full = torch.empty(70, 576)
+    torch.ops.serve_cpu.linear_panels(full, x, panels, None)
+    for picked in ([69, 3, 3], [0, 1, 2, 3, 4, 5, 6], list(range(17, 40))):
+        part = torch.empty(len(picked), 576)
+        torch.ops.serve_cpu.linear_panels(part, x[picked].contiguous(), panels, None)
+        assert torch.equal(part, full[picked])
+
+
+def test_panel_linear_refuses_what_it_cannot_run():
+    weight = torch.randn(64, 32)
+    panels = torch.ops.serve_cpu.pack_panels(weight)
+    out = torch.empty(4, 64)
+    with pytest.raises(RuntimeError, match="x's K"):
+        torch.ops.serve_cpu.linear_panels(out, torch.randn(4, 31), panels, None)
+    with pytest.raises(RuntimeError, match="out's N"):
+        torch.ops.serve_cpu.linear_panels(torch.empty(4, 500), torch.randn(4, 32), panels, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.serve_cpu.pack_panels(weight.bfloat16())
 
 
 def test_prepacked_weight_follows_in_place_writes():
@@ -413,7 +470,7 @@ def test_prepacking_turned_off_runs_torch(monkeypatch):
         gen = seeded("no-prepack")
         x, weight = torch.randn(5, 40, generator=gen), torch.randn(24, 40, generator=gen)
         out = cpu.linear(x, weight)
-        assert not hasattr(weight, "_serve_onednn")
+        assert not hasattr(weight, "_serve_packed")
         assert torch.allclose(out, x @ weight.t(), rtol=1e-5, atol=1e-5)
     finally:
         cpu.prepack_enabled.cache_clear()

@@ -48,7 +48,7 @@ def test_weights_that_do_not_fit_are_refused_before_loading(tiny_llama, monkeypa
     with pytest.raises(ValueError, match="the weights alone do not fit") as refused:
         LLM(model=str(tiny_llama), device="cpu", kv_cache_memory="4MiB", swap_space=0.001)
     message = str(refused.value)
-    assert "in float32, twice that with oneDNN's packed copy of each linear's" in message
+    assert "in float32, twice that with the packed copy of each linear's" in message
     assert "try --dtype bfloat16 (half the bytes), or SERVE_CPU_PREPACK=0" in message
 
     with pytest.raises(ValueError, match="the weights alone do not fit") as refused:

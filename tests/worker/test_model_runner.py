@@ -17,16 +17,16 @@ from serve.models.layers.linear import (
 LINEARS = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
-def test_cpu_linears_are_reordered_for_onednn_at_start(tiny_llama):
-    """oneDNN runs a CPU linear of three rows and more on a copy of its weight reordered
-    into its blocked layout, made on first use (serve/kernels/cpu). The start-up forward
-    makes every one, so the first request with a few sequences does not."""
+def test_cpu_linears_are_packed_at_start(tiny_llama):
+    """A CPU linear of three rows and more runs on a packed copy of its weight (float32:
+    the native kernel's panels), made on first use (serve/kernels/cpu). The start-up
+    forward makes every one, so the first request with a few sequences does not."""
     llm = LLM(model=str(tiny_llama), device="cpu", dtype="float32", kv_cache_memory="4MiB")
     model = llm.engine.executor.worker.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, LINEARS)]
     assert len(linears) == 4 * len(model.model.layers) + 1
     for layer in linears:
-        packed, version = layer.weight._serve_onednn
+        packed, version = layer.weight._serve_packed
         assert version == layer.weight._version
         assert packed.dtype == torch.float32
     llm.shutdown()

@@ -169,11 +169,12 @@ def paged_attention(
     return out
 
 
-# oneDNN's matmul with the weight reordered once into its blocked layout runs 1.6-1.9x
-# MKL's sgemm at decode-size batches (8-64 rows) and beats it on prompts too
-# (benchmarks/cpu_levers.py, lever `prepack`). The packed copy lives beside the weight, so
-# a CPU model's weights take twice their memory; `SERVE_CPU_PREPACK=0` trades the speed
-# back for it.
+# Linears of three rows and more run on a copy of the weight packed once, beside it (so a
+# CPU model's weights take twice their memory; `SERVE_CPU_PREPACK=0` trades the speed back
+# for it): float32 weights in the native kernel's panels (csrc/panel_linear.cpp: 1.1-1.5x
+# oneDNN at decode sizes, 1.02x at 512 rows; RESULTS.md, "Session 43"), others in oneDNN's
+# blocked layout (1.6-1.9x MKL's sgemm at 8-64 rows; benchmarks/cpu_levers.py, lever
+# `prepack`).
 PREPACK_ENV_VAR = "SERVE_CPU_PREPACK"
 _PACK_HINT_ROWS = 16  # the batch size oneDNN picks the layout for; any batch runs on it
 _PACKABLE = (torch.float32, torch.bfloat16)
@@ -182,7 +183,7 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 @functools.cache
 def prepack_enabled() -> bool:
     if os.environ.get(PREPACK_ENV_VAR, "1") == "0":
-        logger.info("oneDNN weight prepacking off (%s=0): MKL runs the linears.", PREPACK_ENV_VAR)
+        logger.info("Weight prepacking off (%s=0): MKL runs the linears.", PREPACK_ENV_VAR)
         return False
     if not torch.backends.mkldnn.is_available():
         logger.warning("This torch has no oneDNN: MKL runs the linears.")
@@ -195,31 +196,35 @@ def weights_packed(dtype: torch.dtype) -> bool:
     return dtype in _PACKABLE and prepack_enabled()
 
 
-def onednn_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` in oneDNN's layout, reordered on first use and again whenever the weight is
-    written in place (its version counter moves); None where it cannot be. Writes through
-    `.data`, as the weight loaders make, are not seen: models load before their first
-    forward."""
-    entry = getattr(weight, "_serve_onednn", None)
+def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` packed for `linear`: float32 into the native kernel's panels (a dense [P, K,
+    panel width] tensor), other dtypes (or float32 without the native build) into oneDNN's
+    layout (an mkldnn tensor). Packed on first use and again whenever the weight is written
+    in place (its version counter moves); None where it cannot be. Writes through `.data`,
+    as the weight loaders make, are not seen: models load before their first forward."""
+    entry = getattr(weight, "_serve_packed", None)
     if entry is not None and entry[1] == weight._version:
         return entry[0]
     if weight.dtype not in _PACKABLE or not weight.is_contiguous() or not prepack_enabled():
         return None
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
-    weight._serve_onednn = (packed, weight._version)
+    if weight.dtype == torch.float32 and native.available():
+        packed = torch.ops.serve_cpu.pack_panels(weight.detach())
+    else:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
+    weight._serve_packed = (packed, weight._version)
     return packed
 
 
-# The most rows the native kernel takes; more go to oneDNN. With so few rows a product is
-# a pass over the weights, which the native kernel streams in memory order. oneDNN's
-# products of one and two rows are its slowest (the model's weights cycled from memory,
-# float32: 24-29 ms for one or two rows against 19-23 for three; bfloat16: 13-19 against
-# 12-14); the native kernel's, 19-23 ms and 8-10 ms. From three rows oneDNN is as fast or
-# faster (RESULTS.md, "Session 18").
+# The most rows the few-row kernel takes; more run on the packed weights. With so few rows a
+# product is a pass over the weights, which the few-row kernel streams in memory order.
+# oneDNN's products of one and two rows are its slowest (the model's weights cycled from
+# memory, float32: 24-29 ms for one or two rows against 19-23 for three; bfloat16: 13-19
+# against 12-14); the few-row kernel's, 19-23 ms and 8-10 ms (RESULTS.md, "Session 18").
 NATIVE_MAX_ROWS = 2
-# The fewest rows that run on oneDNN: a forward of this many reorders every weight it
-# touches (the model runner's start-up forward).
-ONEDNN_MIN_ROWS = NATIVE_MAX_ROWS + 1
+# The fewest rows that run on the packed weights: a forward of this many packs every weight
+# it touches (the model runner's start-up forward). From here a row's output does not depend
+# on the other rows (the panels' sums and oneDNN's alike).
+PACKED_MIN_ROWS = NATIVE_MAX_ROWS + 1
 
 
 def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # -> [rows, 1]
@@ -248,8 +253,8 @@ def linear(
     weight: torch.Tensor,  # [out_features, in_features]
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features]
-    """A row or two (one or two sequences decoding) go to the native kernel; more rows to
-    oneDNN with the weight prepacked; F.linear where neither applies."""
+    """A row or two (one or two sequences decoding) go to the few-row kernel; more rows to
+    the packed weight (`packed_weight`); F.linear where neither applies."""
     rows = x.shape[0] if x.dim() == 2 else -1
     if rows < 1 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
@@ -258,10 +263,15 @@ def linear(
         out = x.new_empty(rows, weight.shape[0])
         torch.ops.serve_cpu.linear_few_rows(out, x.contiguous(), weight, bias)
         return out
-    packed = onednn_weight(weight)
-    if packed is not None:
+    packed = packed_weight(weight)
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    out = x.new_empty(rows, weight.shape[0])
+    bias = bias.contiguous() if bias is not None else None
+    torch.ops.serve_cpu.linear_panels(out, x.contiguous(), packed, bias)
+    return out
 
 
 # Each kind's codes as the native kernel reads them (packed_weight.py's table).

@@ -38,6 +38,7 @@ SOURCES = (
     "elementwise.cpp",
     "decoder.cpp",
     "sampling.cpp",
+    "panel_linear.cpp",
 )
 # What a portable target needs of the CPU it runs on (`-march=native` needs nothing).
 MARCH_FEATURES = {

@@ -6,8 +6,9 @@
 // on the same tensors, called as C++ functions, so the output is the Python loop's bit for
 // bit (serve/models/native_layer_stack.py decides which models and steps qualify, and
 // holds the contract). The linears run as `serve.kernels.cpu.linear` runs them: the
-// few-row kernel on the weights, or, where the caller passes oneDNN's packed copies (steps
-// of more rows), oneDNN's `_linear_pointwise` on those.
+// few-row kernel on the weights, or, where the caller passes the packed copies (steps of
+// more rows), the panel kernel on float32 panels or oneDNN's `_linear_pointwise` on its
+// own layout.
 //
 // A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
 // rms_norm'd per head where the model has q/k norms (Qwen3, Gemma 3); rotate q and k;
@@ -101,10 +102,14 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, Activation activation) {
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                   const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& packed) {
-  if (packed.has_value()) return onednn_linear(x, *packed, bias);
   TORCH_CHECK(weight.has_value(), "a linear layer without its weight");
+  if (packed.has_value() && packed->is_mkldnn()) return onednn_linear(x, *packed, bias);
   at::Tensor out = at::empty({x.size(0), weight->size(0)}, x.options());
-  ops::linear_few_rows(out, x, *weight, bias);
+  if (packed.has_value()) {
+    ops::linear_panels(out, x, *packed, bias);
+  } else {
+    ops::linear_few_rows(out, x, *weight, bias);
+  }
   return out;
 }
 

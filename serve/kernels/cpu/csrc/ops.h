@@ -22,6 +22,10 @@ void rotary_embedding(at::Tensor& query_out, at::Tensor& key_out, const at::Tens
 void linear_few_rows(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias);
 
+// panels: float32 [P, K, panel width] as `serve_cpu::pack_panels` gives them.
+void linear_panels(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                   const std::optional<at::Tensor>& bias);
+
 // codes: uint8 (kind "uint4": [N, ceil(K / 2)], "uint8": [N, K]) or float8_e4m3fn ("fp8":
 // [N, K]); scales and zeros float32 [N, G]; g_idx int64 [K] (serve/kernels/packed_weight.py).
 void quantized_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& codes,

@@ -1,0 +1,132 @@
+"""float32 linears on the native panels against oneDNN, on compare_peers' burst offline.
+
+One `LLM` (the default model, float32, prefix caching off, a 4 GiB cache), every linear's
+weight packed both ways up front (the panels `serve.kernels.cpu.packed_weight` makes, and
+oneDNN's reorder that it made before them), the burst of 64 requests (prompts 32-512
+tokens, outputs 16-256, greedy with `ignore_eos`) run `--rounds` times on each in ABBA
+order: the two sides share the process, the weights and the host's phase. Also times
+`--decode-steps` decode steps of `--batch` sequences alone, the sides alternating step by
+step. Prints each run, the medians' ratio, and how many requests gave the same tokens on
+both sides (the two sum in different orders, so a near-tie may break differently).
+
+    python benchmarks/packed_linears.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+import workload
+
+from serve import LLM, SamplingParams
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: serve's default model")
+    p.add_argument("--rounds", type=int, default=2, help="burst runs of each side")
+    p.add_argument("--batch", type=int, default=64, help="sequences in the decode steps")
+    p.add_argument("--context", type=int, default=350, help="their prompt tokens")
+    p.add_argument("--decode-steps", type=int, default=40, help="0: no decode steps")
+    workload.add_workload_args(p)
+    return p.parse_args()
+
+
+def linear_weights(llm: LLM) -> list[torch.Tensor]:
+    model = llm.engine.executor.worker.model_runner.model
+    weights = [getattr(m, "weight", None) for m in model.modules()]
+    return [w for w in weights if isinstance(w, torch.Tensor) and hasattr(w, "_serve_packed")]
+
+
+def decode_steps(llm: LLM, args: argparse.Namespace, use: dict) -> dict[str, list[float]]:
+    """Per-step wall ms of `args.batch` sequences decoding together, the sides alternating."""
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 8, ignore_eos=True)
+    for i in range(args.batch):
+        prompt = [rng.randrange(1000, 40000) for _ in range(args.context)]
+        llm.add_request(f"decode-{i}", prompt, params)
+    started = 0
+    while started < args.batch:  # until every prompt is in and each has decoded a token
+        started = sum(1 for out in llm.step() if out.outputs[0].token_ids)
+    times: dict[str, list[float]] = {"onednn": [], "panels": []}
+    for step in range(args.decode_steps):
+        side = ("onednn", "panels")[step % 2]
+        use[side]()
+        start = time.perf_counter()
+        llm.step()
+        times[side].append((time.perf_counter() - start) * 1e3)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enable_prefix_caching=False,
+        kv_cache_memory="4GiB",
+        max_model_len=2048,
+    )
+    weights = linear_weights(llm)  # packed by the start-up forward
+    if not weights or weights[0]._serve_packed[0].is_mkldnn:
+        raise SystemExit("the linears are not on the native panels here (native build? float32?)")
+    packs = {
+        "panels": [w._serve_packed for w in weights],
+        "onednn": [
+            (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16), w._version) for w in weights
+        ],
+    }
+
+    def user(side: str):
+        def use() -> None:
+            for w, entry in zip(weights, packs[side], strict=True):
+                w._serve_packed = entry
+
+        return use
+
+    use = {side: user(side) for side in packs}
+    spec = workload.WorkloadSpec.from_args(args)
+    requests = workload.make_requests(spec, workload.ordinary_token_ids(llm.get_tokenizer()))
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
+        for r in requests
+    ]
+    llm.generate(prompts[:3], params[:3], use_tqdm=False)  # warm-up
+    if args.decode_steps:
+        times = decode_steps(llm, args, use)
+        one, two = (statistics.median(times[s]) for s in ("onednn", "panels"))
+        print(
+            f"decode steps of {args.batch} x ~{args.context} keys, median ms: oneDNN {one:.1f}, "
+            f"panels {two:.1f}: {one / two:.2f}x",
+            flush=True,
+        )
+    rates: dict[str, list[float]] = {side: [] for side in packs}
+    tokens: dict[str, list] = {}
+    for round_ in range(args.rounds):
+        for side in ("onednn", "panels") if round_ % 2 == 0 else ("panels", "onednn"):
+            use[side]()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            count = sum(len(o.outputs[0].token_ids) for o in outputs)
+            rates[side].append(count / wall)
+            tokens.setdefault(side, [o.outputs[0].token_ids for o in outputs])
+            print(f"round {round_} {side}: {count / wall:.1f} tok/s ({wall:.1f} s)", flush=True)
+    one, two = (statistics.median(rates[s]) for s in ("onednn", "panels"))
+    same = sum(a == b for a, b in zip(tokens["onednn"], tokens["panels"], strict=True))
+    print(
+        f"burst median oneDNN {one:.1f}, panels {two:.1f} tok/s: {two / one:.2f}x; "
+        f"the same tokens in {same} of {len(prompts)} requests"
+    )
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
