@@ -19,7 +19,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -94,7 +96,7 @@ void tile(const float* x, int64_t ldx, const float* panel, int64_t klen, float* 
   }
   int64_t line = 0;
   for (int64_t k = 0; k < klen; ++k) {
-    for (; line * klen < ahead_lines * (k + 1); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T1);
+    for (; line * klen < ahead_lines * (k + 1); ++line) __builtin_prefetch(ahead + 64 * line, 0, 2);
     const float* wk = panel + k * kPanel;
     floatv w[kPanelVecs];
     for (int j = 0; j < kPanelVecs; ++j) w[j] = loadv(wk + kLanes * j);
