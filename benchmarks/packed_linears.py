@@ -10,6 +10,11 @@ step. Prints each run, the medians' ratio, and how many requests gave the same t
 both sides (the two sum in different orders, so a near-tie may break differently).
 
     python benchmarks/packed_linears.py --rounds 2
+
+`--linears 3,16,64,512` times the linears alone instead, no engine: the default model's
+four decoder shapes (each shape's 30 weights cycled from memory, as a step reads them) and
+its lm_head (two weights), oneDNN against the panels at each row count, alternated seven
+times, each side's output buffers reused as the engine's heap reuses them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64, help="sequences in the decode steps")
     p.add_argument("--context", type=int, default=350, help="their prompt tokens")
     p.add_argument("--decode-steps", type=int, default=40, help="0: no decode steps")
+    p.add_argument("--linears", default=None, help="row counts: time the linears alone")
     workload.add_workload_args(p)
     return p.parse_args()
 
@@ -64,8 +70,75 @@ def decode_steps(llm: LLM, args: argparse.Namespace, use: dict) -> dict[str, lis
     return times
 
 
+# The default model's linears: (out_features, in_features), and how many weights a step reads.
+SHAPES = {
+    "qkv": ((960, 576), 30),
+    "o": ((576, 576), 30),
+    "gate_up": ((3072, 576), 30),
+    "down": ((576, 1536), 30),
+    "lm_head": ((49152, 576), 2),
+}
+
+
+def time_linears(row_counts: list[int]) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        name: [torch.randn(shape, generator=gen) * 0.05 for _ in range(count)]
+        for name, (shape, count) in SHAPES.items()
+    }
+    onednn = {
+        name: [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in ws]
+        for name, ws in weights.items()
+    }
+    panels = {
+        name: [torch.ops.serve_cpu.pack_panels(w) for w in ws] for name, ws in weights.items()
+    }
+
+    def run(side: str, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        for packed in (onednn if side == "onednn" else panels)[name]:
+            if side == "onednn":
+                torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            else:
+                torch.ops.serve_cpu.linear_panels(out, x, packed, None)
+
+    print("rows  linear     oneDNN GFLOP/s  panels GFLOP/s  ratio")
+    for rows in row_counts:
+        totals = {"onednn": 0.0, "panels": 0.0}
+        flops_total = 0
+        for name, ((n, k), count) in SHAPES.items():
+            x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+            times: dict[str, list[float]] = {"onednn": [], "panels": []}
+            for rep in range(7):
+                for side in ("onednn", "panels") if rep % 2 else ("panels", "onednn"):
+                    start = time.perf_counter()
+                    run(side, name, x, out)
+                    times[side].append((time.perf_counter() - start) / count)
+            flops = 2 * rows * n * k
+            a, b = (statistics.median(times[side]) for side in ("onednn", "panels"))
+            print(
+                f"{rows:4d}  {name:9s} {flops / a / 1e9:9.0f} {flops / b / 1e9:15.0f} {a / b:8.2f}x"
+            )
+            if name != "lm_head":
+                totals["onednn"] += a
+                totals["panels"] += b
+                flops_total += flops
+        a, b = totals["onednn"], totals["panels"]
+        print(
+            f"{rows:4d}  a layer   {flops_total / a / 1e9:9.0f} {flops_total / b / 1e9:15.0f} "
+            f"{a / b:8.2f}x  ({a * 1e6:.0f} against {b * 1e6:.0f} us)",
+            flush=True,
+        )
+
+
 def main() -> None:
     args = parse_args()
+    if args.linears:
+        from serve.kernels.cpu import native
+
+        if not native.available():
+            raise SystemExit("the native CPU kernels are not built here")
+        time_linears([int(r) for r in args.linears.split(",")])
+        return
     llm = LLM(
         model=args.model,
         dtype="float32",

@@ -185,15 +185,22 @@ def prepack_enabled() -> bool:
     if os.environ.get(PREPACK_ENV_VAR, "1") == "0":
         logger.info("Weight prepacking off (%s=0): MKL runs the linears.", PREPACK_ENV_VAR)
         return False
+    return True
+
+
+@functools.cache
+def _onednn_available() -> bool:
     if not torch.backends.mkldnn.is_available():
-        logger.warning("This torch has no oneDNN: MKL runs the linears.")
+        logger.warning("This torch has no oneDNN: MKL runs the linears it would.")
         return False
     return True
 
 
 def weights_packed(dtype: torch.dtype) -> bool:
     """Whether linear weights of `dtype` get a packed copy beside them (twice the memory)."""
-    return dtype in _PACKABLE and prepack_enabled()
+    if dtype not in _PACKABLE or not prepack_enabled():
+        return False
+    return (dtype == torch.float32 and native.available()) or _onednn_available()
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -205,7 +212,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     entry = getattr(weight, "_serve_packed", None)
     if entry is not None and entry[1] == weight._version:
         return entry[0]
-    if weight.dtype not in _PACKABLE or not weight.is_contiguous() or not prepack_enabled():
+    if not weights_packed(weight.dtype) or not weight.is_contiguous():
         return None
     if weight.dtype == torch.float32 and native.available():
         packed = torch.ops.serve_cpu.pack_panels(weight.detach())
