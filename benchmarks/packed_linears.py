@@ -1,8 +1,8 @@
-"""float32 linears on the native panels against oneDNN, on compare_peers' burst offline.
+"""Linears on the native panels against oneDNN, on compare_peers' burst offline.
 
-One `LLM` (the default model, float32, prefix caching off, a 4 GiB cache), every linear's
-weight packed both ways up front (the panels `serve.kernels.cpu.packed_weight` makes, and
-oneDNN's reorder that it made before them), the burst of 64 requests (prompts 32-512
+One `LLM` (the default model in `--dtype`, float32 by default, prefix caching off, a 4 GiB
+cache), every linear's weight packed both ways up front (the panels
+`serve.kernels.cpu.packed_weight` makes, and oneDNN's reorder that it made before them), the burst of 64 requests (prompts 32-512
 tokens, outputs 16-256, greedy with `ignore_eos`) run `--rounds` times on each in ABBA
 order: the two sides share the process, the weights and the host's phase. Also times
 `--decode-steps` decode steps of `--batch` sequences alone, the sides alternating step by
@@ -33,6 +33,7 @@ from serve import LLM, SamplingParams
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: serve's default model")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=2, help="burst runs of each side")
     p.add_argument("--batch", type=int, default=64, help="sequences in the decode steps")
     p.add_argument("--context", type=int, default=350, help="their prompt tokens")
@@ -80,10 +81,10 @@ SHAPES = {
 }
 
 
-def time_linears(row_counts: list[int]) -> None:
+def time_linears(row_counts: list[int], dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     weights = {
-        name: [torch.randn(shape, generator=gen) * 0.05 for _ in range(count)]
+        name: [(torch.randn(shape, generator=gen) * 0.05).to(dtype) for _ in range(count)]
         for name, (shape, count) in SHAPES.items()
     }
     onednn = {
@@ -106,7 +107,8 @@ def time_linears(row_counts: list[int]) -> None:
         totals = {"onednn": 0.0, "panels": 0.0}
         flops_total = 0
         for name, ((n, k), count) in SHAPES.items():
-            x, out = torch.randn(rows, k, generator=gen), torch.empty(rows, n)
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            out = torch.empty(rows, n, dtype=dtype)
             times: dict[str, list[float]] = {"onednn": [], "panels": []}
             for rep in range(7):
                 for side in ("onednn", "panels") if rep % 2 else ("panels", "onednn"):
@@ -133,22 +135,23 @@ def time_linears(row_counts: list[int]) -> None:
 def main() -> None:
     args = parse_args()
     if args.linears:
-        from serve.kernels.cpu import native
+        from serve.kernels import cpu
 
-        if not native.available():
-            raise SystemExit("the native CPU kernels are not built here")
-        time_linears([int(r) for r in args.linears.split(",")])
+        dtype = getattr(torch, args.dtype)
+        if not cpu.panels_fit(dtype):
+            raise SystemExit(f"the native panels take no {args.dtype} here")
+        time_linears([int(r) for r in args.linears.split(",")], dtype)
         return
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         enable_prefix_caching=False,
         kv_cache_memory="4GiB",
         max_model_len=2048,
     )
     weights = linear_weights(llm)  # packed by the start-up forward
     if not weights or weights[0]._serve_packed[0].is_mkldnn:
-        raise SystemExit("the linears are not on the native panels here (native build? float32?)")
+        raise SystemExit("the linears are not on the native panels here (`panels_fit`)")
     packs = {
         "panels": [w._serve_packed for w in weights],
         "onednn": [

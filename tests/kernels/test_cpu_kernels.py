@@ -378,7 +378,7 @@ def test_linear_few_rows_matches_torch(rows, shape):
         (torch.float32, 200, "panels"),
         (torch.bfloat16, 1, None),
         (torch.bfloat16, 2, None),
-        (torch.bfloat16, 3, "onednn"),
+        (torch.bfloat16, 3, "panels where they take bfloat16"),
     ],
 )
 def test_cpu_linear_matches_torch_on_every_path(dtype, rows, packed_as):
@@ -397,7 +397,7 @@ def test_cpu_linear_matches_torch_on_every_path(dtype, rows, packed_as):
     if packed_as is None:
         assert entry is None
     else:
-        assert entry[0].is_mkldnn is (packed_as == "onednn")
+        assert entry[0].is_mkldnn is not cpu.panels_fit(dtype)
 
 
 @pytest.mark.parametrize(
@@ -425,6 +425,49 @@ def test_panel_linear_against_float64(rows, out_features, in_features):
         assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-4 * in_features**0.5)
 
 
+needs_bf16_panels = pytest.mark.skipif(
+    not cpu.panels_fit(torch.bfloat16), reason="this build's panels take no bfloat16 (AVX512_BF16)"
+)
+
+
+@needs_bf16_panels
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (3, 960, 576),
+        (64, 576, 1536),
+        (5, 100, 37),  # K odd: the last x pairs with a zero
+        (13, 130, 4097),  # K odd and in two blocks: the float32 sums carried between them
+        (200, 64, 64),
+    ],
+)
+def test_bfloat16_panel_linear_rounds_once(rows, out_features, in_features):
+    """bfloat16 panels sum pairs of products in float32 (`vdpbf16ps`) and round y once: the
+    float64 product's bfloat16 rounding, give or take its last bit."""
+    gen = seeded("panels-bf16", rows, out_features, in_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    panels = torch.ops.serve_cpu.pack_panels(weight)
+    for b in (None, bias):
+        out = torch.full((rows, out_features), float("nan"), dtype=torch.bfloat16)
+        torch.ops.serve_cpu.linear_panels(out, x, panels, b)
+        expected = x.double() @ weight.double().t() + (0 if b is None else b.double())
+        assert torch.allclose(out.double(), expected, rtol=2 * 2**-8, atol=1e-2)
+
+
+@needs_bf16_panels
+def test_bfloat16_panel_rows_do_not_depend_on_each_other():
+    gen = seeded("panel-rows-bf16")
+    x = torch.randn(70, 576, generator=gen).bfloat16()
+    panels = torch.ops.serve_cpu.pack_panels(torch.randn(576, 576, generator=gen).bfloat16())
+    full = torch.empty(70, 576, dtype=torch.bfloat16)
+    torch.ops.serve_cpu.linear_panels(full, x, panels, None)
+    part = torch.empty(3, 576, dtype=torch.bfloat16)
+    torch.ops.serve_cpu.linear_panels(part, x[[69, 3, 3]].contiguous(), panels, None)
+    assert torch.equal(part, full[[69, 3, 3]])
+
+
 def test_panel_linear_rows_do_not_depend_on_each_other():
     """A row's output is the same to the bit alone, among 3 rows or among 70 (tiles, row
     chunks and thread splits all differ): what lets the native stack run a prompt's last
@@ -450,7 +493,9 @@ def test_panel_linear_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="out's N"):
         torch.ops.serve_cpu.linear_panels(torch.empty(4, 500), torch.randn(4, 32), panels, None)
     with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.serve_cpu.pack_panels(weight.bfloat16())
+        torch.ops.serve_cpu.pack_panels(weight.half())
+    with pytest.raises(RuntimeError, match="one dtype"):
+        torch.ops.serve_cpu.linear_panels(out.double(), torch.randn(4, 32), panels, None)
 
 
 def test_prepacked_weight_follows_in_place_writes():

@@ -171,10 +171,10 @@ def paged_attention(
 
 # Linears of three rows and more run on a copy of the weight packed once, beside it (so a
 # CPU model's weights take twice their memory; `SERVE_CPU_PREPACK=0` trades the speed back
-# for it): float32 weights in the native kernel's panels (csrc/panel_linear.cpp: 1.1-1.5x
-# oneDNN at decode sizes, 1.02x at 512 rows; RESULTS.md, "Session 43"), others in oneDNN's
-# blocked layout (1.6-1.9x MKL's sgemm at 8-64 rows; benchmarks/cpu_levers.py, lever
-# `prepack`).
+# for it): in the native kernel's panels where they take the dtype (csrc/panel_linear.cpp:
+# float32 anywhere, bfloat16 on CPUs with AVX512_BF16; 1.2-1.5x oneDNN at decode sizes,
+# 1.02-1.04x at 512 rows; RESULTS.md, "Session 43"), else in oneDNN's blocked layout
+# (1.6-1.9x MKL's sgemm at 8-64 rows; benchmarks/cpu_levers.py, lever `prepack`).
 PREPACK_ENV_VAR = "SERVE_CPU_PREPACK"
 _PACK_HINT_ROWS = 16  # the batch size oneDNN picks the layout for; any batch runs on it
 _PACKABLE = (torch.float32, torch.bfloat16)
@@ -196,17 +196,23 @@ def _onednn_available() -> bool:
     return True
 
 
+@functools.cache
+def panels_fit(dtype: torch.dtype) -> bool:
+    """Whether the native panels take linears of `dtype` here (float32 wherever the native
+    kernels are built; bfloat16 where the build targets AVX512_BF16)."""
+    return native.available() and torch.ops.serve_cpu.panels_fit(dtype)
+
+
 def weights_packed(dtype: torch.dtype) -> bool:
     """Whether linear weights of `dtype` get a packed copy beside them (twice the memory)."""
     if dtype not in _PACKABLE or not prepack_enabled():
         return False
-    return (dtype == torch.float32 and native.available()) or _onednn_available()
+    return panels_fit(dtype) or _onednn_available()
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` packed for `linear`: float32 into the native kernel's panels (a dense [P, K,
-    panel width] tensor), other dtypes (or float32 without the native build) into oneDNN's
-    layout (an mkldnn tensor). Packed on first use and again whenever the weight is written
+    """`weight` packed for `linear`: into the native kernel's panels where they take its
+    dtype (a dense tensor, `panels_fit`), else into oneDNN's layout (an mkldnn tensor). Packed on first use and again whenever the weight is written
     in place (its version counter moves); None where it cannot be. Writes through `.data`,
     as the weight loaders make, are not seen: models load before their first forward."""
     entry = getattr(weight, "_serve_packed", None)
@@ -214,7 +220,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return entry[0]
     if not weights_packed(weight.dtype) or not weight.is_contiguous():
         return None
-    if weight.dtype == torch.float32 and native.available():
+    if panels_fit(weight.dtype):
         packed = torch.ops.serve_cpu.pack_panels(weight.detach())
     else:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_HINT_ROWS)
