@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
+import offline_ab
 import workload
 
-from serve import LLM, SamplingParams
+from serve import LLM
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,26 +41,16 @@ def main() -> None:
     model = llm.engine.executor.worker.model_runner.model.model  # LlamaModel, GemmaModel
     if model.run_layers.stack(model.layers) is None:
         raise SystemExit("this model's layers do not qualify for the native stack")
-    spec = workload.WorkloadSpec.from_args(args)
-    requests = workload.make_requests(spec, workload.ordinary_token_ids(llm.get_tokenizer()))
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
-        for r in requests
-    ]
-    llm.generate(prompts[:3], params[:3], use_tqdm=False)  # warm-up: packs the weights
-    rates: dict[str, list[float]] = {"loop": [], "stack": []}
-    tokens: dict[str, list] = {}
-    for round_ in range(args.rounds):
-        for side in ("loop", "stack") if round_ % 2 == 0 else ("stack", "loop"):
-            model.run_layers.use_stack = side == "stack"
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            count = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rates[side].append(count / wall)
-            tokens.setdefault(side, [o.outputs[0].token_ids for o in outputs])
-            print(f"round {round_} {side}: {count / wall:.1f} tok/s ({wall:.1f} s)", flush=True)
+    prompts, params = offline_ab.burst(llm, workload.WorkloadSpec.from_args(args))
+
+    def use(stack: bool):
+        def switch() -> None:
+            model.run_layers.use_stack = stack
+
+        return switch
+
+    sides = {"loop": use(False), "stack": use(True)}
+    rates, tokens = offline_ab.alternate(llm, prompts, params, sides, args.rounds)
     loop, stacked = (statistics.median(rates[side]) for side in ("loop", "stack"))
     print(
         f"median loop {loop:.1f}, stack {stacked:.1f} tok/s: {stacked / loop:.2f}x; "

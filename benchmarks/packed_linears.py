@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 
+import offline_ab
 import torch
 import workload
 
@@ -166,15 +167,8 @@ def main() -> None:
 
         return use
 
-    use = {side: user(side) for side in packs}
-    spec = workload.WorkloadSpec.from_args(args)
-    requests = workload.make_requests(spec, workload.ordinary_token_ids(llm.get_tokenizer()))
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
-        for r in requests
-    ]
-    llm.generate(prompts[:3], params[:3], use_tqdm=False)  # warm-up
+    use = {side: user(side) for side in ("onednn", "panels")}
+    prompts, params = offline_ab.burst(llm, workload.WorkloadSpec.from_args(args))
     if args.decode_steps:
         times = decode_steps(llm, args, use)
         one, two = (statistics.median(times[s]) for s in ("onednn", "panels"))
@@ -183,18 +177,7 @@ def main() -> None:
             f"panels {two:.1f}: {one / two:.2f}x",
             flush=True,
         )
-    rates: dict[str, list[float]] = {side: [] for side in packs}
-    tokens: dict[str, list] = {}
-    for round_ in range(args.rounds):
-        for side in ("onednn", "panels") if round_ % 2 == 0 else ("panels", "onednn"):
-            use[side]()
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            wall = time.perf_counter() - start
-            count = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rates[side].append(count / wall)
-            tokens.setdefault(side, [o.outputs[0].token_ids for o in outputs])
-            print(f"round {round_} {side}: {count / wall:.1f} tok/s ({wall:.1f} s)", flush=True)
+    rates, tokens = offline_ab.alternate(llm, prompts, params, use, args.rounds)
     one, two = (statistics.median(rates[s]) for s in ("onednn", "panels"))
     same = sum(a == b for a, b in zip(tokens["onednn"], tokens["panels"], strict=True))
     print(
