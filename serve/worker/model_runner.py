@@ -91,9 +91,9 @@ _LEAST_CACHE_ROOM = 256 << 20
 def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_config: Any) -> None:
     """Memory past what is free brings the OOM killer, which ends the engine without a
     word, after minutes of loading a large model. So before any weight is read: the
-    weights (at the dtype they will load as, twice over where a packed copy of each linear's
-    is kept: serve.kernels.cpu.packed_weight) and the KV cache (zero-filled at start) against the memory available,
-    refused with the numbers and what would fit. Every rank of a CPU engine runs on this
+    weights (at the dtype they will load as, twice over where a packed copy of each
+    linear's is kept: serve.kernels.cpu.packed_weight) and the KV cache (zero-filled at
+    start) against the memory available, refused with the numbers and what would fit. Every rank of a CPU engine runs on this
     host, so the weights are the whole checkpoint's."""
     dtype = resolve_dtype(engine.model.dtype, hf_config, torch.device("cpu"), log=False)
     weights = weights_bytes(model_path, engine.model.load_format, dtype)
@@ -515,8 +515,8 @@ class ModelRunner:
         logits take the first `len(logits_indices)` of them. None where every row is read
         (prompt logprobs, pooling, sjf's prompt states), where nothing is left out, and off
         the CPU. A linear's rows may depend on how many run together under three rows
-        (the packed weights' do not from three), so one or two sampled rows (a lone prompt) are named
-        with the last repeated up to three, and a step that samples nothing (a long
+        (the packed weights' do not from three), so one or two sampled rows (a lone prompt)
+        are named with the last repeated up to three, and a step that samples nothing (a long
         prompt's chunks before its last) names its first row three times, for nobody."""
         rows = inputs.logits_indices
         num_rows = max(rows.shape[0], PACKED_MIN_ROWS)

@@ -383,7 +383,8 @@ def test_linear_few_rows_matches_torch(rows, shape):
 )
 def test_cpu_linear_matches_torch_on_every_path(dtype, rows, packed_as):
     """A row or two in the few-row kernel, more on the weight packed on first use (float32
-    in the native panels, bfloat16 in oneDNN's layout); every path against float64 torch."""
+    in the native panels, bfloat16 there too where the build has AVX512_BF16, else in
+    oneDNN's layout); every path against float64 torch."""
     gen = seeded("cpu-linear", rows)
     x, weight = torch.randn(rows, 300, generator=gen), torch.randn(200, 300, generator=gen)
     bias = torch.randn(200, generator=gen)

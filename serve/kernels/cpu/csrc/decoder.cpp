@@ -7,8 +7,8 @@
 // bit (serve/models/native_layer_stack.py decides which models and steps qualify, and
 // holds the contract). The linears run as `serve.kernels.cpu.linear` runs them: the
 // few-row kernel on the weights, or, where the caller passes the packed copies (steps of
-// more rows), the panel kernel on float32 panels or oneDNN's `_linear_pointwise` on its
-// own layout.
+// more rows), the panel kernel on its panels (float32; bfloat16 on AVX512_BF16 builds) or
+// oneDNN's `_linear_pointwise` on its own layout.
 //
 // A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
 // rms_norm'd per head where the model has q/k norms (Qwen3, Gemma 3); rotate q and k;
