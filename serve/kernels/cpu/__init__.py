@@ -282,7 +282,6 @@ def linear(
     if packed.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     out = x.new_empty(rows, weight.shape[0])
-    bias = bias.contiguous() if bias is not None else None
     torch.ops.serve_cpu.linear_panels(out, x.contiguous(), packed, bias)
     return out
 
