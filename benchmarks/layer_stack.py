@@ -17,8 +17,6 @@ import statistics
 import offline_ab
 import workload
 
-from serve import LLM
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -31,13 +29,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        enable_prefix_caching=False,
-        kv_cache_memory="4GiB",
-        max_model_len=2048,
-    )
+    llm = offline_ab.engine(args.model, args.dtype)
     model = llm.engine.executor.worker.model_runner.model.model  # LlamaModel, GemmaModel
     if model.run_layers.stack(model.layers) is None:
         raise SystemExit("this model's layers do not qualify for the native stack")

@@ -16,6 +16,17 @@ import workload
 from serve import LLM, SamplingParams
 
 
+def engine(model: str | None, dtype: str) -> LLM:
+    """The burst's engine: prefix caching off (every prompt computed), a 4 GiB cache."""
+    return LLM(
+        model=model,
+        dtype=dtype,
+        enable_prefix_caching=False,
+        kv_cache_memory="4GiB",
+        max_model_len=2048,
+    )
+
+
 def burst(llm: LLM, spec: workload.WorkloadSpec) -> tuple[list[dict], list[SamplingParams]]:
     """The burst's prompts and greedy `ignore_eos` params; the first three run once as a
     warm-up (it packs the weights)."""

@@ -143,13 +143,7 @@ def main() -> None:
             raise SystemExit(f"the native panels take no {args.dtype} here")
         time_linears([int(r) for r in args.linears.split(",")], dtype)
         return
-    llm = LLM(
-        model=args.model,
-        dtype=args.dtype,
-        enable_prefix_caching=False,
-        kv_cache_memory="4GiB",
-        max_model_len=2048,
-    )
+    llm = offline_ab.engine(args.model, args.dtype)
     weights = linear_weights(llm)  # packed by the start-up forward
     if not weights or weights[0]._serve_packed[0].is_mkldnn:
         raise SystemExit("the linears are not on the native panels here (`panels_fit`)")
