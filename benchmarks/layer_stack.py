@@ -30,8 +30,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     llm = offline_ab.engine(args.model, args.dtype)
-    model = llm.engine.executor.worker.model_runner.model.model  # LlamaModel, GemmaModel
-    if model.run_layers.stack(model.layers) is None:
+    model = llm.engine.executor.worker.model_runner.model
+    model = getattr(model, "model", model)  # LlamaModel, GemmaModel; GPT-2's is the top
+    layers = model.h if hasattr(model, "h") else model.layers
+    if model.run_layers.stack(layers) is None:
         raise SystemExit("this model's layers do not qualify for the native stack")
     prompts, params = offline_ab.burst(llm, workload.WorkloadSpec.from_args(args))
 

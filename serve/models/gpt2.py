@@ -33,6 +33,7 @@ from serve.models.layers.embedding import (
 )
 from serve.models.layers.layernorm import LayerNorm
 from serve.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from serve.models.native_layer_stack import LayerRunner
 from serve.models.weights import FusedRows, WeightSpec
 
 # Causal-mask buffers of old checkpoints; cross-attention, which a decoder-only forward
@@ -88,8 +89,9 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(config.hidden_size, inner_size(hf), hf.activation_function)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        del positions  # the model added them to the embeddings (LayerRunner passes them on)
         if residual is None:
             residual, x = x, self.ln_1(x)
         else:
@@ -114,6 +116,7 @@ class GPT2LMHeadModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.ln_f = LayerNorm(config.hidden_size, hf.layer_norm_epsilon)
+        self.run_layers = LayerRunner()  # on CPU, the blocks in one native call
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if hf.tie_word_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -153,8 +156,7 @@ class GPT2LMHeadModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.wte(input_ids) + self.wpe(positions), None  # [T, hidden]
-        for block in self.h:
-            x, residual = block(x, residual)
+        x, residual = self.run_layers(self.h, positions, x)
         x, _ = self.ln_f(x, residual)
         return x  # [T, hidden]
 

@@ -1,4 +1,4 @@
-"""Llama- and Gemma-style decoder layers run as one native call on CPU.
+"""Llama-, Gemma- and GPT-2-style decoder layers run as one native call on CPU.
 
 A layer is ~10 ops from Python, each through a module, the kernel interface and the
 dispatcher. At a step of one or two tokens (every linear a pass over its weights through
@@ -11,9 +11,10 @@ runs them), so a step's output is the Python loop's bit for bit.
 It takes only what it computes exactly as the loop does: the dense Llama layer (Llama,
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
 RoPE or LongRoPE, ...) and Gemma 2/3's (a norm on each block's output, GeGLU, Gemma 2's
-soft-capped scores, Gemma 3's q/k norms and rope per layer type), with RMSNorm, a SiLU- or
-GeLU-gated MLP, no ALiBi, no attention sinks, one rank, float32 or bfloat16, and the
-native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it
+soft-capped scores, Gemma 3's q/k norms and rope per layer type), with RMSNorm and a SiLU-
+or GeLU-gated MLP; and GPT-2's block (GPT-2, GPT-BigCode: LayerNorm, no rotation, a plain
+MLP with a GeLU or ReLU); no ALiBi, no attention sinks, one rank, float32 or bfloat16, and
+the native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it
 off (to compare, or to rule it out).
 """
 
@@ -30,9 +31,10 @@ from serve.kernels import cpu
 from serve.kernels.backend import ops_for
 from serve.kernels.cpu import NATIVE_MAX_ROWS, native
 from serve.models.forward_context import get_forward_context
-from serve.models.layers.activation import ActAndMul
-from serve.models.layers.layernorm import RMSNorm
+from serve.models.layers.activation import ActAndMul, Activation
+from serve.models.layers.layernorm import LayerNorm, RMSNorm
 from serve.models.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -50,13 +52,13 @@ class NativeLayerStack:
     (the model runner binds them after the model is built, and unbinds them around its
     profiling forward)."""
 
-    layers: list[nn.Module]  # LlamaDecoderLayer or GemmaDecoderLayer
+    attentions: list[nn.Module]  # each layer's `Attention`, which holds its KV cache
     weights: list[torch.Tensor | None]
-    linear_weights: list[torch.Tensor]  # qkv, o, gate_up, down a layer: what gets packed
+    linear_weights: list[torch.Tensor]  # qkv, o, up, down a layer: what gets packed
     qk_norm_weights: list[torch.Tensor]  # q norm, k norm a layer (Qwen3, Gemma 3), or none
     # The norms of attention's and the MLP's outputs a layer (Gemma's sandwich), or none.
     block_norm_weights: list[torch.Tensor]
-    cos_sin_caches: list[torch.Tensor]
+    cos_sin_caches: list[torch.Tensor]  # empty: no rotation (GPT-2's learned positions)
     is_neox_style: bool
     scales: list[float]
     sliding_windows: list[int]
@@ -66,7 +68,9 @@ class NativeLayerStack:
     head_dim: int
     eps: float
     residual_multiplier: float  # each block's output scaled by it (Granite; 1.0 elsewhere)
-    activation: str  # the MLP gate's: silu, gelu or gelu_tanh
+    activation: str  # the MLP's (its gate's, where gated): as the native call names them
+    gated_mlp: bool  # act(gate) * up (Llama, Gemma), or act(x) (GPT-2)
+    norm: str  # "rms" (RMSNorm) or "layer" (torch's layer_norm)
     dtype: torch.dtype
     # LongRoPE (Phi-3), every layer's alike: the first layer's, which turns the step's
     # positions into rows of the cache (its long half for sequences past the original
@@ -82,7 +86,7 @@ class NativeLayerStack:
             and (x.shape[0] <= NATIVE_MAX_ROWS or cpu.weights_packed(self.dtype))
             and x.dtype == self.dtype
             and x.device.type == "cpu"
-            and all(layer.self_attn.attn.kv_cache is not None for layer in self.layers)
+            and all(attention.kv_cache is not None for attention in self.attentions)
             and current_lora_batch() is None  # adapters' updates are the Python layers'
         )
 
@@ -93,7 +97,7 @@ class NativeLayerStack:
         names its `output_rows` (and the linears run on the packed weights, whose rows do not
         depend on each other), those rows alone, in that order."""
         meta = get_forward_context()
-        caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+        caches = [attention.kv_cache for attention in self.attentions]
         if self.long_rope is not None:
             positions = self.long_rope.cache_rows(positions)
         packed = []  # none: every linear runs the few-row kernel
@@ -125,54 +129,82 @@ class NativeLayerStack:
             self.eps,
             self.residual_multiplier,
             self.activation,
+            self.norm,
+            self.gated_mlp,
             output_rows,
         )
 
 
 # The MLP gate's activation by its `ActAndMul` name, as the native call names it: the names
 # whose function is torch's silu or gelu (exact, or its tanh approximation).
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GATED_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+# A plain MLP's by its `Activation` name: those, GPT-2's written-out tanh form and ReLU.
+_PLAIN_ACTIVATIONS = {**_GATED_ACTIVATIONS, "gelu_new": "gelu_new", "relu": "relu"}
 
 
 @dataclass
 class _LayerParts:
     """One layer's modules in the stack's terms."""
 
-    attn: nn.Module  # LlamaAttention or GemmaAttention
-    mlp: nn.Module  # LlamaMLP
+    attention: nn.Module  # the layer's `Attention`
+    linears: tuple[nn.Module, ...]  # qkv, o, up (gate_up where gated), down
+    head_norms: tuple[nn.Module, ...]  # q's and k's norms per head (Qwen3, Gemma 3), or ()
+    rotary: nn.Module | None  # None: the positions are the embeddings' (GPT-2)
+    act: nn.Module  # ActAndMul (a gated MLP) or Activation
     attn_norm: nn.Module  # before attention, adding the residual
     mlp_norm: nn.Module  # before the MLP, adding the residual
     block_norms: tuple[nn.Module, ...]  # on attention's and the MLP's outputs (Gemma), or ()
     residual_multiplier: float
 
+    @property
+    def gated(self) -> bool:
+        return type(self.act) is ActAndMul
+
 
 def _layer_parts(layer: nn.Module) -> _LayerParts | None:
     """The layer's parts where it is one of the layers the stack computes, else None."""
     from serve.models.gemma import GemmaAttention, GemmaDecoderLayer
+    from serve.models.gpt2 import GPT2MLP, GPT2Attention, GPT2Block
     from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
+    if type(layer) is GPT2Block:
+        attn, mlp = layer.attn, layer.mlp
+        if type(attn) is not GPT2Attention or type(mlp) is not GPT2MLP:
+            return None
+        linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
+        return _LayerParts(attn.attn, linears, (), None, mlp.act, layer.ln_1, layer.ln_2, (), 1.0)
     attention = {LlamaDecoderLayer: LlamaAttention, GemmaDecoderLayer: GemmaAttention}
     if type(layer) not in attention or type(layer.self_attn) is not attention[type(layer)]:
         return None
-    if type(layer.mlp) is not LlamaMLP:
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(mlp) is not LlamaMLP:
         return None
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    head_norms = tuple(norm for norm in (attn.q_norm, attn.k_norm) if norm is not None)
+    parts = (attn.attn, linears, head_norms, attn.rotary_emb, mlp.act)
     if type(layer) is LlamaDecoderLayer:
         return _LayerParts(
-            layer.self_attn,
-            layer.mlp,
+            *parts,
             layer.input_layernorm,
             layer.post_attention_layernorm,
             (),
             float(layer.residual_multiplier),
         )
     return _LayerParts(
-        layer.self_attn,
-        layer.mlp,
+        *parts,
         layer.input_layernorm,
         layer.pre_feedforward_layernorm,
         (layer.post_attention_layernorm, layer.post_feedforward_layernorm),
         1.0,
     )
+
+
+_NORMS = {RMSNorm: "rms", LayerNorm: "layer"}
 
 
 def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
@@ -191,24 +223,32 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     eps: set[float] = set()
     attention_shapes: set[tuple[int, int, int]] = set()
     neox: set[bool] = set()
-    cos_sin, scales, windows, softcaps = [], [], [], []
+    attentions, cos_sin, scales, windows, softcaps = [], [], [], [], []
     multipliers: set[float] = set()
-    activations: set[str] = set()
+    activations: set[tuple[str, bool]] = set()  # (name, gated)
+    norm_kinds: set[str] = set()
+    rotaries: list[nn.Module | None] = []
     long_ropes: set[tuple[int, int] | None] = set()
     for layer in layers:
         parts = _layer_parts(layer)
         if parts is None:
             return None
         multipliers.add(parts.residual_multiplier)
-        attn, mlp = parts.attn, parts.mlp
         norms = (parts.attn_norm, parts.mlp_norm)
-        if any(type(norm) is not RMSNorm for norm in (*norms, *parts.block_norms)):
+        if any(type(norm) not in _NORMS for norm in norms):
             return None
-        head_norms = [norm for norm in (attn.q_norm, attn.k_norm) if norm is not None]
+        norm_kinds.update(_NORMS[type(norm)] for norm in norms)
+        if any(type(norm) is not RMSNorm for norm in parts.block_norms):
+            return None
+        head_norms = parts.head_norms
         if head_norms and (len(head_norms) != 2 or any(type(n) is not RMSNorm for n in head_norms)):
             return None
-        rotary = attn.rotary_emb
-        if type(rotary) is LongRopeRotaryEmbedding:
+        rotary = parts.rotary
+        rotaries.append(rotary)
+        if rotary is None:
+            long_ropes.add(None)
+            neox.add(False)  # nothing rotates
+        elif type(rotary) is LongRopeRotaryEmbedding:
             long_ropes.add((rotary.original_max_position, rotary.max_position))
             neox.add(True)  # as its forward calls the kernel
         elif type(rotary) is RotaryEmbedding:
@@ -216,57 +256,64 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
             neox.add(rotary.is_neox_style)
         else:
             return None
-        table = rotary.cos_sin_cache  # the native rotary's: float32, contiguous
-        if table.dtype != torch.float32 or not table.is_contiguous():
-            return None
-        inner = attn.attn
+        if rotary is not None:
+            table = rotary.cos_sin_cache  # the native rotary's: float32, contiguous
+            if table.dtype != torch.float32 or not table.is_contiguous():
+                return None
+            cos_sin.append(table)
+        inner = parts.attention
         if inner.alibi_slopes is not None or inner.sinks is not None or inner.shared_kv:
             return None
-        if type(mlp.act) is not ActAndMul or mlp.act.name not in _ACTIVATIONS:
+        act = parts.act
+        names = _GATED_ACTIVATIONS if parts.gated else _PLAIN_ACTIVATIONS
+        if type(act) not in (ActAndMul, Activation) or act.name not in names:
             return None
-        activations.add(_ACTIVATIONS[mlp.act.name])
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        activations.add((names[act.name], parts.gated))
         kinds = (
             QKVParallelLinear,
             RowParallelLinear,
-            MergedColumnParallelLinear,
+            MergedColumnParallelLinear if parts.gated else ColumnParallelLinear,
             RowParallelLinear,
         )
+        linears = parts.linears
         if any(type(lin) is not kind for lin, kind in zip(linears, kinds, strict=True)):
             return None
         if any(lin.packed_weight is not None for lin in linears):  # a quantized checkpoint
             return None
         linear_weights.extend(lin.weight for lin in linears)
         for norm, linear_pair in zip(norms, (linears[:2], linears[2:]), strict=True):
-            weights.append(norm.weight)
+            weights.extend((norm.weight, norm.bias if type(norm) is LayerNorm else None))
             for lin in linear_pair:
                 weights.extend((lin.weight, lin.bias))
         qk_norm_weights.extend(norm.weight for norm in head_norms)
         block_norm_weights.extend(norm.weight for norm in parts.block_norms)
         eps.update(norm.eps for norm in (*norms, *head_norms, *parts.block_norms))
-        attention_shapes.add((attn.num_heads, attn.num_kv_heads, attn.head_dim))
-        cos_sin.append(table)
+        attention_shapes.add((inner.num_heads, inner.num_kv_heads, inner.head_dim))
+        attentions.append(inner)
         scales.append(float(inner.scale))
         windows.append(int(inner.sliding_window or 0))
         softcaps.append(float(inner.logit_softcap or 0.0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1 or len(multipliers) != 1:
         return None
-    if len(long_ropes) != 1 or len(activations) != 1:
+    if len(long_ropes) != 1 or len(activations) != 1 or len(norm_kinds) != 1:
         return None
     # Every layer with them, or none.
+    if cos_sin and len(cos_sin) != len(layers):
+        return None
     if qk_norm_weights and len(qk_norm_weights) != 2 * len(layers):
         return None
     if block_norm_weights and len(block_norm_weights) != 2 * len(layers):
         return None
-    dtype = weights[0].dtype
+    dtype = linear_weights[0].dtype
     tensors = [w for w in weights if w is not None] + qk_norm_weights + block_norm_weights
     if dtype not in _DTYPES or any(w.dtype != dtype or not w.is_contiguous() for w in tensors):
         return None
     if any(w.device.type != "cpu" for w in tensors) or not native.available():
         return None
     ((num_heads, num_kv_heads, head_dim),) = attention_shapes
+    ((activation, gated),) = activations
     return NativeLayerStack(
-        list(layers),
+        attentions,
         weights,
         linear_weights,
         qk_norm_weights,
@@ -281,9 +328,11 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         head_dim,
         eps.pop(),
         multipliers.pop(),
-        activations.pop(),
+        activation,
+        gated,
+        norm_kinds.pop(),
         dtype,
-        layers[0].self_attn.rotary_emb if long_ropes.pop() is not None else None,
+        rotaries[0] if long_ropes.pop() is not None else None,
     )
 
 

@@ -1,8 +1,8 @@
-"""The native layer stack: a Llama-style model's layers in one C++ call on CPU, at steps of
-one or two tokens (the few-row linear) and of more (oneDNN's packed weights). It must
-change nothing a user sees: the same tokens and the same logprobs, bit for bit, as the
-per-layer Python loop, and it must leave alone every model whose layers compute something
-it does not."""
+"""The native layer stack: a Llama-, Gemma- or GPT-2-style model's layers in one C++ call
+on CPU, at steps of one or two tokens (the few-row linear) and of more (the packed
+weights). It must change nothing a user sees: the same tokens and the same logprobs, bit
+for bit, as the per-layer Python loop, and it must leave alone every model whose layers
+compute something it does not."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ ENGINE = {"enable_prefix_caching": False, "block_size": 4, "num_gpu_blocks_overr
 
 def _model(llm: LLM):
     return llm.engine.executor.worker.model_runner.model
+
+
+def _layers(llm: LLM):
+    model = _model(llm)
+    return model.h if hasattr(model, "h") else model.model.layers  # GPT-2's blocks: `h`
 
 
 @pytest.fixture
@@ -65,7 +70,7 @@ def _decode(llm: LLM) -> list:
 def _assert_stack_is_the_loop(model_dir: str, engine: dict, monkeypatch, stack_calls) -> None:
     monkeypatch.setenv(ENV_VAR, "0")
     with LLM(model=model_dir, **engine) as llm:
-        assert build_layer_stack(_model(llm).model.layers) is None
+        assert build_layer_stack(_layers(llm)) is None
         looped = _decode(llm)
     assert stack_calls == []
     monkeypatch.delenv(ENV_VAR)
@@ -87,7 +92,19 @@ def _assert_stack_is_the_loop(model_dir: str, engine: dict, monkeypatch, stack_c
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "mistral", "qwen3", "granite", "phi3", "gemma2", "gemma3"]
+    "arch",
+    [
+        "llama",
+        "qwen2",
+        "mistral",
+        "qwen3",
+        "granite",
+        "phi3",
+        "gemma2",
+        "gemma3",
+        "gpt2-layer-scaled",
+        "gpt-bigcode",
+    ],
 )
 def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     tiny_model_factory, monkeypatch, stack_calls, arch, dtype
@@ -96,11 +113,21 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     40-token prompts cross), Qwen3 (each head's q and k normed), Granite (each block's
     output scaled by the residual multiplier), Phi-3 (LongRoPE's short factors, its own
     head, a window of 12), Gemma 2 (a norm on each block's output, GeGLU, soft-capped
-    scores, a local layer with a window of 8 and a global one) and Gemma 3 (q/k norms, a
-    rope per layer type), in both CPU dtypes."""
+    scores, a local layer with a window of 8 and a global one), Gemma 3 (q/k norms, a
+    rope per layer type), GPT-2 (LayerNorm, no rotation, a plain MLP with gelu_new, each
+    layer's scores scaled by 1 / (layer + 1)) and GPT-BigCode (one KV head, GeLU's tanh
+    form), in both CPU dtypes."""
     _assert_stack_is_the_loop(
         str(tiny_model_factory(arch)), {**ENGINE, "dtype": dtype}, monkeypatch, stack_calls
     )
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_plain_mlp_activations(tiny_model_factory, monkeypatch, stack_calls, activation):
+    """GPT-2's block with the other activations a plain MLP takes (an OPT-like ReLU, the
+    exact GeLU): the stack computes them as the loop's torch functions do."""
+    model_dir = tiny_model_factory("gpt2", activation_function=activation, initializer_range=0.4)
+    _assert_stack_is_the_loop(str(model_dir), ENGINE, monkeypatch, stack_calls)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
@@ -201,7 +228,7 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
 def test_stack_leaves_layers_it_does_not_compute(tiny_model_factory, stack_calls, arch):
     llm = LLM(model=str(tiny_model_factory(arch)), **ENGINE)
     with llm:
-        assert build_layer_stack(_model(llm).model.layers) is None
+        assert build_layer_stack(_layers(llm)) is None
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
     assert stack_calls == []

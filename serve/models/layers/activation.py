@@ -47,6 +47,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class Activation(nn.Module):
     def __init__(self, name: str) -> None:
         super().__init__()
+        self.name = name
         self.fn = get_activation(name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-// A stack of Llama- or Gemma-style decoder layers in one call.
+// A stack of Llama-, Gemma- or GPT-2-style decoder layers in one call.
 //
 // The ~10 ops a layer cost more from Python than some of them take to run: their
 // dispatch, wrappers and module calls were 3-5 ms of a 14-21 ms one-token step for the
@@ -10,19 +10,23 @@
 // more rows), the panel kernel on its panels (float32; bfloat16 on AVX512_BF16 builds) or
 // oneDNN's `_linear_pointwise` on its own layout.
 //
-// A layer: h = rms_norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
-// rms_norm'd per head where the model has q/k norms (Qwen3, Gemma 3); rotate q and k;
+// A layer: h = norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
+// rms_norm'd per head where the model has q/k norms (Qwen3, Gemma 3); rotate q and k
+// where the model has rotary tables (GPT-2's positions were added to the embeddings);
 // write k, v into the layer's cache; attend (the scores soft-capped where the layer's cap
-// is not 0: Gemma 2); x = o W_o^T + b; h = rms_norm(x + residual);
-// x = act_and_mul(h W_gu^T + b) W_down^T + b, the gate's activation SiLU or GeLU (exact or
-// tanh's approximation: Gemma's GeGLU); each block's x scaled by the residual multiplier
-// where it is not 1 (Granite), or rms_norm'd alone before it joins the residual where the
-// model has `block_norm_weights` (Gemma's sandwich). With `output_rows` (the rows the step
-// reads after the model: its sampled tokens), the last layer's o_proj, norm and MLP run for
-// those rows alone, and the stack returns them in that order: a prompt chunk's other rows
-// need only their K/V, which every layer has written by then. `weights` holds
-// kWeightsPerLayer entries a layer in that order, the biases None where the model has
-// none; `qk_norm_weights` the q and k norms' weights a layer, or nothing;
+// is not 0: Gemma 2); x = o W_o^T + b; h = norm(x + residual);
+// x = act_and_mul(h W_up^T + b) W_down^T + b, the gate's activation SiLU or GeLU (exact or
+// tanh's approximation: Gemma's GeGLU), or without `gated_mlp` x = act(h W_up^T + b)
+// W_down^T + b (GPT-2's MLP: GeLU's forms or ReLU); each block's x scaled by the residual
+// multiplier where it is not 1 (Granite), or rms_norm'd alone before it joins the residual
+// where the model has `block_norm_weights` (Gemma's sandwich). The norms are RMSNorm, or
+// with `norm` "layer" torch's layer_norm of x + residual (weight and bias optional).
+// With `output_rows` (the rows the step reads after the model: its sampled tokens), the
+// last layer's o_proj, norm and MLP run for those rows alone, and the stack returns them
+// in that order: a prompt chunk's other rows need only their K/V, which every layer has
+// written by then. `weights` holds kWeightsPerLayer entries a layer in that order, the
+// biases None where the model has none (and a LayerNorm's weight where it has no affine
+// part); `qk_norm_weights` the q and k norms' weights a layer, or nothing;
 // `block_norm_weights` the norms of attention's and the MLP's outputs a layer, or nothing.
 
 #include <ATen/ATen.h>
@@ -32,6 +36,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "ops.h"
@@ -39,10 +44,12 @@
 namespace serve_cpu {
 namespace {
 
-// input norm, qkv W, qkv b, o W, o b, post-attention norm, gate_up W, gate_up b, down W, down b
-constexpr int64_t kWeightsPerLayer = 10;
+// input norm W, input norm b, qkv W, qkv b, o W, o b, post-attention norm W, post-attention
+// norm b, up W, up b, down W, down b (up: gate_up where the MLP is gated; the norms' b None
+// for RMSNorm)
+constexpr int64_t kWeightsPerLayer = 12;
 
-// Per layer: qkv, o, gate_up, down.
+// Per layer: qkv, o, up, down.
 constexpr int64_t kLinearsPerLayer = 4;
 
 // RMSNorm over each head's [head_dim] row, as the loop's `norm(t.reshape(-1, head_dim))`:
@@ -78,15 +85,34 @@ at::Tensor norm_alone(const at::Tensor& x, const at::Tensor& weight, double eps)
   return out;
 }
 
-// The gated MLP's activation: act(gate) * up over [T, 2d] -> [T, d], as `ActAndMul`
+// The MLP's activation. Gated: act(gate) * up over [T, 2d] -> [T, d], as `ActAndMul`
 // computes it: the native kernel for SiLU, torch's gelu and mul on the halves otherwise.
-enum class Activation { kSilu, kGelu, kGeluTanh };
+// Plain: act(x), as `Activation` computes it (serve/models/layers/activation.py).
+enum class Activation { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
 
-Activation parse_activation(c10::string_view name) {
+Activation parse_activation(c10::string_view name, bool gated) {
   if (name == "silu") return Activation::kSilu;
   if (name == "gelu") return Activation::kGelu;
   if (name == "gelu_tanh") return Activation::kGeluTanh;
-  TORCH_CHECK(false, "decoder_layers: activation silu, gelu or gelu_tanh, not ", name);
+  if (!gated && name == "gelu_new") return Activation::kGeluNew;
+  if (!gated && name == "relu") return Activation::kRelu;
+  TORCH_CHECK(false, "decoder_layers: activation silu, gelu or gelu_tanh (gated), or those, "
+              "gelu_new or relu (plain), not ", name, gated ? " (gated)" : " (plain)");
+}
+
+// act(x) by the same torch ops as the loop's function, so in the same rounding.
+at::Tensor activate(const at::Tensor& x, Activation activation) {
+  switch (activation) {
+    case Activation::kSilu: return at::silu(x);
+    case Activation::kGelu: return at::gelu(x, "none");
+    case Activation::kGeluTanh: return at::gelu(x, "tanh");
+    case Activation::kRelu: return at::relu(x);
+    case Activation::kGeluNew: {  // GPT-2's tanh approximation, written out as its code has it
+      const at::Tensor inner = at::add(x, at::mul(at::pow(x, 3.0), 0.044715));
+      return at::mul(at::mul(x, 0.5), at::add(at::tanh(at::mul(inner, 0.7978845608028654)), 1.0));
+    }
+  }
+  TORCH_CHECK(false, "decoder_layers: unknown activation");
 }
 
 at::Tensor act_and_mul(const at::Tensor& gate_up, Activation activation) {
@@ -98,6 +124,24 @@ at::Tensor act_and_mul(const at::Tensor& gate_up, Activation activation) {
   const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
   return at::gelu(halves[0], activation == Activation::kGeluTanh ? "tanh" : "none")
       .mul(halves[1]);
+}
+
+// (norm(x + residual), x + residual), or (norm(x), x) without a residual (the first
+// layer's input), as the loop's norm(x, residual): the native rms_norm, or torch's
+// layer_norm of torch's sum as `LayerNorm` takes them.
+std::pair<at::Tensor, at::Tensor> norm_adding(bool layer_norm, const at::Tensor& x,
+                                              const std::optional<at::Tensor>& residual,
+                                              const std::optional<at::Tensor>& weight,
+                                              const std::optional<at::Tensor>& bias, double eps) {
+  if (layer_norm) {
+    const at::Tensor total = residual.has_value() ? at::add(x, *residual) : x;
+    return {at::layer_norm(total, {total.size(1)}, weight, bias, eps), total};
+  }
+  TORCH_CHECK(weight.has_value(), "decoder_layers: an RMSNorm without its weight");
+  at::Tensor h = at::empty_like(x);
+  at::Tensor total = residual.has_value() ? at::empty_like(x) : x;
+  ops::rms_norm(h, total, x, residual, *weight, eps);
+  return {h, total};
 }
 
 at::Tensor linear(const at::Tensor& x, const std::optional<at::Tensor>& weight,
@@ -123,16 +167,22 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
     at::IntArrayRef sliding_windows, at::ArrayRef<double> logit_softcaps, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, double eps, double residual_multiplier,
-    c10::string_view activation_name, const std::optional<at::Tensor>& output_rows) {
+    c10::string_view activation_name, c10::string_view norm_name, bool gated_mlp,
+    const std::optional<at::Tensor>& output_rows) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights a layer");
   TORCH_CHECK(static_cast<int64_t>(value_caches.size()) == num_layers &&
-                  static_cast<int64_t>(cos_sin_caches.size()) == num_layers &&
+                  (cos_sin_caches.empty() ||
+                   static_cast<int64_t>(cos_sin_caches.size()) == num_layers) &&
                   static_cast<int64_t>(scales.size()) == num_layers &&
                   static_cast<int64_t>(sliding_windows.size()) == num_layers &&
                   static_cast<int64_t>(logit_softcaps.size()) == num_layers,
-              "decoder_layers: one cache pair, rotary cache, scale, window and soft-cap a layer");
+              "decoder_layers: one cache pair, rotary table (or none), scale, window and soft-cap "
+              "a layer");
+  const bool rotary = !cos_sin_caches.empty();
+  TORCH_CHECK(norm_name == "rms" || norm_name == "layer", "decoder_layers: norm rms or layer");
+  const bool layer_norm = norm_name == "layer";
   const bool packed = !packed_weights.empty();
   TORCH_CHECK(
       !packed || static_cast<int64_t>(packed_weights.size()) == num_layers * kLinearsPerLayer,
@@ -143,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const bool block_norms = !block_norm_weights.empty();
   TORCH_CHECK(!block_norms || static_cast<int64_t>(block_norm_weights.size()) == num_layers * 2,
               "decoder_layers: no block output norms, or two a layer");
-  const Activation activation = parse_activation(activation_name);
+  const Activation activation = parse_activation(activation_name, gated_mlp);
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x: [T, hidden], contiguous");
   if (output_rows.has_value()) {
     TORCH_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong,
@@ -163,12 +213,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       return packed_weights.get(layer * kLinearsPerLayer + i);
     };
     // The input norm, adding the residual from the second layer on.
-    at::Tensor h = at::empty_like(x);
-    at::Tensor total = residual.has_value() ? at::empty_like(x) : x;
-    ops::rms_norm(h, total, x, residual, *w(0), eps);
+    auto [h, total] = norm_adding(layer_norm, x, residual, w(0), w(1), eps);
     residual = total;
 
-    const at::Tensor qkv = linear(h, w(1), w(2), p(0));  // [T, q_size + 2 kv_size]
+    const at::Tensor qkv = linear(h, w(2), w(3), p(0));  // [T, q_size + 2 kv_size]
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
@@ -177,13 +225,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       q = head_norm(q, qk_norm_weights[layer * 2], eps);
       k = head_norm(k, qk_norm_weights[layer * 2 + 1], eps);
     }
-    at::Tensor q_rot = at::empty(q.sizes(), q.options());
-    at::Tensor k_rot = at::empty(k.sizes(), k.options());
-    ops::rotary_embedding(q_rot, k_rot, positions, q, k, cos_sin_caches[layer], is_neox_style);
+    at::Tensor q_rot = q, k_rot = k;
+    if (rotary) {
+      q_rot = at::empty(q.sizes(), q.options());
+      k_rot = at::empty(k.sizes(), k.options());
+      ops::rotary_embedding(q_rot, k_rot, positions, q, k, cos_sin_caches[layer], is_neox_style);
+    }
 
     at::Tensor key_cache = key_caches[layer], value_cache = value_caches[layer];
     ops::reshape_and_cache(k_rot, v, key_cache, value_cache, slot_mapping);
-    at::Tensor attended = at::empty_like(q_rot);
+    at::Tensor attended = at::empty(q_rot.sizes(), q_rot.options());
     ops::paged_attention(attended, q_rot, key_cache, value_cache, block_tables, seq_lens,
                          query_start_loc, scales[layer], std::nullopt, sliding_windows[layer],
                          logit_softcaps[layer], std::nullopt);
@@ -194,17 +245,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       residual = residual->index_select(0, *output_rows);
       tokens = output_rows->numel();
     }
-    at::Tensor o = linear(attended_rows, w(3), w(4), p(1));
+    at::Tensor o = linear(attended_rows, w(4), w(5), p(1));
     if (residual_multiplier != 1.0) o = o.mul(residual_multiplier);  // Granite
     if (block_norms) o = norm_alone(o, block_norm_weights[layer * 2], eps);  // Gemma
 
-    at::Tensor h2 = at::empty_like(o);
-    at::Tensor total2 = at::empty_like(o);
-    ops::rms_norm(h2, total2, o, residual, *w(5), eps);
+    auto [h2, total2] = norm_adding(layer_norm, o, residual, w(6), w(7), eps);
     residual = total2;
 
-    const at::Tensor gate_up = linear(h2, w(6), w(7), p(2));
-    x = linear(act_and_mul(gate_up, activation), w(8), w(9), p(3));
+    const at::Tensor up = linear(h2, w(8), w(9), p(2));
+    x = linear(gated_mlp ? act_and_mul(up, activation) : activate(up, activation), w(10), w(11),
+               p(3));
     if (residual_multiplier != 1.0) x = x.mul(residual_multiplier);
     if (block_norms) x = norm_alone(x, block_norm_weights[layer * 2 + 1], eps);
   }
@@ -223,7 +273,7 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float[] scales, int[] sliding_windows, float[] logit_softcaps, int num_heads, "
       "int num_kv_heads, int head_dim, float eps, float residual_multiplier, str activation, "
-      "Tensor? output_rows=None) -> (Tensor, Tensor)");
+      "str norm, bool gated_mlp, Tensor? output_rows=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
