@@ -12,8 +12,8 @@ It takes only what it computes exactly as the loop does: the dense Llama layer (
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
 RoPE or LongRoPE, ...) and Gemma 2/3's (a norm on each block's output, GeGLU, Gemma 2's
 soft-capped scores, Gemma 3's q/k norms and rope per layer type), with RMSNorm and a SiLU-
-or GeLU-gated MLP; and GPT-2's block (GPT-2, GPT-BigCode: LayerNorm, no rotation, a plain
-MLP with a GeLU or ReLU); no ALiBi, no attention sinks, one rank, float32 or bfloat16, and
+or GeLU-gated MLP; and GPT-2's block (GPT-2, GPT-BigCode) and OPT's pre-norm one (LayerNorm,
+no rotation, a plain MLP with a GeLU or ReLU; OPT's q scaled before attention); no ALiBi, no attention sinks, one rank, float32 or bfloat16, and
 the native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it
 off (to compare, or to rule it out).
 """
@@ -61,6 +61,7 @@ class NativeLayerStack:
     cos_sin_caches: list[torch.Tensor]  # empty: no rotation (GPT-2's learned positions)
     is_neox_style: bool
     scales: list[float]
+    query_scales: list[float]  # q scaled by it after the projection where not 1.0 (OPT)
     sliding_windows: list[int]
     logit_softcaps: list[float]  # 0.0: none
     num_heads: int
@@ -121,6 +122,7 @@ class NativeLayerStack:
             meta.seq_lens,
             meta.query_start_loc,
             self.scales,
+            self.query_scales,
             self.sliding_windows,
             self.logit_softcaps,
             self.num_heads,
@@ -160,6 +162,7 @@ class _LayerParts:
     mlp_norm: nn.Module  # before the MLP, adding the residual
     block_norms: tuple[nn.Module, ...]  # on attention's and the MLP's outputs (Gemma), or ()
     residual_multiplier: float
+    query_scale: float = 1.0  # q times it before attention, which scales by its own (OPT)
 
     @property
     def gated(self) -> bool:
@@ -171,6 +174,7 @@ def _layer_parts(layer: nn.Module) -> _LayerParts | None:
     from serve.models.gemma import GemmaAttention, GemmaDecoderLayer
     from serve.models.gpt2 import GPT2MLP, GPT2Attention, GPT2Block
     from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from serve.models.opt import OPTAttention, OPTDecoderLayer
 
     if type(layer) is GPT2Block:
         attn, mlp = layer.attn, layer.mlp
@@ -178,6 +182,15 @@ def _layer_parts(layer: nn.Module) -> _LayerParts | None:
             return None
         linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         return _LayerParts(attn.attn, linears, (), None, mlp.act, layer.ln_1, layer.ln_2, (), 1.0)
+    if type(layer) is OPTDecoderLayer:
+        attn = layer.self_attn
+        if not layer.do_layer_norm_before or type(attn) is not OPTAttention:
+            return None  # OPT-350m norms each block's output after its sum: not a stack layer
+        linears = (attn.qkv_proj, attn.out_proj, layer.fc1, layer.fc2)
+        norms = (layer.self_attn_layer_norm, layer.final_layer_norm)
+        return _LayerParts(
+            attn.attn, linears, (), None, layer.activation_fn, *norms, (), 1.0, float(attn.scale)
+        )
     attention = {LlamaDecoderLayer: LlamaAttention, GemmaDecoderLayer: GemmaAttention}
     if type(layer) not in attention or type(layer.self_attn) is not attention[type(layer)]:
         return None
@@ -223,7 +236,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     eps: set[float] = set()
     attention_shapes: set[tuple[int, int, int]] = set()
     neox: set[bool] = set()
-    attentions, cos_sin, scales, windows, softcaps = [], [], [], [], []
+    attentions, cos_sin, scales, query_scales, windows, softcaps = [], [], [], [], [], []
     multipliers: set[float] = set()
     activations: set[tuple[str, bool]] = set()  # (name, gated)
     norm_kinds: set[str] = set()
@@ -291,6 +304,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         attention_shapes.add((inner.num_heads, inner.num_kv_heads, inner.head_dim))
         attentions.append(inner)
         scales.append(float(inner.scale))
+        query_scales.append(parts.query_scale)
         windows.append(int(inner.sliding_window or 0))
         softcaps.append(float(inner.logit_softcap or 0.0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1 or len(multipliers) != 1:
@@ -321,6 +335,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         cos_sin,
         neox.pop(),
         scales,
+        query_scales,
         windows,
         softcaps,
         num_heads,

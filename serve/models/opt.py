@@ -38,6 +38,7 @@ from serve.models.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from serve.models.native_layer_stack import LayerRunner
 from serve.models.weights import WeightSpec
 
 POSITION_OFFSET = 2  # OPT's table keeps two rows ahead of position 0 (fairseq's padding)
@@ -81,17 +82,21 @@ class OPTDecoderLayer(nn.Module):
         self.fc2 = RowParallelLinear(hf.ffn_dim, config.hidden_size, hf.enable_bias)
         self.final_layer_norm = _layer_norm(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        pre_norm = self.do_layer_norm_before
-        residual = x
-        x = residual + self.self_attn(self.self_attn_layer_norm(x) if pre_norm else x)
-        if not pre_norm:
-            x = self.self_attn_layer_norm(x)
-        residual = x
-        if pre_norm:
-            x = self.final_layer_norm(x)
-        x = residual + self.fc2(self.activation_fn(self.fc1(x)))
-        return x if pre_norm else self.final_layer_norm(x)
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pre-norm: (the MLP's output, the residual stream without it), as a Llama layer
+        leaves them, each sum taken in the next norm; post-norm: (the layer's output, None)."""
+        del positions  # the model added them to the embeddings (LayerRunner passes them on)
+        if not self.do_layer_norm_before:  # [T, hidden] -> [T, hidden]
+            x = self.self_attn_layer_norm(x + self.self_attn(x))
+            return self.final_layer_norm(x + self.fc2(self.activation_fn(self.fc1(x)))), None
+        if residual is None:
+            residual, x = x, self.self_attn_layer_norm(x)
+        else:
+            x, residual = self.self_attn_layer_norm(x, residual)
+        x, residual = self.final_layer_norm(self.self_attn(x), residual)
+        return self.fc2(self.activation_fn(self.fc1(x))), residual
 
 
 class OPTForCausalLM(nn.Module):
@@ -116,6 +121,7 @@ class OPTForCausalLM(nn.Module):
         self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_layers))
         has_final_norm = hf.do_layer_norm_before and not hf._remove_final_layer_norm
         self.final_layer_norm = _layer_norm(config) if has_final_norm else None
+        self.run_layers = LayerRunner()  # on CPU, pre-norm layers in one native call
         self.lm_head = ParallelLMHead(config.vocab_size, embed_dim)
         if hf.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -136,10 +142,11 @@ class OPTForCausalLM(nn.Module):
         if self.project_in is not None:
             x = self.project_in(x)  # [T, hidden]
         x = x + self.embed_positions(positions + POSITION_OFFSET)
-        for layer in self.layers:
-            x = layer(x)
+        x, residual = self.run_layers(self.layers, positions, x)
         if self.final_layer_norm is not None:
-            x = self.final_layer_norm(x)
+            x, _ = self.final_layer_norm(x, residual)
+        elif residual is not None:  # pre-norm without a final norm: the last sum
+            x = x + residual
         if self.project_out is not None:
             x = self.project_out(x)  # [T, word_embed_proj_dim]
         return x

@@ -28,7 +28,8 @@ def _model(llm: LLM):
 
 def _layers(llm: LLM):
     model = _model(llm)
-    return model.h if hasattr(model, "h") else model.model.layers  # GPT-2's blocks: `h`
+    body = getattr(model, "model", model)  # GPT-2's and OPT's layers sit at the top
+    return body.h if hasattr(body, "h") else body.layers
 
 
 @pytest.fixture
@@ -104,6 +105,8 @@ def _assert_stack_is_the_loop(model_dir: str, engine: dict, monkeypatch, stack_c
         "gemma3",
         "gpt2-layer-scaled",
         "gpt-bigcode",
+        "opt",
+        "opt-bare",
     ],
 )
 def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
@@ -115,8 +118,9 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     head, a window of 12), Gemma 2 (a norm on each block's output, GeGLU, soft-capped
     scores, a local layer with a window of 8 and a global one), Gemma 3 (q/k norms, a
     rope per layer type), GPT-2 (LayerNorm, no rotation, a plain MLP with gelu_new, each
-    layer's scores scaled by 1 / (layer + 1)) and GPT-BigCode (one KV head, GeLU's tanh
-    form), in both CPU dtypes."""
+    layer's scores scaled by 1 / (layer + 1)), GPT-BigCode (one KV head, GeLU's tanh
+    form) and OPT (ReLU, q scaled before attention; bare: norms without weight or bias),
+    in both CPU dtypes."""
     _assert_stack_is_the_loop(
         str(tiny_model_factory(arch)), {**ENGINE, "dtype": dtype}, monkeypatch, stack_calls
     )
@@ -223,6 +227,7 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
     [
         "mixtral",  # a sparse MoE block for an MLP
         "olmo2",  # norms after each block, q and k normed across their heads
+        "opt-350m",  # post-norm: each block's sum normed
     ],
 )
 def test_stack_leaves_layers_it_does_not_compute(tiny_model_factory, stack_calls, arch):

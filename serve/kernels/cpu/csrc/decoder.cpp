@@ -10,7 +10,8 @@
 // more rows), the panel kernel on its panels (float32; bfloat16 on AVX512_BF16 builds) or
 // oneDNN's `_linear_pointwise` on its own layout.
 //
-// A layer: h = norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q, k each
+// A layer: h = norm(x [+ residual]); q, k, v = split(h W_qkv^T + b); q times the layer's
+// query scale where it is not 1 (OPT scales q itself, then attends at scale 1); q, k each
 // rms_norm'd per head where the model has q/k norms (Qwen3, Gemma 3); rotate q and k
 // where the model has rotary tables (GPT-2's positions were added to the embeddings);
 // write k, v into the layer's cache; attend (the scores soft-capped where the layer's cap
@@ -165,8 +166,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::TensorList cos_sin_caches, bool is_neox_style,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::ArrayRef<double> scales,
-    at::IntArrayRef sliding_windows, at::ArrayRef<double> logit_softcaps, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, double eps, double residual_multiplier,
+    at::ArrayRef<double> query_scales, at::IntArrayRef sliding_windows,
+    at::ArrayRef<double> logit_softcaps, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, double eps, double residual_multiplier,
     c10::string_view activation_name, c10::string_view norm_name, bool gated_mlp,
     const std::optional<at::Tensor>& output_rows) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
@@ -176,10 +178,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                   (cos_sin_caches.empty() ||
                    static_cast<int64_t>(cos_sin_caches.size()) == num_layers) &&
                   static_cast<int64_t>(scales.size()) == num_layers &&
+                  static_cast<int64_t>(query_scales.size()) == num_layers &&
                   static_cast<int64_t>(sliding_windows.size()) == num_layers &&
                   static_cast<int64_t>(logit_softcaps.size()) == num_layers,
-              "decoder_layers: one cache pair, rotary table (or none), scale, window and soft-cap "
-              "a layer");
+              "decoder_layers: one cache pair, rotary table (or none), scale, query scale, window "
+              "and soft-cap a layer");
   const bool rotary = !cos_sin_caches.empty();
   TORCH_CHECK(norm_name == "rms" || norm_name == "layer", "decoder_layers: norm rms or layer");
   const bool layer_norm = norm_name == "layer";
@@ -217,7 +220,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     residual = total;
 
     const at::Tensor qkv = linear(h, w(2), w(3), p(0));  // [T, q_size + 2 kv_size]
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim});
+    at::Tensor q = qkv.narrow(1, 0, q_size);
+    if (query_scales[layer] != 1.0) q = q.mul(query_scales[layer]);  // OPT
+    q = q.view({tokens, num_heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, num_kv_heads, head_dim});
     const at::Tensor v =
         qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, head_dim});
@@ -271,9 +276,9 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
       "Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor[] cos_sin_caches, "
       "bool is_neox_style, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
-      "float[] scales, int[] sliding_windows, float[] logit_softcaps, int num_heads, "
-      "int num_kv_heads, int head_dim, float eps, float residual_multiplier, str activation, "
-      "str norm, bool gated_mlp, Tensor? output_rows=None) -> (Tensor, Tensor)");
+      "float[] scales, float[] query_scales, int[] sliding_windows, float[] logit_softcaps, "
+      "int num_heads, int num_kv_heads, int head_dim, float eps, float residual_multiplier, "
+      "str activation, str norm, bool gated_mlp, Tensor? output_rows=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
