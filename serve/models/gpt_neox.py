@@ -27,6 +27,7 @@ from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from serve.models.layers.layernorm import LayerNorm
 from serve.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
+from serve.models.native_layer_stack import LayerRunner
 from serve.models.weights import FusedRows, WeightSpec
 
 
@@ -82,12 +83,20 @@ class GPTNeoXLayer(nn.Module):
         self.attention = GPTNeoXAttention(config)
         self.mlp = GPTNeoXMLP(config.hidden_size, hf.intermediate_size, hf.hidden_act)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(positions, self.input_layernorm(x))  # [T, hidden]
-        if self.use_parallel_residual:
-            return self.mlp(self.post_attention_layernorm(x)) + attn + x
-        attn = attn + x
-        return self.mlp(self.post_attention_layernorm(attn)) + attn
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Parallel: (the layer's output, None). Sequential: (the MLP's output, the residual
+        stream without it), as a Llama layer leaves them, each sum taken in the next norm."""
+        if self.use_parallel_residual:  # [T, hidden]
+            attn = self.attention(positions, self.input_layernorm(x))
+            return self.mlp(self.post_attention_layernorm(x)) + attn + x, None
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.attention(positions, x), residual)
+        return self.mlp(x), residual
 
 
 class GPTNeoXForCausalLM(nn.Module):
@@ -106,6 +115,7 @@ class GPTNeoXForCausalLM(nn.Module):
         self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GPTNeoXLayer(config) for _ in range(config.num_layers))
         self.final_layer_norm = LayerNorm(config.hidden_size, hf.layer_norm_eps)
+        self.run_layers = LayerRunner()  # on CPU, the layers in one native call
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if hf.tie_word_embeddings:
             self.lm_head.weight = self.embed_in.weight
@@ -119,9 +129,11 @@ class GPTNeoXForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_in(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.final_layer_norm(x)
+        x, residual = self.run_layers(self.layers, positions, x)
+        if residual is None:  # the parallel layers' output is whole
+            return self.final_layer_norm(x)
+        x, _ = self.final_layer_norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, hidden] -> [N, vocab] on rank 0, None on the other ranks. A collective."""

@@ -12,8 +12,10 @@ It takes only what it computes exactly as the loop does: the dense Llama layer (
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
 RoPE or LongRoPE, ...) and Gemma 2/3's (a norm on each block's output, GeGLU, Gemma 2's
 soft-capped scores, Gemma 3's q/k norms and rope per layer type), with RMSNorm and a SiLU-
-or GeLU-gated MLP; and GPT-2's block (GPT-2, GPT-BigCode) and OPT's pre-norm one (LayerNorm,
-no rotation, a plain MLP with a GeLU or ReLU; OPT's q scaled before attention); no ALiBi, no attention sinks, one rank, float32 or bfloat16, and
+or GeLU-gated MLP; and GPT-2's block (GPT-2, GPT-BigCode), OPT's pre-norm one and GPT-NeoX's
+(LayerNorm, a plain MLP with a GeLU or ReLU; no rotation but NeoX's partial one; OPT's q
+scaled before attention; NeoX's attention and MLP side by side or in turn), and StableLM
+2's sequential layer (LayerNorm, partial rotation, a SiLU-gated MLP); no ALiBi, no attention sinks, one rank, float32 or bfloat16, and
 the native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it
 off (to compare, or to rule it out).
 """
@@ -71,6 +73,9 @@ class NativeLayerStack:
     residual_multiplier: float  # each block's output scaled by it (Granite; 1.0 elsewhere)
     activation: str  # the MLP's (its gate's, where gated): as the native call names them
     gated_mlp: bool  # act(gate) * up (Llama, Gemma), or act(x) (GPT-2)
+    # Attention and the MLP each off their own norm of the layer's input, the layer adding
+    # both to it (GPT-NeoX); the call's residual is then no part of its output.
+    parallel_residual: bool
     norm: str  # "rms" (RMSNorm) or "layer" (torch's layer_norm)
     dtype: torch.dtype
     # LongRoPE (Phi-3), every layer's alike: the first layer's, which turns the step's
@@ -93,7 +98,7 @@ class NativeLayerStack:
 
     def __call__(
         self, positions: torch.Tensor, x: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) after the last layer, as the loop leaves them; where the step
         names its `output_rows` (and the linears run on the packed weights, whose rows do not
         depend on each other), those rows alone, in that order."""
@@ -106,7 +111,7 @@ class NativeLayerStack:
         if x.shape[0] > NATIVE_MAX_ROWS:
             packed = [cpu.packed_weight(w) for w in self.linear_weights]
             output_rows = meta.output_rows
-        return torch.ops.serve_cpu.decoder_layers(
+        x, residual = torch.ops.serve_cpu.decoder_layers(
             x.contiguous(),
             positions,
             self.weights,
@@ -133,8 +138,10 @@ class NativeLayerStack:
             self.activation,
             self.norm,
             self.gated_mlp,
+            self.parallel_residual,
             output_rows,
         )
+        return x, None if self.parallel_residual else residual
 
 
 # The MLP gate's activation by its `ActAndMul` name, as the native call names it: the names
@@ -163,6 +170,7 @@ class _LayerParts:
     block_norms: tuple[nn.Module, ...]  # on attention's and the MLP's outputs (Gemma), or ()
     residual_multiplier: float
     query_scale: float = 1.0  # q times it before attention, which scales by its own (OPT)
+    parallel_residual: bool = False  # GPT-NeoX's default
 
     @property
     def gated(self) -> bool:
@@ -173,8 +181,10 @@ def _layer_parts(layer: nn.Module) -> _LayerParts | None:
     """The layer's parts where it is one of the layers the stack computes, else None."""
     from serve.models.gemma import GemmaAttention, GemmaDecoderLayer
     from serve.models.gpt2 import GPT2MLP, GPT2Attention, GPT2Block
+    from serve.models.gpt_neox import GPTNeoXAttention, GPTNeoXLayer, GPTNeoXMLP
     from serve.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     from serve.models.opt import OPTAttention, OPTDecoderLayer
+    from serve.models.stablelm import StableLmAttention, StableLmDecoderLayer
 
     if type(layer) is GPT2Block:
         attn, mlp = layer.attn, layer.mlp
@@ -182,6 +192,32 @@ def _layer_parts(layer: nn.Module) -> _LayerParts | None:
             return None
         linears = (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)
         return _LayerParts(attn.attn, linears, (), None, mlp.act, layer.ln_1, layer.ln_2, (), 1.0)
+    if type(layer) is GPTNeoXLayer:
+        attn, mlp = layer.attention, layer.mlp
+        if type(attn) is not GPTNeoXAttention or type(mlp) is not GPTNeoXMLP:
+            return None
+        linears = (attn.query_key_value, attn.dense, mlp.dense_h_to_4h, mlp.dense_4h_to_h)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        return _LayerParts(
+            attn.attn,
+            linears,
+            (),
+            attn.rotary_emb,
+            mlp.act,
+            *norms,
+            (),
+            1.0,
+            parallel_residual=layer.use_parallel_residual,
+        )
+    if type(layer) is StableLmDecoderLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is not StableLmAttention or type(mlp) is not LlamaMLP:
+            return None
+        if layer.post_attention_layernorm is None or attn.q_layernorm is not None:
+            return None  # StableLM 2 12B's parallel residual and per-head LayerNorms
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        return _LayerParts(attn.attn, linears, (), attn.rotary_emb, mlp.act, *norms, (), 1.0)
     if type(layer) is OPTDecoderLayer:
         attn = layer.self_attn
         if not layer.do_layer_norm_before or type(attn) is not OPTAttention:
@@ -240,6 +276,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     multipliers: set[float] = set()
     activations: set[tuple[str, bool]] = set()  # (name, gated)
     norm_kinds: set[str] = set()
+    parallel: set[bool] = set()
     rotaries: list[nn.Module | None] = []
     long_ropes: set[tuple[int, int] | None] = set()
     for layer in layers:
@@ -247,6 +284,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         if parts is None:
             return None
         multipliers.add(parts.residual_multiplier)
+        parallel.add(parts.parallel_residual)
         norms = (parts.attn_norm, parts.mlp_norm)
         if any(type(norm) not in _NORMS for norm in norms):
             return None
@@ -309,7 +347,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         softcaps.append(float(inner.logit_softcap or 0.0))
     if len(eps) != 1 or len(attention_shapes) != 1 or len(neox) != 1 or len(multipliers) != 1:
         return None
-    if len(long_ropes) != 1 or len(activations) != 1 or len(norm_kinds) != 1:
+    if len(long_ropes) != 1 or len(activations) != 1 or len(norm_kinds) != 1 or len(parallel) != 1:
         return None
     # Every layer with them, or none.
     if cos_sin and len(cos_sin) != len(layers):
@@ -345,6 +383,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         multipliers.pop(),
         activation,
         gated,
+        parallel.pop(),
         norm_kinds.pop(),
         dtype,
         rotaries[0] if long_ropes.pop() is not None else None,

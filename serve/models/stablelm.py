@@ -24,6 +24,7 @@ from serve.models.layers.layernorm import LayerNorm
 from serve.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from serve.models.llama import LLAMA_PACKED, LlamaMLP
+from serve.models.native_layer_stack import LayerRunner
 from serve.models.partition import first_kv_head
 from serve.models.weights import WeightSpec
 
@@ -97,13 +98,20 @@ class StableLmDecoderLayer(nn.Module):
         if not getattr(hf, "use_parallel_residual", False):
             self.post_attention_layernorm = LayerNorm(config.hidden_size, hf.layer_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h = self.input_layernorm(x)  # [T, hidden]
-        attn = self.self_attn(positions, h)
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Parallel: (the layer's output, None). Sequential: (the MLP's output, the residual
+        stream without it), as a Llama layer leaves them, each sum taken in the next norm."""
         if self.post_attention_layernorm is None:  # parallel residual
-            return x + attn + self.mlp(h)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+            h = self.input_layernorm(x)  # [T, hidden]
+            return x + self.self_attn(positions, h) + self.mlp(h), None
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
+        return self.mlp(x), residual
 
 
 class StableLmModel(nn.Module):
@@ -112,12 +120,15 @@ class StableLmModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(StableLmDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = LayerNorm(config.hidden_size, config.hf.layer_norm_eps)
+        self.run_layers = LayerRunner()  # on CPU, sequential layers in one native call
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+        x, residual = self.run_layers(self.layers, positions, x)
+        if residual is None:  # the parallel layers' output is whole
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x
 
 
 class StableLmForCausalLM(nn.Module):

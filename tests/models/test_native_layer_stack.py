@@ -40,7 +40,7 @@ def stack_calls(monkeypatch):
 
     def counted(self, positions, x):
         out, residual = original(self, positions, x)
-        assert residual.shape == out.shape
+        assert residual is None if self.parallel_residual else residual.shape == out.shape
         calls.append((x.shape[0], out.shape[0]))
         return out, residual
 
@@ -107,6 +107,9 @@ def _assert_stack_is_the_loop(model_dir: str, engine: dict, monkeypatch, stack_c
         "gpt-bigcode",
         "opt",
         "opt-bare",
+        "gpt-neox",
+        "gpt-neox-sequential",
+        "stablelm",
     ],
 )
 def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
@@ -119,8 +122,10 @@ def test_stack_gives_the_loop_s_tokens_and_logprobs_exactly(
     scores, a local layer with a window of 8 and a global one), Gemma 3 (q/k norms, a
     rope per layer type), GPT-2 (LayerNorm, no rotation, a plain MLP with gelu_new, each
     layer's scores scaled by 1 / (layer + 1)), GPT-BigCode (one KV head, GeLU's tanh
-    form) and OPT (ReLU, q scaled before attention; bare: norms without weight or bias),
-    in both CPU dtypes."""
+    form), OPT (ReLU, q scaled before attention; bare: norms without weight or bias) and
+    GPT-NeoX (rotary on part of each head; attention and MLP side by side, and in turn)
+    and StableLM 2 (LayerNorm, partial rotary, q/k/v biases, a gated MLP), in both CPU
+    dtypes."""
     _assert_stack_is_the_loop(
         str(tiny_model_factory(arch)), {**ENGINE, "dtype": dtype}, monkeypatch, stack_calls
     )
@@ -228,6 +233,7 @@ def test_without_packed_weights_the_stack_takes_only_few_row_steps(
         "mixtral",  # a sparse MoE block for an MLP
         "olmo2",  # norms after each block, q and k normed across their heads
         "opt-350m",  # post-norm: each block's sum normed
+        "stablelm-parallel",  # per-head LayerNorms on q and k; x + attn + mlp, one norm
     ],
 )
 def test_stack_leaves_layers_it_does_not_compute(tiny_model_factory, stack_calls, arch):

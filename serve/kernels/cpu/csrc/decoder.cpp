@@ -22,6 +22,9 @@
 // multiplier where it is not 1 (Granite), or rms_norm'd alone before it joins the residual
 // where the model has `block_norm_weights` (Gemma's sandwich). The norms are RMSNorm, or
 // with `norm` "layer" torch's layer_norm of x + residual (weight and bias optional).
+// With `parallel_residual` (GPT-NeoX) attention and the MLP each read their own norm of
+// the layer's input x, and the layer gives (mlp + attention) + x; the residual returned is
+// then the last layer's input.
 // With `output_rows` (the rows the step reads after the model: its sampled tokens), the
 // last layer's o_proj, norm and MLP run for those rows alone, and the stack returns them
 // in that order: a prompt chunk's other rows need only their K/V, which every layer has
@@ -170,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::ArrayRef<double> logit_softcaps, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, double eps, double residual_multiplier,
     c10::string_view activation_name, c10::string_view norm_name, bool gated_mlp,
-    const std::optional<at::Tensor>& output_rows) {
+    bool parallel_residual, const std::optional<at::Tensor>& output_rows) {
   const int64_t num_layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
               "decoder_layers: ", kWeightsPerLayer, " weights a layer");
@@ -215,8 +218,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       if (!packed) return std::nullopt;
       return packed_weights.get(layer * kLinearsPerLayer + i);
     };
-    // The input norm, adding the residual from the second layer on.
-    auto [h, total] = norm_adding(layer_norm, x, residual, w(0), w(1), eps);
+    // The input norm, adding the residual from the second layer on; in parallel, of the
+    // layer's input, which the layer adds to its output itself.
+    auto [h, total] = norm_adding(layer_norm, x, parallel_residual ? std::nullopt : residual,
+                                  w(0), w(1), eps);
     residual = total;
 
     const at::Tensor qkv = linear(h, w(2), w(3), p(0));  // [T, q_size + 2 kv_size]
@@ -254,12 +259,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     if (residual_multiplier != 1.0) o = o.mul(residual_multiplier);  // Granite
     if (block_norms) o = norm_alone(o, block_norm_weights[layer * 2], eps);  // Gemma
 
-    auto [h2, total2] = norm_adding(layer_norm, o, residual, w(6), w(7), eps);
-    residual = total2;
+    at::Tensor h2;
+    if (parallel_residual) {
+      h2 = norm_adding(layer_norm, *residual, std::nullopt, w(6), w(7), eps).first;
+    } else {
+      auto [normed, total2] = norm_adding(layer_norm, o, residual, w(6), w(7), eps);
+      h2 = normed;
+      residual = total2;
+    }
 
     const at::Tensor up = linear(h2, w(8), w(9), p(2));
     x = linear(gated_mlp ? act_and_mul(up, activation) : activate(up, activation), w(10), w(11),
                p(3));
+    if (parallel_residual) x = at::add(at::add(x, o), *residual);  // as the loop's mlp + attn + x
     if (residual_multiplier != 1.0) x = x.mul(residual_multiplier);
     if (block_norms) x = norm_alone(x, block_norm_weights[layer * 2 + 1], eps);
   }
@@ -278,7 +290,8 @@ TORCH_LIBRARY_FRAGMENT(serve_cpu, m) {
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
       "float[] scales, float[] query_scales, int[] sliding_windows, float[] logit_softcaps, "
       "int num_heads, int num_kv_heads, int head_dim, float eps, float residual_multiplier, "
-      "str activation, str norm, bool gated_mlp, Tensor? output_rows=None) -> (Tensor, Tensor)");
+      "str activation, str norm, bool gated_mlp, bool parallel_residual, "
+      "Tensor? output_rows=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(serve_cpu, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
