@@ -26,7 +26,7 @@ from torch import nn
 from serve.models.arch_config import ArchConfig
 from serve.models.layers.attention import Attention
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from serve.models.layers.layernorm import RMSNorm
+from serve.models.layers.layernorm import RMSNorm, norm_adding
 from serve.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from serve.models.llama import LLAMA_PACKED, LlamaMLP
@@ -103,10 +103,7 @@ class GemmaDecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The layer's input is x + residual (the previous layer left the add to this norm).
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_adding(self.input_layernorm, x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

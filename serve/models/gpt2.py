@@ -31,7 +31,7 @@ from serve.models.layers.embedding import (
     ReplicatedEmbedding,
     VocabParallelEmbedding,
 )
-from serve.models.layers.layernorm import LayerNorm
+from serve.models.layers.layernorm import LayerNorm, norm_adding
 from serve.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from serve.models.native_layer_stack import LayerRunner
 from serve.models.weights import FusedRows, WeightSpec
@@ -92,10 +92,7 @@ class GPT2Block(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         del positions  # the model added them to the embeddings (LayerRunner passes them on)
-        if residual is None:
-            residual, x = x, self.ln_1(x)
-        else:
-            x, residual = self.ln_1(x, residual)
+        x, residual = norm_adding(self.ln_1, x, residual)
         x = self.attn(x)
         x, residual = self.ln_2(x, residual)
         return self.mlp(x), residual

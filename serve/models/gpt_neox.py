@@ -24,7 +24,7 @@ from serve.models.arch_config import ArchConfig
 from serve.models.layers.activation import Activation
 from serve.models.layers.attention import Attention
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from serve.models.layers.layernorm import LayerNorm
+from serve.models.layers.layernorm import LayerNorm, norm_adding
 from serve.models.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from serve.models.native_layer_stack import LayerRunner
@@ -91,10 +91,7 @@ class GPTNeoXLayer(nn.Module):
         if self.use_parallel_residual:  # [T, hidden]
             attn = self.attention(positions, self.input_layernorm(x))
             return self.mlp(self.post_attention_layernorm(x)) + attn + x, None
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_adding(self.input_layernorm, x, residual)
         x, residual = self.post_attention_layernorm(self.attention(positions, x), residual)
         return self.mlp(x), residual
 

@@ -28,7 +28,7 @@ from serve.models.arch_config import ArchConfig
 from serve.models.layers.activation import ActAndMul
 from serve.models.layers.attention import Attention, alibi_slopes
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from serve.models.layers.layernorm import RMSNorm
+from serve.models.layers.layernorm import RMSNorm, norm_adding
 from serve.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -185,10 +185,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_adding(self.input_layernorm, x, residual)
         x = self.self_attn(positions, x)
         if self.residual_multiplier != 1.0:
             x = x * self.residual_multiplier

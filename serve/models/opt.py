@@ -31,7 +31,7 @@ from serve.models.layers.embedding import (
     ReplicatedEmbedding,
     VocabParallelEmbedding,
 )
-from serve.models.layers.layernorm import LayerNorm
+from serve.models.layers.layernorm import LayerNorm, norm_adding
 from serve.models.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -91,10 +91,7 @@ class OPTDecoderLayer(nn.Module):
         if not self.do_layer_norm_before:  # [T, hidden] -> [T, hidden]
             x = self.self_attn_layer_norm(x + self.self_attn(x))
             return self.final_layer_norm(x + self.fc2(self.activation_fn(self.fc1(x)))), None
-        if residual is None:
-            residual, x = x, self.self_attn_layer_norm(x)
-        else:
-            x, residual = self.self_attn_layer_norm(x, residual)
+        x, residual = norm_adding(self.self_attn_layer_norm, x, residual)
         x, residual = self.final_layer_norm(self.self_attn(x), residual)
         return self.fc2(self.activation_fn(self.fc1(x))), residual
 

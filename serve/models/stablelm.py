@@ -20,7 +20,7 @@ from serve.distributed.parallel_state import get_tp_group
 from serve.models.arch_config import ArchConfig
 from serve.models.layers.attention import Attention
 from serve.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from serve.models.layers.layernorm import LayerNorm
+from serve.models.layers.layernorm import LayerNorm, norm_adding
 from serve.models.layers.linear import QKVParallelLinear, RowParallelLinear
 from serve.models.layers.rotary import RotaryEmbedding, rope_parameters
 from serve.models.llama import LLAMA_PACKED, LlamaMLP
@@ -106,10 +106,7 @@ class StableLmDecoderLayer(nn.Module):
         if self.post_attention_layernorm is None:  # parallel residual
             h = self.input_layernorm(x)  # [T, hidden]
             return x + self.self_attn(positions, h) + self.mlp(h), None
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = norm_adding(self.input_layernorm, x, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(positions, x), residual)
         return self.mlp(x), residual
 

@@ -69,6 +69,16 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
+def norm_adding(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): a pre-norm layer's input norm, which takes the add
+    the previous layer left it; the first layer's input is the residual, (norm(x), x)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class ShardedRMSNorm(nn.Module):
     """RMSNorm over a vector whose entries are split across the tensor-parallel ranks (OLMo 2
     normalises the whole q and k projections, not each head). Rank r holds entries
