@@ -12,12 +12,12 @@ It takes only what it computes exactly as the loop does: the dense Llama layer (
 Qwen2, Mistral, SmolLM, Qwen3's q/k norms, Granite's residual multiplier, Phi-3 with plain
 RoPE or LongRoPE, ...) and Gemma 2/3's (a norm on each block's output, GeGLU, Gemma 2's
 soft-capped scores, Gemma 3's q/k norms and rope per layer type), with RMSNorm and a SiLU-
-or GeLU-gated MLP; and GPT-2's block (GPT-2, GPT-BigCode), OPT's pre-norm one and GPT-NeoX's
-(LayerNorm, a plain MLP with a GeLU or ReLU; no rotation but NeoX's partial one; OPT's q
-scaled before attention; NeoX's attention and MLP side by side or in turn), and StableLM
-2's sequential layer (LayerNorm, partial rotation, a SiLU-gated MLP); no ALiBi, no attention sinks, one rank, float32 or bfloat16, and
-the native kernels built. Everything else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it
-off (to compare, or to rule it out).
+or GeLU-gated MLP; GPT-2's block (GPT-2, GPT-BigCode), OPT's pre-norm layer and GPT-NeoX's
+(LayerNorm, a plain MLP with a GeLU or ReLU; no rotation, or NeoX's partial one; OPT's q
+scaled before attention; NeoX's attention and MLP side by side or in turn); and StableLM
+2's sequential layer (LayerNorm, partial rotation, a SiLU-gated MLP). No ALiBi, no
+attention sinks, one rank, float32 or bfloat16, and the native kernels built. Everything
+else runs the loop. `SERVE_CPU_LAYER_STACK=0` turns it off (to compare, or to rule it out).
 """
 
 from __future__ import annotations
