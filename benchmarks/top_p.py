@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 def sort_every_row(logits, top_p):
     """The edge as the sampler found it before: each row's vocabulary sorted whole."""
-    return reference._nucleus_edge(logits, top_p, logits.shape[1])[0]
+    return reference.nucleus_edge(logits, top_p, logits.shape[1])[0]
 
 
 def main() -> None:

@@ -386,14 +386,14 @@ def top_p_cut(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # -> 
     tokens whose probability reaches its top_p (0 < top_p <= 1); the tokens at least as
     likely as the edge are the nucleus, ties at the edge included."""
     vocab = logits.shape[1]
-    cut, complete = _nucleus_edge(logits, top_p, min(TOP_P_CANDIDATES, vocab))
+    cut, complete = nucleus_edge(logits, top_p, min(TOP_P_CANDIDATES, vocab))
     if not bool(complete.all()):
         wider = (~complete).nonzero().flatten()
-        cut[wider] = _nucleus_edge(logits[wider], top_p[wider], vocab)[0]
+        cut[wider] = nucleus_edge(logits[wider], top_p[wider], vocab)[0]
     return cut
 
 
-def _nucleus_edge(
+def nucleus_edge(
     logits: torch.Tensor, top_p: torch.Tensor, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's edge [rows, 1], looked for among its `count` most likely tokens, and

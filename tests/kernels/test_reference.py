@@ -584,13 +584,13 @@ def test_top_p_cut_sorts_only_the_rows_past_its_candidates(monkeypatch):
     float64 sort gives."""
     monkeypatch.setattr(reference, "TOP_P_CANDIDATES", 8)
     searched = []
-    nucleus_edge = reference._nucleus_edge
+    nucleus_edge = reference.nucleus_edge
 
     def recorded(logits, top_p, count):
         searched.append((logits.shape[0], count))
         return nucleus_edge(logits, top_p, count)
 
-    monkeypatch.setattr(reference, "_nucleus_edge", recorded)
+    monkeypatch.setattr(reference, "nucleus_edge", recorded)
     gen = torch.Generator().manual_seed(5)
     peaked = torch.randn(2, 64, generator=gen) * 6
     flat = torch.randn(1, 64, generator=gen) * 0.2
