@@ -409,7 +409,8 @@ class LayerRunner:
     def __call__(
         self, layers: nn.ModuleList, positions: torch.Tensor, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(x, residual) after the layers, from the embeddings x [T, hidden]."""
+        """(x, residual) after the layers, from the embeddings x [T, hidden]; residual None
+        where the layers add their input to their output themselves (a parallel residual)."""
         stack = self.stack(layers) if self.use_stack else None
         if stack is not None and stack.takes(x):
             return stack(positions, x)
