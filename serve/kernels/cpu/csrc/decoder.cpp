@@ -200,6 +200,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   TORCH_CHECK(!block_norms || static_cast<int64_t>(block_norm_weights.size()) == num_layers * 2,
               "decoder_layers: no block output norms, or two a layer");
   const Activation activation = parse_activation(activation_name, gated_mlp);
+  TORCH_CHECK(!parallel_residual || (residual_multiplier == 1.0 && !block_norms),
+              "decoder_layers: a parallel residual with neither a residual multiplier nor block "
+              "output norms");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous(), "x: [T, hidden], contiguous");
   if (output_rows.has_value()) {
     TORCH_CHECK(output_rows->dim() == 1 && output_rows->scalar_type() == at::kLong,
