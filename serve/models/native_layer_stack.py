@@ -277,8 +277,8 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
     activations: set[tuple[str, bool]] = set()  # (name, gated)
     norm_kinds: set[str] = set()
     parallel: set[bool] = set()
-    rotaries: list[nn.Module | None] = []
     long_ropes: set[tuple[int, int] | None] = set()
+    long_rope: LongRopeRotaryEmbedding | None = None  # the first layer's, where LongRoPE
     for layer in layers:
         parts = _layer_parts(layer)
         if parts is None:
@@ -295,12 +295,13 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         if head_norms and (len(head_norms) != 2 or any(type(n) is not RMSNorm for n in head_norms)):
             return None
         rotary = parts.rotary
-        rotaries.append(rotary)
         if rotary is None:
             long_ropes.add(None)
             neox.add(False)  # nothing rotates
         elif type(rotary) is LongRopeRotaryEmbedding:
             long_ropes.add((rotary.original_max_position, rotary.max_position))
+            if long_rope is None:
+                long_rope = rotary
             neox.add(True)  # as its forward calls the kernel
         elif type(rotary) is RotaryEmbedding:
             long_ropes.add(None)
@@ -386,7 +387,7 @@ def build_layer_stack(layers: nn.ModuleList) -> NativeLayerStack | None:
         parallel.pop(),
         norm_kinds.pop(),
         dtype,
-        rotaries[0] if long_ropes.pop() is not None else None,
+        long_rope,
     )
 
 

@@ -93,8 +93,9 @@ def check_cpu_memory_before_loading(engine: EngineConfig, model_path: Path, hf_c
     word, after minutes of loading a large model. So before any weight is read: the
     weights (at the dtype they will load as, twice over where a packed copy of each
     linear's is kept: serve.kernels.cpu.packed_weight) and the KV cache (zero-filled at
-    start) against the memory available, refused with the numbers and what would fit. Every rank of a CPU engine runs on this
-    host, so the weights are the whole checkpoint's."""
+    start) against the memory available, refused with the numbers and what would fit.
+    Every rank of a CPU engine runs on this host, so the weights are the whole
+    checkpoint's."""
     dtype = resolve_dtype(engine.model.dtype, hf_config, torch.device("cpu"), log=False)
     weights = weights_bytes(model_path, engine.model.load_format, dtype)
     cache = engine.cache

@@ -212,8 +212,9 @@ def weights_packed(dtype: torch.dtype) -> bool:
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` packed for `linear`: into the native kernel's panels where they take its
-    dtype (a dense tensor, `panels_fit`), else into oneDNN's layout (an mkldnn tensor). Packed on first use and again whenever the weight is written
-    in place (its version counter moves); None where it cannot be. Writes through `.data`,
+    dtype (a dense tensor, `panels_fit`), else into oneDNN's layout (an mkldnn tensor).
+    Packed on first use and again whenever the weight is written in place (its version
+    counter moves); None where it cannot be. Writes through `.data`,
     as the weight loaders make, are not seen: models load before their first forward."""
     entry = getattr(weight, "_serve_packed", None)
     if entry is not None and entry[1] == weight._version:
