@@ -29,11 +29,11 @@ inline floatv load_weights(const at::BFloat16* p) {
 }
 
 // Float32 x and accumulators; the weights float32 or bfloat16 (widened as they stream in,
-// so a bfloat16 model reads half the bytes). W is read in memory order, one row after
-// the next, each row's dot products with every row of x taken in one pass (x stays in
-// L1): a single forward stream that the prefetchers follow from one row into the next.
-// Taking several rows of W at once, k outer, read them as as many interleaved streams,
-// each a row long, and ran 1.1-1.2x slower in float32 and 1.6x in bfloat16.
+// so a bfloat16 model reads half the bytes). Each row of W is read in memory order, its
+// dot products with every row of x taken in one pass (x stays in L1); the rows follow
+// each other as `rows_times_weight` below orders them. Taking several rows of W at once,
+// k outer, read them as as many interleaved streams, each a row long, and ran 1.1-1.2x
+// slower in float32 and 1.6x in bfloat16.
 // The vectors are the target's own registers (floatv): 16-float values on AVX2, two
 // registers each, were kept in memory by GCC and copied through on every add.
 template <int M, typename weight_t>
