@@ -31,7 +31,7 @@ def main() -> None:
     args = parse_args()
     llm = offline_ab.engine(args.model, args.dtype)
     model = llm.engine.executor.worker.model_runner.model
-    model = getattr(model, "model", model)  # LlamaModel, GemmaModel; GPT-2's is the top
+    model = getattr(model, "model", model)  # Llama's, Gemma's, StableLM's body; else the top
     layers = model.h if hasattr(model, "h") else model.layers
     if model.run_layers.stack(layers) is None:
         raise SystemExit("this model's layers do not qualify for the native stack")

@@ -28,7 +28,7 @@ def _model(llm: LLM):
 
 def _layers(llm: LLM):
     model = _model(llm)
-    body = getattr(model, "model", model)  # GPT-2's and OPT's layers sit at the top
+    body = getattr(model, "model", model)  # GPT-2's, OPT's and GPT-NeoX's sit at the top
     return body.h if hasattr(body, "h") else body.layers
 
 
